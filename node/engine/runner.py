@@ -1,0 +1,144 @@
+"""Execution: the torch model runner and the sim runner, behind one interface.
+
+A runner computes KV for a slot and moves it between the slot's workspace and
+the block pool. The engine owns all bookkeeping; runners only touch tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from node.engine.blocks import BlockPool
+from node.engine.model import Decoder, ModelConfig
+
+
+class Runner(Protocol):
+    """What the engine needs from an executor of the model."""
+
+    async def load(self, slot: int, block_ids: list[int], n_tokens: int) -> None:
+        """Copy the first n_tokens of these pool blocks into the slot's workspace."""
+
+    async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
+        """Compute KV for tokens at start.. and return the last position's logits: [vocab]."""
+
+    async def store(self, slot: int, block_id: int, block_index: int, block_hash: bytes | None) -> None:
+        """Write block `block_index` of the slot's workspace into pool block `block_id`."""
+
+    def close(self) -> None: ...
+
+
+class TorchRunner:
+    """Runs the decoder on one compute thread; the event loop stays free for I/O."""
+
+    def __init__(self, cfg: ModelConfig, pool: BlockPool, slots: int, *, prefill_chunk: int, first_chunk: int):
+        self.cfg = cfg
+        self.pool = pool
+        self.prefill_chunk = prefill_chunk
+        self.first_chunk = first_chunk
+        self.model = Decoder.seeded(cfg, pool.dtype, pool.device)
+        _, _, kv_heads, block, head_dim = pool.block_shape
+        self.block_size = block
+        # Per-slot workspaces: [layers, 2, kv_heads, max_ctx, head_dim], allocated
+        # and touched once; a turn gathers its cached blocks in, computes, stores out.
+        self.ws = [
+            torch.zeros(cfg.n_layers, 2, kv_heads, cfg.max_context, head_dim, dtype=pool.dtype, device=pool.device)
+            for _ in range(slots)
+        ]
+        self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-compute")
+
+    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    async def load(self, slot: int, block_ids: list[int], n_tokens: int) -> None:
+        if n_tokens:
+            await self._run(self._load, slot, block_ids, n_tokens)
+
+    def _load(self, slot: int, block_ids: list[int], n_tokens: int) -> None:
+        bs = self.block_size
+        ws = self.ws[slot]
+        idx = torch.tensor(block_ids, device=self.pool.device)
+        # src: [n, layers, 2, kv_heads, bs, head_dim] -> [layers, 2, kv_heads, n*bs, head_dim]
+        src = self.pool.kv.index_select(0, idx).permute(1, 2, 3, 0, 4, 5)
+        L, two, H, n, _, D = src.shape
+        ws[:, :, :, : n * bs].view(L, two, H, n, bs, D).copy_(src)
+        # Tokens past n_tokens in the last block are stale; they are overwritten before use.
+
+    async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
+        logits = None
+        pos = start
+        first = True
+        while pos < start + len(tokens) or first:
+            limit = self.first_chunk if pos == 0 else self.prefill_chunk
+            chunk = tokens[pos - start : pos - start + limit]
+            logits = await self._run(self._forward, slot, chunk, pos)
+            pos += len(chunk)
+            first = False
+        assert logits is not None
+        return logits
+
+    def _forward(self, slot: int, chunk: np.ndarray, start: int) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.int64)).to(self.pool.device)
+        return self.model(t, self.ws[slot], start).cpu()
+
+    async def store(self, slot: int, block_id: int, block_index: int, block_hash: bytes | None) -> None:
+        await self._run(self._store, slot, block_id, block_index)
+
+    def _store(self, slot: int, block_id: int, block_index: int) -> None:
+        bs = self.block_size
+        self.pool.kv[block_id].copy_(self.ws[slot][:, :, :, block_index * bs : (block_index + 1) * bs])
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class SimCost:
+    """The sim engine's cost model (rates of the host it pretends to be)."""
+
+    prefill_tps: float = 20000.0
+    decode_tps: float = 60.0
+
+
+class SimRunner:
+    """Same interface, a cost model instead of matmuls; KV bytes are real and
+    deterministic from the block hash, so transfers, hashes and imports downstream
+    do real work on real bytes."""
+
+    def __init__(self, pool: BlockPool, cost: SimCost, vocab_size: int):
+        self.pool = pool
+        self.cost = cost
+        self.vocab_size = vocab_size
+
+    async def load(self, slot: int, block_ids: list[int], n_tokens: int) -> None:
+        return None
+
+    async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
+        n = len(tokens)
+        rate = self.cost.prefill_tps if n > 1 else self.cost.decode_tps
+        await asyncio.sleep(n / rate)
+        # Deterministic pseudo-logits from the position and the last token.
+        gen = torch.Generator().manual_seed((start + n) * 1_000_003 + int(tokens[-1]) if n else start)
+        return torch.randn(self.vocab_size, generator=gen)
+
+    async def store(self, slot: int, block_id: int, block_index: int, block_hash: bytes | None) -> None:
+        fill_from_hash(self.pool.bytes_view(block_id), block_hash or block_index.to_bytes(16, "little"))
+
+    def close(self) -> None:
+        return None
+
+
+def fill_from_hash(buf: memoryview, h: bytes) -> None:
+    """Fill a block's bytes with its 16-byte hash repeated (memset speed, deterministic)."""
+    words = np.frombuffer(buf, dtype="<u8")
+    words.reshape(-1, 2)[:] = np.frombuffer(h[:16], dtype="<u8")
+
+
+def blocks_for(n_tokens: int, block_size: int) -> int:
+    return math.ceil(n_tokens / block_size)

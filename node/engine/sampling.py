@@ -1,0 +1,27 @@
+"""Token sampling: greedy, or temperature + top-p with a per-request seed."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    allowed: torch.Tensor | None = None,
+) -> int:
+    """logits: [vocab] fp32; allowed: [vocab] bool, or None for every id."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    if temperature <= 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep the smallest set whose mass reaches top_p (always at least one id).
+        drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
