@@ -1,0 +1,111 @@
+"""OpenAI-shaped error bodies for every failure, and the request-size limit.
+
+No response ever carries a traceback: known errors say what was wrong; anything
+unexpected is logged here and answered with a plain 500 message.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from node.api.schema import ErrorBody, ErrorDetail
+from node.errors import KVMeshError, Overloaded
+
+log = logging.getLogger("kvmesh.api")
+
+
+def error_json(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
+               headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorBody(error=ErrorDetail(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def kvmesh_error_response(exc: KVMeshError) -> JSONResponse:
+    headers = None
+    if isinstance(exc, Overloaded):
+        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+    return error_json(exc.status, str(exc), exc.type, exc.code, getattr(exc, "param", None), headers)
+
+
+def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    parts, param = [], None
+    for e in errors[:5]:
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        if e.get("type") == "json_invalid":
+            return "the request body is not valid JSON: " + str(e.get("ctx", {}).get("error", e.get("msg"))), None
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{where or 'body'}: {e.get('msg')}")
+    return "invalid request: " + "; ".join(parts), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(KVMeshError)
+    async def _kvmesh(_: Request, exc: KVMeshError) -> JSONResponse:
+        return kvmesh_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(list(exc.errors()))
+        return error_json(400, message, "invalid_request_error", "invalid_value", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        code = {413: "request_too_large"}.get(exc.status_code, str(exc.status_code))
+        return error_json(exc.status_code, message, "invalid_request_error", code,
+                          headers=dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error serving %s %s", request.method, request.url.path)
+        return error_json(500, "internal error; the node logged the details", "server_error", "internal_error")
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over `max_bytes` with 413 before reading them whole."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    # An HTTPException so FastAPI's body reader passes it through to our handler.
+                    raise HTTPException(413, self._message())
+            return msg
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"request body larger than {self.max_bytes} bytes"
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = error_json(413, self._message(), "invalid_request_error", "request_too_large")
+        await resp(scope, receive, send)

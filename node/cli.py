@@ -1,0 +1,92 @@
+"""`kvmesh`: run a node, the demo, and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from node.errors import ConfigError
+
+
+def _node_overrides(args: argparse.Namespace) -> dict[str, object]:
+    o: dict[str, object] = {}
+    for flag, key in (("name", "name"), ("engine", "engine.kind"), ("slots", "engine.slots"), ("host", "api.host"),
+                      ("port", "api.port"), ("cache_bytes", "engine.cache_bytes"), ("kv_scale", "engine.sim.kv_scale")):
+        v = getattr(args, flag, None)
+        if v is not None:
+            o[key] = v
+    return o
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from node.config import load_config
+    from node.server import serve
+
+    cfg = load_config(args.config, _node_overrides(args))
+    asyncio.run(serve(cfg, ready_file=args.ready_file))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from node.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from node import bench
+
+    return bench.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: keep long LLM conversations warm across hosts")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    n = sub.add_parser("node", help="run a node agent (engine + API)")
+    n.add_argument("--config", type=Path, help="TOML config file for this host")
+    n.add_argument("--name")
+    n.add_argument("--engine", choices=["tiny", "sim"])
+    n.add_argument("--slots", type=int)
+    n.add_argument("--host")
+    n.add_argument("--port", type=int)
+    n.add_argument("--cache-bytes", type=int)
+    n.add_argument("--kv-scale", type=float)
+    n.add_argument("--ready-file", type=Path, help="write {name, api, pid} JSON here once listening")
+    n.set_defaults(func=cmd_node)
+
+    d = sub.add_parser("demo", help="start a local node and run a short scripted conversation")
+    d.add_argument("--engine", choices=["tiny", "sim"], default="tiny")
+    d.add_argument("--turns", type=int, default=4)
+    d.add_argument("--headless", action="store_true", help="print, do not open the console")
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks; the last stdout line is one JSON object")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    t = bsub.add_parser("ttft", help="cold vs warm (replica-imported) time to first token")
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--tokens", type=int, default=16384)
+    t.add_argument("--engine", choices=["tiny", "sim"], default="tiny")
+    t.add_argument("--store-dir", type=Path, help="where the replica file goes (default: a temp dir)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"kvmesh: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Run a node: uvicorn on the configured address, a ready line once it listens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from pathlib import Path
+
+import uvicorn
+
+from node.api.app import create_app
+from node.config import NodeConfig
+from node.node import Node
+
+log = logging.getLogger("kvmesh.server")
+
+
+async def serve(cfg: NodeConfig, *, ready_file: Path | None = None) -> None:
+    """Serve until SIGINT/SIGTERM. Prints `kvmesh node NAME ready api=URL` once bound."""
+    node = Node(cfg)
+    app = create_app(node)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning", access_log=False,
+                       timeout_keep_alive=30, lifespan="on")
+    )
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if task.done():
+        await task
+        raise SystemExit(f"node {cfg.name}: the API server did not start on {cfg.api.host}:{cfg.api.port}")
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    info = {"name": cfg.name, "api": f"http://{host}:{port}", "pid": __import__("os").getpid()}
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(ready_file)
+    print(f"kvmesh node {cfg.name} ready api={info['api']}", flush=True)
+    await task
