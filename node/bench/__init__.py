@@ -1,0 +1,23 @@
+"""`kvmesh bench ...`: each benchmark prints one JSON object as its last stdout line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def emit(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """Human lines first (unless --json), then the JSON object as the very last line."""
+    if not getattr(args, "json", False):
+        for k, v in result.items():
+            print(f"{k:>28}: {v}")
+    print(json.dumps(result), flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench == "ttft":
+        from node.bench.ttft import run_ttft
+
+        return run_ttft(args)
+    raise SystemExit(f"unknown benchmark {args.bench!r}")

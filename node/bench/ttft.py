@@ -1,0 +1,94 @@
+"""`kvmesh bench ttft`: cold prefill vs warm continuation from an imported replica file.
+
+Cold: a fresh engine prefills the whole conversation. Warm: the same
+conversation's cache is exported to a replica file, a *fresh* engine imports
+it, and the conversation continues with one more ~256-token user message.
+TTFT is from request to first token; the warm figure includes the import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from node.bench import emit
+from node.bench.workload import grow_conversation, text
+from node.config import EngineConfig, SimConfig
+from node.engine.engine import Engine, GenerateRequest, TextDelta
+from node.engine.hashing import payload_digest
+from node.kvshare.store import ReplicaStore
+
+SESSION = "bench-ttft"
+
+async def _ttft(engine: Engine, prompt: list[int], max_tokens: int = 1) -> tuple[float, str]:
+    t0 = time.monotonic()
+    ttft = None
+    out = []
+    async for ev in engine.generate(GenerateRequest(SESSION, prompt, max_tokens=max_tokens, temperature=0.0)):
+        if ttft is None:
+            ttft = time.monotonic() - t0
+        if isinstance(ev, TextDelta):
+            out.append(ev.text)
+    assert ttft is not None
+    return ttft, "".join(out)
+
+def _engine_cfg(kind: str, tokens: int) -> EngineConfig:
+    ctx = max(4096, tokens + 2048)
+    kv = 8192 if kind == "tiny" else SimConfig().scaled_kv_bytes_per_token()
+    return EngineConfig(kind=kind, slots=1, max_context=ctx, cache_bytes=(ctx + 1024) * kv,  # type: ignore[arg-type]
+                        sim=SimConfig(max_context=ctx))
+
+def run_ttft(args: argparse.Namespace) -> int:
+    rng = random.Random(7)
+    msgs = grow_conversation(rng, args.tokens)
+    cfg = _engine_cfg(args.engine, args.tokens)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-ttft-") as tmp:
+        root = Path(args.store_dir or tmp)
+        store = ReplicaStore(root, budget_bytes=1 << 40)
+
+        async def scenario() -> dict[str, object]:
+            home = Engine(cfg)
+            prompt = home.tokenizer.apply_chat_template(msgs)
+            cold_s, reply = await _ttft(home, prompt, max_tokens=16)
+            # Export the home engine's cache of this conversation to a replica file.
+            man_tokens = home.session_tokens(SESSION)
+            assert man_tokens is not None
+            with home.export(SESSION) as blocks:
+                n = len(blocks)
+                w = store.begin_write(SESSION, fingerprint=home.fingerprint, block_size=home.block_size,
+                                      block_bytes=home.block_bytes, tokens=man_tokens[: n * home.block_size],
+                                      hashes=[b.hash for b in blocks], first_block=0, generation=1)
+                with w:
+                    for b in blocks:
+                        w.write_block(b.index, b.data, payload_digest(b.data))
+                    w.commit()
+            home.close()
+            del home
+            follow = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": text(rng, 256)}]
+            away = Engine(cfg)
+            prompt2 = away.tokenizer.apply_chat_template(follow)
+            t0 = time.monotonic()
+            store.import_into(away, SESSION)
+            import_s = time.monotonic() - t0
+            gen_s, _ = await _ttft(away, prompt2)
+            warm_s = import_s + gen_s
+            cached = away.counters.cached_tokens
+            away.close()
+            return {
+                "prompt_tokens": len(prompt),
+                "cold_ttft_s": round(cold_s, 4),
+                "warm_ttft_s": round(warm_s, 4),
+                "import_s": round(import_s, 4),
+                "ratio": round(warm_s / cold_s, 4),
+                "warm_prompt_tokens": len(prompt2),
+                "warm_cached_tokens": cached,
+                "engine": args.engine,
+            }
+
+        result = asyncio.run(scenario())
+    emit(result, args)
+    return 0
