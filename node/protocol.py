@@ -1,18 +1,309 @@
-"""The wire contract: every model that crosses a process boundary, versioned.
+"""The wire contract: every event, snapshot and command that crosses a process boundary.
 
 The console and any third-party consumer import this module and nothing else
-from `node`. It depends on pydantic only.
+from `node`; it depends on pydantic only. Every event carries `type`, `v`
+(the protocol version), `ts` (wall-clock seconds), `node` (who emitted it) and
+`seq` (that node's event counter: with `node` it identifies an event, so a
+consumer dedupes replays by `(node, seq)`). Events delivered from the replay
+ring on (re)connect have `replay=True`.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 PROTOCOL_VERSION = 1
 
 # Session ids name files on disk, so they are held to a safe alphabet and length.
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 
+HandoffClass = Literal["warm", "partial", "cold"]
+
 
 def is_valid_session_id(value: str) -> bool:
     return bool(SESSION_ID_RE.fullmatch(value)) and value not in (".", "..")
+
+
+def classify(reused_fraction: float) -> HandoffClass:
+    """warm >= 90% of the prompt reused, partial 30-90%, cold < 30%."""
+    if reused_fraction >= 0.9:
+        return "warm"
+    if reused_fraction >= 0.3:
+        return "partial"
+    return "cold"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---- state snapshots ---------------------------------------------------------
+
+
+class HostInfo(_Model):
+    name: str
+    api: str = ""
+    reachable: bool = True
+    draining: bool = False
+    slots: int = 0
+    busy: int = 0
+    queued: int = 0
+    mem_used_bytes: int = 0
+    mem_total_bytes: int = 0
+    gpu_mem_used_bytes: int | None = None
+    gpu_mem_total_bytes: int | None = None
+    kv_cache_bytes: int = 0
+    kv_cache_used_bytes: int = 0
+    store_bytes: int = 0
+    kvshare_in_bps: float = 0.0
+    kvshare_out_bps: float = 0.0
+    prefill_tps: float = 0.0
+    last_seen: float = 0.0  # wall time this host was last heard from
+
+
+class SessionInfo(_Model):
+    session: str
+    home: str | None = None
+    resident_tokens: int = 0
+    replica_host: str | None = None
+    replica_tokens: int = 0
+    replica_behind_tokens: int = 0  # tokens the replica lags the home cache
+    replica_age_s: float | None = None
+    last_handoff: HandoffClass | None = None
+    turns: int = 0
+    moves: int = 0
+    last_turn_at: float = 0.0
+
+
+class LinkInfo(_Model):
+    src: str
+    dst: str
+    bytes_sent: int = 0
+    transfers: int = 0
+    last_transfer_s: float | None = None
+    last_transfer_bytes: int | None = None
+    goodput_gbps: float | None = None
+    throughput_bps: float = 0.0  # now (recent window)
+    warm: int = 0
+    partial: int = 0
+    cold: int = 0
+
+
+class HandoffCounters(_Model):
+    warm: int = 0
+    partial: int = 0
+    cold: int = 0
+    stale_state_cold: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.warm + self.partial + self.cold
+
+    def warm_pct(self) -> float:
+        return 100.0 * self.warm / self.total if self.total else 100.0
+
+
+class ClusterSnapshot(_Model):
+    node: str  # who answered
+    ts: float
+    hosts: list[HostInfo] = []
+    sessions: list[SessionInfo] = []
+    links: list[LinkInfo] = []
+    counters: HandoffCounters = HandoffCounters()
+
+
+# ---- events ------------------------------------------------------------------
+
+
+class _Event(_Model):
+    v: int = PROTOCOL_VERSION
+    ts: float = 0.0
+    node: str = ""
+    seq: int = 0
+    replay: bool = False
+
+
+class SnapshotEvent(_Event):
+    type: Literal["snapshot"] = "snapshot"
+    cluster: ClusterSnapshot
+
+
+class TurnStarted(_Event):
+    type: Literal["turn_started"] = "turn_started"
+    session: str
+    host: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class TurnFinished(_Event):
+    type: Literal["turn_finished"] = "turn_finished"
+    session: str
+    host: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    total_s: float
+    ok: bool = True
+
+
+class Handoff(_Event):
+    type: Literal["handoff"] = "handoff"
+    session: str
+    src: str
+    dst: str
+    cls: HandoffClass
+    prompt_tokens: int
+    reused_tokens: int
+    predicted_reused_tokens: int | None = None
+    replica_age_s: float | None = None
+    mismatch_token: int | None = None  # where the prompt stopped matching the best cache held
+    mismatch_message: int | None = None  # ...as an index into the request's messages
+    stale_state: bool = False  # cold although a usable replica was in the target's store
+
+
+class ReplicaSent(_Event):
+    type: Literal["replica_sent"] = "replica_sent"
+    session: str
+    src: str
+    dst: str
+    blocks: int
+    bytes: int
+    seconds: float
+    tokens: int
+
+
+class ReplicaReady(_Event):
+    type: Literal["replica_ready"] = "replica_ready"
+    session: str
+    src: str
+    dst: str
+    tokens: int
+    bytes: int
+    lag_s: float  # replica usable this long after its last byte arrived
+    imported: bool  # landed in the engine (else: store only)
+
+
+class ReplicaImported(_Event):
+    type: Literal["replica_imported"] = "replica_imported"
+    session: str
+    host: str
+    tokens: int
+    seconds: float
+
+
+class ReplicaEvicted(_Event):
+    type: Literal["replica_evicted"] = "replica_evicted"
+    session: str
+    host: str
+    where: Literal["engine", "store"]
+
+
+class ReplicaRefused(_Event):
+    type: Literal["replica_refused"] = "replica_refused"
+    session: str
+    src: str
+    dst: str
+    reason: str
+    message: str = ""
+
+
+class ReplicaSuperseded(_Event):
+    type: Literal["replica_superseded"] = "replica_superseded"
+    session: str
+    src: str
+    dst: str
+
+
+class HostStatus(_Event):
+    type: Literal["host_status"] = "host_status"
+    host: HostInfo
+
+
+class PeerUp(_Event):
+    type: Literal["peer_up"] = "peer_up"
+    peer: str
+
+
+class PeerDown(_Event):
+    type: Literal["peer_down"] = "peer_down"
+    peer: str
+    reason: str = ""
+
+
+class DrainStarted(_Event):
+    type: Literal["drain_started"] = "drain_started"
+    host: str
+    sessions: int
+
+
+class DrainProgress(_Event):
+    type: Literal["drain_progress"] = "drain_progress"
+    host: str
+    done: int
+    total: int
+
+
+class DrainCompleted(_Event):
+    type: Literal["drain_completed"] = "drain_completed"
+    host: str
+    moved: int
+    failed: int = 0
+
+
+class Undrained(_Event):
+    type: Literal["undrained"] = "undrained"
+    host: str
+
+
+class MigrateStarted(_Event):
+    type: Literal["migrate_started"] = "migrate_started"
+    session: str
+    src: str
+    dst: str
+
+
+class MigrateCompleted(_Event):
+    type: Literal["migrate_completed"] = "migrate_completed"
+    session: str
+    src: str
+    dst: str
+    ok: bool
+    message: str = ""
+
+
+Event = Annotated[
+    Union[
+        SnapshotEvent, TurnStarted, TurnFinished, Handoff, ReplicaSent, ReplicaReady, ReplicaImported,
+        ReplicaEvicted, ReplicaRefused, ReplicaSuperseded, HostStatus, PeerUp, PeerDown, DrainStarted,
+        DrainProgress, DrainCompleted, Undrained, MigrateStarted, MigrateCompleted,
+    ],
+    Field(discriminator="type"),
+]
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def parse_event(data: str | bytes) -> Event:
+    """One JSON event from the wire; raises pydantic.ValidationError on anything else."""
+    return EVENT_ADAPTER.validate_json(data)
+
+
+# ---- admin commands (POST bodies) --------------------------------------------
+
+
+class MigrateCommand(_Model):
+    session: str = Field(pattern=SESSION_ID_RE.pattern)
+    target: str = Field(min_length=1, max_length=64)
+
+
+class SessionCommand(_Model):
+    session: str = Field(pattern=SESSION_ID_RE.pattern)
+
+
+class ActionResult(_Model):
+    ok: bool
+    message: str
