@@ -1,0 +1,86 @@
+"""The sim engine: same interface, cost model, real KV bytes deterministic from the block hash."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from node.config import SimConfig
+from node.engine.engine import Engine
+from node.errors import ContextLengthExceeded, ImportRefused
+
+PROMPT_LEN = 200
+
+
+def _prompt(engine: Engine, text: str = "a sim conversation about warm caches " * 8) -> list[int]:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text[: PROMPT_LEN - 4]}])
+
+
+def test_sim_geometry_follows_config(make_engine, sim_cfg) -> None:  # type: ignore[no-untyped-def]
+    """KV bytes per token are kv_bytes_per_token * kv_scale in 16-byte words; the pool fills cache_bytes."""
+    e = make_engine(cfg=sim_cfg())
+    assert e.kv_bytes_per_token == 16
+    assert e.block_bytes == 16 * e.block_size
+    assert e.pool.num_blocks == (1 << 20) // e.block_bytes
+    assert e.max_context == 131072
+    big = make_engine(cfg=sim_cfg(sim=SimConfig(kv_scale=1 / 640, decode_tps=1e6, prefill_tps=1e7)))
+    assert big.kv_bytes_per_token == 32
+    assert big.fingerprint != e.fingerprint
+
+
+def test_sim_kv_bytes_are_the_block_hash(make_engine, sim_cfg, turn) -> None:  # type: ignore[no-untyped-def]
+    """Every stored full block holds its chained hash repeated, so two sim engines agree byte for byte."""
+    a, b = make_engine(cfg=sim_cfg()), make_engine(cfg=sim_cfg())
+    p = _prompt(a)
+    ra, rb = turn(a, "s", p, max_tokens=10), turn(b, "s", p, max_tokens=10)
+    assert ra.text == rb.text and ra.stats.completion_tokens == 10
+    assert a.fingerprint == b.fingerprint
+    with a.export("s") as xa, b.export("s") as xb:
+        assert len(xa) == a.resident_tokens("s") // a.block_size >= 10
+        for ba, bb in zip(xa, xb):
+            assert ba.hash == bb.hash
+            assert bytes(ba.data) == ba.hash * (a.block_bytes // 16)
+            assert bytes(ba.data) == bytes(bb.data)
+
+
+def test_sim_export_import_round_trip(make_engine, sim_cfg, turn, check_refs) -> None:  # type: ignore[no-untyped-def]
+    """A sim replica imports into another sim engine and makes its next turn warm with the same output."""
+    a, b = make_engine(cfg=sim_cfg()), make_engine(cfg=sim_cfg())
+    msgs = [{"role": "user", "content": "a sim conversation about warm caches " * 5}]
+    p1 = a.tokenizer.apply_chat_template(msgs)
+    r1 = turn(a, "s", p1, max_tokens=8)
+    msgs += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "go on"}]
+    p2 = a.tokenizer.apply_chat_template(msgs)
+    assert p2[: len(p1)] == p1
+    with a.export("s") as blocks:
+        tokens = np.concatenate([x.tokens for x in blocks])
+        n = b.import_blocks("s", a.fingerprint, tokens, [x.hash for x in blocks], [x.data for x in blocks])
+    assert n == len(tokens) and n >= (len(p1) // a.block_size) * a.block_size
+    assert b.cached_prefix("s", p2) == n
+    ra, rb = turn(a, "s", p2, max_tokens=8), turn(b, "s", p2, max_tokens=8)
+    assert rb.stats.cached_tokens == n
+    assert ra.text == rb.text
+    check_refs(a)
+    check_refs(b)
+
+
+def test_sim_and_tiny_caches_never_mix(make_engine, sim_cfg, turn) -> None:  # type: ignore[no-untyped-def]
+    """A sim replica offered to a torch engine is refused on fingerprint."""
+    a = make_engine(cfg=sim_cfg())
+    t = make_engine(block_size=16)
+    turn(a, "s", _prompt(a), max_tokens=2)
+    with a.export("s") as blocks:
+        tokens = np.concatenate([x.tokens for x in blocks])
+        with pytest.raises(ImportRefused) as ei:
+            t.import_blocks("s", a.fingerprint, tokens, [x.hash for x in blocks], [x.data for x in blocks])
+    assert ei.value.reason == "fingerprint"
+    assert t.blocks.num_free == t.pool.num_blocks
+
+
+def test_sim_context_limit_comes_from_sim_config(make_engine, sim_cfg, turn) -> None:  # type: ignore[no-untyped-def]
+    """The sim engine's context limit is sim.max_context."""
+    e = make_engine(cfg=sim_cfg(sim=SimConfig(kv_scale=1 / 1280, decode_tps=1e6, prefill_tps=1e7, max_context=64)))
+    with pytest.raises(ContextLengthExceeded):
+        turn(e, "s", [65] * 64, max_tokens=2)
+    st = turn(e, "s", [65] * 63, max_tokens=2).stats
+    assert (st.finish_reason, st.completion_tokens) in {("length", 1), ("stop", 0)}
