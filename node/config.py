@@ -6,11 +6,12 @@ Command-line flags override the common fields (see `node.cli`).
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from node.errors import ConfigError
 
@@ -59,10 +60,52 @@ class ApiConfig(_Strict):
     max_body_bytes: int = Field(8 << 20, gt=0)
 
 
+class PeerConfig(_Strict):
+    """A configured peer: only these addresses are ever forwarded to or replicated to."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    api: str = Field(pattern=r"^https?://[^/\s]+$", description="base URL of the peer's API, e.g. http://10.0.0.2:8000")
+    kvshare: str = Field(pattern=r"^[^:\s]+:[0-9]{1,5}$", description="host:port of the peer's kv_share listener")
+
+
+class MeshConfig(_Strict):
+    peers: list[PeerConfig] = []
+    # Secrets are SecretStr: their repr, logs and validation errors never show them.
+    secret: SecretStr | None = Field(None, min_length=16, description="mesh secret (HMAC key for peers and kv_share)")
+    previous_secret: SecretStr | None = Field(None, min_length=16, description="still accepted, for rotation")
+
+    def secrets(self) -> list[bytes]:
+        """Accepted HMAC keys, current first."""
+        return [s.get_secret_value().encode() for s in (self.secret, self.previous_secret) if s is not None]
+    stale_after_s: float = Field(3.0, gt=0)
+    poll_interval_s: float = Field(0.5, gt=0)
+    forward_timeout_s: float = Field(600.0, gt=0)
+    # A move that cannot be warm (predicted reuse below warm_fraction) is taken only when
+    # waiting for the warm host is expected to take longer than this.
+    cold_move_after_s: float = Field(30.0, ge=0)
+    warm_fraction: float = Field(0.9, gt=0, le=1)
+
+
+class KVShareConfig(_Strict):
+    listen: str = Field("127.0.0.1:0", pattern=r"^[^:\s]*:[0-9]{1,5}$", description="host:port of this node's kv_share listener")
+    replicate_min_tokens: int = Field(8192, ge=0)
+    store_dir: str = Field("", description="replica store directory (default: a per-node temp dir)")
+    store_budget_bytes: int = Field(8 << 30, gt=0)
+    fsync: Literal["always", "never"] = "always"
+    persist_own: bool = Field(True, description="also keep this host's own sessions in the store")
+    concurrency: int = Field(4, ge=1, le=64, description="transfers to different targets in parallel")
+    socket_buffer_bytes: int = Field(4 << 20, ge=65536)
+    connect_timeout_s: float = Field(3.0, gt=0)
+    io_timeout_s: float = Field(30.0, gt=0)
+
+
 class NodeConfig(_Strict):
     name: str = Field("node-1", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
     api: ApiConfig = ApiConfig()
     engine: EngineConfig = EngineConfig()
+    mesh: MeshConfig = MeshConfig()
+    kvshare: KVShareConfig = KVShareConfig()
+    admin_token: SecretStr | None = Field(None, min_length=8, description="bearer token for /v1/admin (or KVMESH_ADMIN_TOKEN)")
 
     @field_validator("name")
     @classmethod
@@ -76,7 +119,7 @@ def describe(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"  {where}: {e['msg']}")
+        lines.append(f"  {where}: {e['msg']}")  # the message, never the input value (it may be a secret)
     return "\n".join(lines)
 
 
@@ -92,11 +135,18 @@ def load_config(path: str | Path | None, overrides: dict[str, object] | None = N
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    for dotted, value in (overrides or {}).items():
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} cannot be read: {type(e).__name__}: {e.args[-1] if e.args else e}") from None
+    # Secrets may come from the environment rather than a file or a flag (flags show in `ps`).
+    env = {"admin_token": "KVMESH_ADMIN_TOKEN", "mesh.secret": "KVMESH_MESH_SECRET"}
+    overrides = {**{k: os.environ[v] for k, v in env.items() if os.environ.get(v)}, **(overrides or {})}
+    for dotted, value in overrides.items():
         node = data
         *parents, leaf = dotted.split(".")
         for p in parents:
             node = node.setdefault(p, {})  # type: ignore[assignment]
+            if not isinstance(node, dict):
+                raise ConfigError(f"invalid configuration in {source}:\n  {p}: must be a table, not a value")
         node[leaf] = value  # type: ignore[index]
     try:
         return NodeConfig.model_validate(data)

@@ -60,6 +60,10 @@ class EventHub:
             fn(ev)
         return ev
 
+    def stamp(self, ev: Event) -> Event:
+        """Stamp node and time without publishing (a per-consumer snapshot is not history)."""
+        return ev.model_copy(update={"node": self.node, "ts": self._clock()})
+
     def on_publish(self, fn: Callable[[Event], None]) -> None:
         """In-process listener (metrics, counters): called synchronously for every event."""
         self._listeners.append(fn)

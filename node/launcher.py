@@ -38,7 +38,7 @@ def write_toml(path: Path, data: dict[str, Any]) -> None:
     lines: list[str] = []
 
     def table(prefix: str, d: dict[str, Any]) -> None:
-        scalars = {k: v for k, v in d.items() if not isinstance(v, dict) or k == "_inline"}
+        scalars = {k: v for k, v in d.items() if not isinstance(v, dict)}
         if prefix:
             lines.append(f"[{prefix}]")
         for k, v in scalars.items():
@@ -50,6 +50,39 @@ def write_toml(path: Path, data: dict[str, Any]) -> None:
     table("", data)
     path.write_text("\n".join(lines) + "\n")
     tomllib.loads(path.read_text())  # what we wrote must read back
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (peers' addresses must be known before they start)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def mesh_configs(workdir: Path, names: list[str], *, host: str = "127.0.0.1", engine: dict[str, Any] | None = None,
+                 extra: dict[str, Any] | None = None, hosts: dict[str, str] | None = None) -> dict[str, Path]:
+    """Write one TOML per node of a full mesh (every node lists every other as a peer)."""
+    addr = {n: (hosts or {}).get(n, host) for n in names}
+    ports = {n: (free_port(addr[n]) if not hosts else 8000, free_port(addr[n]) if not hosts else 7000) for n in names}
+    out = {}
+    for n in names:
+        api_port, kv_port = ports[n]
+        peers = [{"name": p, "api": f"http://{addr[p]}:{ports[p][0]}", "kvshare": f"{addr[p]}:{ports[p][1]}"}
+                 for p in names if p != n]
+        cfg: dict[str, Any] = {"name": n, "api": {"host": addr[n], "port": api_port},
+                               "engine": dict(engine or {}),
+                               "kvshare": {"listen": f"{addr[n]}:{kv_port}", "store_dir": str(workdir / f"store-{n}")},
+                               "mesh": {"peers": peers}}
+        for section, values in (extra or {}).items():
+            if isinstance(values, dict):
+                cfg.setdefault(section, {}).update(values)
+            else:
+                cfg[section] = values
+        out[n] = workdir / f"{n}.toml"
+        write_toml(out[n], cfg)
+    return out
 
 
 @dataclass

@@ -115,6 +115,37 @@ class ClusterSnapshot(_Model):
     counters: HandoffCounters = HandoffCounters()
 
 
+class SessionHolding(_Model):
+    """What one host holds of one session, as that host reports it (peer status)."""
+
+    session: str
+    resident_tokens: int = 0  # in this host's engine now (asked of the engine)
+    store_tokens: int = 0  # in this host's replica store
+    store_updated: float | None = None  # wall time the stored replica was last written
+    homed_at: float = 0.0  # wall time of the last turn here (or of a migration here)
+    last_turn_at: float = 0.0  # wall time of the last turn here
+    turns: int = 0
+    moves: int = 0
+    last_handoff: HandoffClass | None = None
+    inflight_to: str | None = None  # a replica of it being sent from here
+    inbound_tokens: int = 0  # a replica of it being received here...
+    inbound_eta_s: float | None = None  # ...expected to land in this many seconds
+
+
+class PeerStatus(_Model):
+    """A host's answer to GET /v1/peer/status: everything placement needs from it."""
+
+    v: int = PROTOCOL_VERSION
+    host: HostInfo
+    sessions: list[SessionHolding] = []
+    counters: HandoffCounters = HandoffCounters()
+    links: list[LinkInfo] = []  # links whose src is this host
+    mean_turn_s: float = 1.0
+    import_bps: float = 0.0
+    kv_bytes_per_token: int = 0
+    wasted_replica_bytes: int = 0
+
+
 # ---- events ------------------------------------------------------------------
 
 
@@ -296,7 +327,6 @@ def parse_event(data: str | bytes) -> Event:
 
 
 class MigrateCommand(_Model):
-    session: str = Field(pattern=SESSION_ID_RE.pattern)
     target: str = Field(min_length=1, max_length=64)
 
 

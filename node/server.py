@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import logging
 import signal
 from pathlib import Path
@@ -36,10 +37,11 @@ async def serve(cfg: NodeConfig, *, ready_file: Path | None = None) -> None:
         await task
         raise SystemExit(f"node {cfg.name}: the API server did not start on {cfg.api.host}:{cfg.api.port}")
     host, port = server.servers[0].sockets[0].getsockname()[:2]
-    info = {"name": cfg.name, "api": f"http://{host}:{port}", "pid": __import__("os").getpid()}
+    node.api_url = f"http://{host}:{port}"
+    info = {"name": cfg.name, "api": node.api_url, "kvshare": node.kvshare.address, "pid": os.getpid()}
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(info))
         tmp.replace(ready_file)
-    print(f"kvmesh node {cfg.name} ready api={info['api']}", flush=True)
+    print(f"kvmesh node {cfg.name} ready api={info['api']} kvshare={info['kvshare']}", flush=True)
     await task

@@ -140,12 +140,6 @@ def test_sim_kv_bytes_are_whole_16_byte_words(scale: float, want: int) -> None:
     assert got == want and got % 16 == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG node/config.py load_config override loop: when the file holds a scalar where a dotted override "
-    "expects a table (e.g. `engine = \"sim\"` plus override engine.slots), setdefault returns the scalar and "
-    "`node[leaf] = value` raises TypeError instead of ConfigError",
-)
 def test_override_into_scalar_is_a_config_error(tmp_path: Path) -> None:
     """A file value that is not a table, overridden below it, is refused with a ConfigError naming the field."""
     p = _write(tmp_path, 'engine = "sim"\n')
@@ -154,11 +148,6 @@ def test_override_into_scalar_is_a_config_error(tmp_path: Path) -> None:
     assert "engine" in str(ei.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG node/config.py load_config: only FileNotFoundError and TOMLDecodeError are caught, so a directory "
-    "(IsADirectoryError) or a non-UTF-8 file (UnicodeDecodeError) escapes as a raw exception, not ConfigError",
-)
 @pytest.mark.parametrize("kind", ["directory", "not-utf8"])
 def test_unreadable_file_is_a_config_error(tmp_path: Path, kind: str) -> None:
     """A path that is a directory or not UTF-8 text is refused with ConfigError naming the path."""

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from node.api.errors import BodyLimit, install_error_handlers
+from node.api.mesh_routes import router as mesh_router
 from node.api.openai_routes import router as openai_router
 from node.node import Node
 
@@ -25,5 +26,6 @@ def create_app(node: Node) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=node.cfg.api.max_body_bytes)
     install_error_handlers(app)
     app.include_router(openai_router(node))
+    app.include_router(mesh_router(node))
     app.state.node = node
     return app

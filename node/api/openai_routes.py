@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Header, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from node.api.schema import ChatCompletionRequest
 from node.engine.engine import GenerateRequest, TextDelta, TurnDone, TurnStats
 from node.errors import KVMeshError, ModelNotFound
+from node.mesh.auth import PEER_HEADER, check_peer_token
+from node.mesh.forward import PeerUnavailable, forward_turn
 from node.node import Node, derive_session_id
+
+log = logging.getLogger("kvmesh.api")
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -28,11 +33,41 @@ def _usage(stats: TurnStats) -> dict[str, Any]:
     }
 
 
-def _turn_headers(node: Node, session: str, stats: TurnStats | None) -> dict[str, str]:
-    h = {"X-Kvmesh-Host": node.name, "X-Session-Id": session}
-    if stats is not None:
-        h["X-Kvmesh-Cached-Tokens"] = str(stats.cached_tokens)
-    return h
+FORWARDED, PREV_HOST, PREDICTED = "X-Kvmesh-Forwarded", "X-Kvmesh-Prev-Host", "X-Kvmesh-Predicted-Reuse"
+
+
+async def _route(node: Node, session: str, prompt_tokens: int, raw_body: bytes, stream: bool) -> Response | tuple[str | None, int | None]:
+    """Place the turn. Forward it to a peer (and return the peer's response), or return
+    (previous host, predicted reuse) to run it here. A peer that fails before answering
+    is routed around: nothing the client sent is lost."""
+    mesh = node.mesh
+    unavailable: set[str] = set()
+    while True:
+        d = mesh.decide(session, prompt_tokens, unavailable=frozenset(unavailable))
+        if d is None or d.host == node.name:
+            # No peer can take it (or this host is best): run here, even while draining.
+            return (d.prev_host if d else mesh.last_host(session)), (d.predicted_reused if d else None)
+        peer = mesh.peers.peers[d.host]
+        headers = {"content-type": "application/json", "X-Session-Id": session, FORWARDED: "1",
+                   PREDICTED: str(d.predicted_reused)}
+        if d.prev_host:
+            headers[PREV_HOST] = d.prev_host
+        if mesh.peer_token:
+            headers[PEER_HEADER] = mesh.peer_token
+        peer.pending += 1
+        try:
+            resp = await forward_turn(mesh.peers.client, d.host, peer.cfg.api, raw_body, headers, stream=stream,
+                                      timeout_s=node.cfg.mesh.forward_timeout_s)
+        except PeerUnavailable as e:
+            log.warning("turn of %s could not go to %s (%s); placing it again", session, d.host, e.reason)
+            if not e.overloaded:
+                mesh.peers.mark_down(d.host, e.reason)
+            unavailable.add(d.host)
+            continue
+        finally:
+            peer.pending -= 1
+        mesh.routed[session] = (d.host, time.time())
+        return resp
 
 
 def router(node: Node) -> APIRouter:
@@ -54,7 +89,7 @@ def router(node: Node) -> APIRouter:
         body: ChatCompletionRequest,
         request: Request,
         x_session_id: str | None = Header(None),
-    ) -> JSONResponse | StreamingResponse:
+    ) -> Response:
         if body.model != node.engine.model_name:
             raise ModelNotFound(f"model {body.model!r} is not served here; GET /v1/models lists {node.engine.model_name!r}")
         messages = body.messages_as_dicts()
@@ -70,10 +105,24 @@ def router(node: Node) -> APIRouter:
             stop=body.stop_list(),
         )
         node.engine.validate(greq)
+        hdrs = request.headers
+        if hdrs.get(FORWARDED) and check_peer_token(hdrs.get(PEER_HEADER), node.mesh.secrets):
+            prev_host = hdrs.get(PREV_HOST) or None
+            predicted = int(hdrs[PREDICTED]) if hdrs.get(PREDICTED, "").isdigit() else None
+        else:
+            routed = await _route(node, session, len(prompt), await request.body(), body.stream)
+            if isinstance(routed, Response):
+                return routed
+            prev_host, predicted = routed
+        run = await node.prepare_turn(greq, prev_host, predicted, messages)
+        node.mesh.routed[session] = (node.name, time.time())
+        events = run.stream()
+        turn_headers = {"X-Kvmesh-Host": node.name, "X-Session-Id": session,
+                        "X-Kvmesh-Handoff": run.handoff_class or "none",
+                        "X-Kvmesh-Cached-Tokens": str(run.begin.cached_tokens if run.begin else 0)}
         cid = "chatcmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
         model = node.engine.model_name
-        events = node.engine.generate(greq)
         if not body.stream:
             text, stats = [], None
             async for ev in events:
@@ -98,11 +147,8 @@ def router(node: Node) -> APIRouter:
                     ],
                     "usage": _usage(stats),
                 },
-                headers=_turn_headers(node, session, stats),
+                headers=turn_headers,
             )
-        # Wait for the first event before answering, so a full queue is still a 429
-        # and not an error in the middle of a 200 stream.
-        first = await anext(events)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def chunk(delta: dict[str, Any], finish: str | None = None, usage: dict[str, Any] | None = None) -> bytes:
@@ -117,7 +163,7 @@ def router(node: Node) -> APIRouter:
         async def sse() -> AsyncIterator[bytes]:
             yield chunk({"role": "assistant", "content": ""})
             try:
-                ev: TextDelta | TurnDone | None = first
+                ev: TextDelta | TurnDone | None = await anext(events, None)
                 while ev is not None:
                     if isinstance(ev, TextDelta):
                         yield chunk({"content": ev.text})
@@ -133,7 +179,7 @@ def router(node: Node) -> APIRouter:
                 await events.aclose()
             yield b"data: [DONE]\n\n"
 
-        headers = _turn_headers(node, session, None)
+        headers = dict(turn_headers)
         headers["Cache-Control"] = "no-cache"
         headers["X-Accel-Buffering"] = "no"
         return StreamingResponse(sse(), media_type="text/event-stream", headers=headers)

@@ -11,6 +11,7 @@ Every capacity check (`can_allocate`) is separate from its action (`allocate`).
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -43,8 +44,11 @@ class BlockPool:
     def write_bytes(self, block_id: int, data: memoryview | bytes | np.ndarray) -> None:
         """Copy one block's bytes in (host -> device when the pool is on an accelerator)."""
         lo = block_id * self.block_bytes
-        src = torch.frombuffer(data, dtype=torch.uint8) if not isinstance(data, np.ndarray) else torch.from_numpy(data)
-        self.raw[lo : lo + self.block_bytes].copy_(src.view(-1), non_blocking=False)
+        src = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.view(np.uint8).reshape(-1)
+        with warnings.catch_warnings():
+            # A read-only source (an mmap'd replica) is only read here; torch warns regardless.
+            warnings.simplefilter("ignore", UserWarning)
+            self.raw[lo : lo + self.block_bytes].copy_(torch.from_numpy(src))
 
     def read_bytes(self, block_id: int) -> memoryview:
         """One block's bytes for export: a zero-copy view on CPU, a host copy otherwise."""

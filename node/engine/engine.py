@@ -55,6 +55,13 @@ class TurnStats:
 
 
 @dataclass
+class TurnBegin:
+    """First event of every turn: the slot is held and the reused prefix is known."""
+
+    stats: TurnStats
+
+
+@dataclass
 class TextDelta:
     text: str
 
@@ -187,10 +194,10 @@ class Engine:
 
     # ---- memory --------------------------------------------------------------
 
-    def _make_room(self, n: int) -> bool:
+    def _make_room(self, n: int, *, spare: str | None = None) -> bool:
         """Evict idle sessions, least recently used first, until n blocks are free."""
         while not self.blocks.can_allocate(n):
-            victim = next((s for s in self.sessions.values() if not s.busy), None)
+            victim = next((s for s in self.sessions.values() if not s.busy and s.session != spare), None)
             if victim is None:
                 return False
             self._drop(victim.session)
@@ -235,7 +242,7 @@ class Engine:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         return tokens
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TextDelta | TurnDone]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
         """Run one turn: wait for a slot, reuse what is cached, prefill the rest, decode."""
         tokens = self.validate(req)
         t0 = time.monotonic()
@@ -255,7 +262,7 @@ class Engine:
             else:
                 self._locks[req.session] = (lock, users - 1)
 
-    async def _turn(self, slot: int, req: GenerateRequest, tokens: np.ndarray, t0: float) -> AsyncIterator[TextDelta | TurnDone]:
+    async def _turn(self, slot: int, req: GenerateRequest, tokens: np.ndarray, t0: float) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
         bs = self.block_size
         stats = TurnStats(req.session, prompt_tokens=len(tokens), cached_tokens=0, queue_s=time.monotonic() - t0)
         match = self._match(req.session, tokens)
@@ -267,11 +274,13 @@ class Engine:
         if seq is not None:
             seq.busy = True
         committed = False
+        pins_held = True  # until _commit takes them over
         try:
             t1 = time.monotonic()
+            stats.cached_tokens = reuse
+            yield TurnBegin(stats)
             await self.runner.load(slot, load_ids, reuse)
             stats.load_s = time.monotonic() - t1
-            stats.cached_tokens = reuse
             t2 = time.monotonic()
             logits = await self.runner.forward(slot, tokens[reuse:], reuse)
             stats.prefill_s = time.monotonic() - t2
@@ -311,16 +320,17 @@ class Engine:
             stats.completion_tokens = len(out_ids)
             # KV exists for the prompt and every generated token but the last one.
             kv_tokens = np.concatenate([tokens, np.asarray(out_ids[:-1], dtype=np.int32)]) if out_ids else tokens
+            pins_held = False
             await self._commit(slot, req.session, kv_tokens, match, reuse, load_ids)
             committed = True
             stats.total_s = time.monotonic() - t0
             self.counters.turns += 1
             yield TurnDone(stats)
         finally:
-            if not committed:
+            if pins_held:
                 self.blocks.release(load_ids)
-                if (s := self.sessions.get(req.session)) is not None:
-                    s.busy = False
+            if not committed and (s := self.sessions.get(req.session)) is not None:
+                s.busy = False
 
     def _count_prefill(self, n: int, secs: float, reused: int) -> None:
         c = self.counters
@@ -338,7 +348,10 @@ class Engine:
         return self.cfg.sim.prefill_tps if self.cfg.kind == "sim" else 8000.0
 
     async def _commit(self, slot: int, session: str, kv_tokens: np.ndarray, match: Match, reuse: int, pinned: list[int]) -> None:
-        """Store the turn's KV as the session's block table; reuse whole blocks, dedupe by hash."""
+        """Store the turn's KV as the session's block table; reuse whole blocks, dedupe by hash.
+
+        Owns `pinned` from the call on. Bookkeeping changes only after every new block is
+        written, so a cancelled or failed commit leaves the previous table as it was."""
         bs = self.block_size
         keep = reuse // bs  # leading blocks reused whole: their pins become the new table's refs
         table = list(pinned[:keep])
@@ -346,23 +359,28 @@ class Engine:
         hashes = list(match.hashes[:keep])
         prev = hashes[-1] if hashes else None
         hashes += block_hashes(self.seed_hash, kv_tokens, bs, start=keep, prev=prev)
-        n_blocks = blocks_for(len(kv_tokens), bs)
-        old = self.sessions.pop(session, None)
-        for j in range(keep, n_blocks):
-            toks = kv_tokens[j * bs : (j + 1) * bs]
-            h = hashes[j] if j < len(hashes) else None
-            if h is not None and (bid := self.blocks.lookup(h, toks)) is not None:
-                self.blocks.acquire(bid)
+        fresh: list[tuple[int, int]] = []  # (block index, new block id) still to be written
+        try:
+            for j in range(keep, blocks_for(len(kv_tokens), bs)):
+                h = hashes[j] if j < len(hashes) else None
+                if h is not None and (bid := self.blocks.lookup(h, kv_tokens[j * bs : (j + 1) * bs])) is not None:
+                    self.blocks.acquire(bid)
+                elif self._make_room(1, spare=session):
+                    bid = self.blocks.allocate(1)[0]
+                    fresh.append((j, bid))
+                else:
+                    break  # the pool is full of running turns: keep the prefix that fits
                 table.append(bid)
-                continue
-            if not self._make_room(1):
-                break  # pool full of running turns: keep the prefix that fits
-            bid = self.blocks.allocate(1)[0]
-            await self.runner.store(slot, bid, j, h)
-            if h is not None:
-                self.blocks.register(bid, h, toks)
-            table.append(bid)
+            for j, bid in fresh:
+                await self.runner.store(slot, bid, j, hashes[j] if j < len(hashes) else None)
+        except BaseException:
+            self.blocks.release(table)
+            raise
+        for j, bid in fresh:
+            if j < len(hashes):
+                self.blocks.register(bid, hashes[j], kv_tokens[j * bs : (j + 1) * bs])
         stored = min(len(kv_tokens), len(table) * bs)
+        old = self.sessions.pop(session, None)
         if old is not None:
             self.blocks.release(old.block_ids)
         self.sessions[session] = Sequence(session, kv_tokens[:stored].copy(), table, hashes[: stored // bs])
@@ -447,6 +465,9 @@ class ImportTxn:
         return self.engine.pool.bytes_view(self.block_ids[i])
 
     def write(self, i: int, data: memoryview | bytes | np.ndarray) -> None:
+        size = memoryview(data).nbytes
+        if size != self.engine.block_bytes:
+            raise ImportRefused(f"block {i} is {size} bytes; this engine's blocks are {self.engine.block_bytes}", reason="size")
         self.engine.pool.write_bytes(self.block_ids[i], data)
 
     def commit(self, upto: int | None = None) -> int:

@@ -22,6 +22,7 @@ def sample(
         sorted_p, order = torch.sort(probs, descending=True)
         # Keep the smallest set whose mass reaches top_p (always at least one id).
         drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p
+        drop[0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -375,12 +375,6 @@ def test_import_with_wrong_size_data_imports_nothing(exporter, make_engine, chec
     check_refs(b)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG node/engine/blocks.py:47 + engine.import_blocks: payload size is never checked; torch copy_ "
-    "broadcasts a 1-byte payload over the whole block (garbage KV advertised under a real hash) and any other "
-    "wrong size raises a bare RuntimeError instead of ImportRefused(reason='size')",
-)
 @pytest.mark.parametrize("size", [1, 100])
 def test_import_refuses_wrong_size_payload_with_reason_size(exporter, make_engine, size: int) -> None:  # type: ignore[no-untyped-def]
     """A block payload that is not exactly block_bytes long is refused with reason 'size'."""
@@ -576,12 +570,6 @@ def test_abandoned_turn_releases_slot_and_pins(make_engine, turn, check_refs) ->
     assert turn(e, "s", p2, max_tokens=4).stats.cached_tokens == held
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG node/engine/engine.py _commit/_turn: a turn cancelled while _commit awaits runner.store has already "
-    "popped the old session and moved the pins into an unsaved table; _turn's finally then releases load_ids a "
-    "second time. The session vanishes and its blocks leak with ref > 0 (never freed).",
-)
 def test_turn_cancelled_during_commit_keeps_refcounts(make_engine, sim_cfg, run_turn, check_refs) -> None:  # type: ignore[no-untyped-def]
     """Cancelling a turn while its KV is being stored leaves consistent ref counts and the old cache."""
     e = make_engine(cfg=sim_cfg())

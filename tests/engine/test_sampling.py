@@ -84,11 +84,6 @@ def test_sampling_respects_allowed_mask() -> None:
     assert seen_p <= {3, 17, 41}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG node/engine/sampling.py:24: top_p=0.0 drops every id ((cumsum - p) >= 0 is true for the first), "
-    "so torch.multinomial raises 'invalid multinomial distribution' instead of returning the argmax",
-)
 def test_top_p_zero_is_greedy() -> None:
     """top_p 0 (allowed by OpenAI's range [0, 1]) behaves like the smallest set: the argmax."""
     lg = _logits()

@@ -1,0 +1,614 @@
+"""kv_share on one node: the replica store, the listener, the sender, and the import-before-run rule.
+
+Threads do the socket and disk I/O (blocking calls release the GIL and keep
+Python out of the byte path); every engine and index decision runs on the
+event loop thread, so the engine's bookkeeping has a single writer.
+
+Receiving: payloads land straight in the engine's pre-touched pool
+(`ImportTxn.buffer`), each verified as it lands; at END the import commits and
+the replica is ready. The store's disk copy is written behind, off that path.
+Sending: blocks are pinned (`Engine.export`) and sent from the pool as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from node.engine.engine import ExportedBlock, ImportTxn
+from node.engine.hashing import payload_digest
+from node.errors import ImportRefused, KVMeshError
+from node.kvshare import wire
+from node.kvshare.store import ReplicaStore
+from node.protocol import LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaSuperseded
+
+if TYPE_CHECKING:
+    from node.node import Node
+
+log = logging.getLogger("kvmesh.kvshare")
+
+# Without a configured mesh secret the mesh is loopback-only; kv_share still signs its frames.
+DEV_SECRET = b"kvmesh-loopback-only-dev-secret"
+
+
+@dataclass
+class LinkStats:
+    """One direction of one link, as seen from this node."""
+
+    bytes: int = 0
+    transfers: int = 0
+    seconds: float = 0.0
+    last_s: float | None = None
+    last_bytes: int | None = None
+    superseded: int = 0
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)
+    ready_lag_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=256))
+    import_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=256))
+    window: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=512))
+
+    def add(self, nbytes: int, secs: float) -> None:
+        self.bytes += nbytes
+        self.transfers += 1
+        self.seconds += secs
+        self.last_s, self.last_bytes = secs, nbytes
+        self.window.append((time.monotonic(), nbytes))
+
+    def rate_bps(self, horizon: float = 5.0) -> float:
+        now = time.monotonic()
+        return 8 * sum(b for t, b in self.window if now - t <= horizon) / horizon
+
+
+@dataclass
+class PushResult:
+    ok: bool
+    tokens: int = 0
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+    reason: str = ""
+    message: str = ""
+
+
+@dataclass
+class _Job:
+    session: str
+    target: str
+    done: asyncio.Future[PushResult]
+    cancel: threading.Event = field(default_factory=threading.Event)
+    started: bool = False
+
+
+@dataclass
+class _Inbound:
+    src: str
+    tokens: int
+    started: float
+    eta_s: float
+    landed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class _Superseded(Exception):
+    pass
+
+
+class KVShare:
+    def __init__(self, node: Node):
+        self.node = node
+        self.cfg = cfg = node.cfg.kvshare
+        secrets = node.cfg.mesh.secrets()
+        self.secret = secrets[0] if secrets else DEV_SECRET
+        self.previous_secret = secrets[1] if len(secrets) > 1 else None
+        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        if cfg.store_dir:
+            root = Path(cfg.store_dir)
+        else:
+            self._tmpdir = tempfile.TemporaryDirectory(prefix=f"kvmesh-store-{node.name}-")
+            root = Path(self._tmpdir.name)
+        self.store = ReplicaStore(root, cfg.store_budget_bytes, fsync=cfg.fsync)
+        self.out: dict[str, LinkStats] = collections.defaultdict(LinkStats)  # by target
+        self.inn: dict[str, LinkStats] = collections.defaultdict(LinkStats)  # by source
+        self.wasted_bytes = 0
+        self._unused: dict[str, int] = {}  # replica bytes received per session, not yet used by a turn
+        self._jobs: dict[tuple[str, str], _Job] = {}
+        self._queued: dict[tuple[str, str], _Job] = {}
+        self._inbound: dict[str, _Inbound] = {}
+        self._generation = 0
+        self._import_rates: collections.deque[float] = collections.deque(maxlen=32)
+        self._send_pool = concurrent.futures.ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kvshare-send")
+        self._disk = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvshare-disk")
+        self._sem: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self.address = ""
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._sem = asyncio.Semaphore(self.cfg.concurrency)
+        host, port = self.cfg.listen.rsplit(":", 1)
+        sock = socket.create_server((host or "127.0.0.1", int(port)), backlog=64, reuse_port=False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.cfg.socket_buffer_bytes)
+        self._listener = sock
+        h, p = sock.getsockname()[:2]
+        self.address = f"{h}:{p}"
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="kvshare-listen", daemon=True)
+        self._accept_thread.start()
+
+    async def stop(self) -> None:
+        self._closing.set()
+        for job in [*self._jobs.values(), *self._queued.values()]:
+            job.cancel.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        self._send_pool.shutdown(wait=False, cancel_futures=True)
+        self._disk.shutdown(wait=True)
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+
+    # ---- facts for the mesh ----------------------------------------------------
+
+    def store_tokens(self, session: str) -> tuple[int, float | None]:
+        m = self.store.manifest(session)
+        if m is None or m.fingerprint != self.node.engine.fingerprint:
+            return 0, None
+        return m.num_tokens, m.updated
+
+    def store_sessions(self) -> list[str]:
+        return self.store.sessions()
+
+    def store_bytes(self) -> int:
+        return self.store.usage_bytes()
+
+    def inbound(self, session: str) -> tuple[int, float | None]:
+        ib = self._inbound.get(session)
+        if ib is None:
+            return 0, None
+        return ib.tokens, max(0.0, ib.started + ib.eta_s - time.monotonic())
+
+    def inflight_to(self, session: str) -> str | None:
+        for (s, t), job in self._jobs.items():
+            if s == session:
+                return t
+        return None
+
+    def import_bps(self) -> float:
+        r = sorted(self._import_rates)
+        return r[len(r) // 2] if r else 2e9
+
+    def rates(self) -> tuple[float, float]:
+        return sum(s.rate_bps() for s in self.inn.values()), sum(s.rate_bps() for s in self.out.values())
+
+    def links_out(self) -> list[LinkInfo]:
+        me = self.node.name
+        return [
+            LinkInfo(src=me, dst=dst, bytes_sent=s.bytes, transfers=s.transfers, last_transfer_s=s.last_s,
+                     last_transfer_bytes=s.last_bytes, throughput_bps=s.rate_bps(),
+                     goodput_gbps=(8 * s.last_bytes / s.last_s / 1e9) if s.last_s and s.last_bytes else None)
+            for dst, s in sorted(self.out.items())
+        ]
+
+    def stats(self) -> dict[str, object]:
+        def pct(xs: collections.deque[float], q: float) -> float | None:
+            v = sorted(xs)
+            return round(v[min(len(v) - 1, int(q * len(v)))], 4) if v else None
+
+        return {
+            "address": self.address,
+            "out": {d: {"bytes": s.bytes, "transfers": s.transfers, "seconds": round(s.seconds, 3),
+                        "superseded": s.superseded, "refused": dict(s.refused)} for d, s in self.out.items()},
+            "in": {src: {"bytes": s.bytes, "transfers": s.transfers, "seconds": round(s.seconds, 3),
+                         "ready_lag_p50_s": pct(s.ready_lag_s, 0.5), "ready_lag_max_s": pct(s.ready_lag_s, 1.0),
+                         "refused": dict(s.refused)} for src, s in self.inn.items()},
+            "import_bps": self.import_bps(),
+            "store_bytes": self.store.usage_bytes(),
+            "store_budget_bytes": self.store.budget_bytes,
+            "store_evictions": self.store.evictions,
+            "wasted_replica_bytes": self.wasted_bytes,
+        }
+
+    # ---- before a turn: the engine must hold what the store holds ---------------
+
+    def _store_match_blocks(self, session: str, prompt: np.ndarray) -> int:
+        """Whole blocks of the stored replica that match the prompt's prefix."""
+        m = self.store.manifest(session)
+        e = self.node.engine
+        if m is None or m.fingerprint != e.fingerprint:
+            return 0
+        n = min(len(m.tokens), len(prompt))
+        diff = np.flatnonzero(m.tokens[:n] != prompt[:n])
+        same = int(diff[0]) if len(diff) else n
+        return same // e.block_size
+
+    async def ensure_imported(self, session: str, prompt: np.ndarray) -> int:
+        """Ask the engine what it holds; if the store (or a replica landing now) holds more
+        of this prompt, import it before the turn runs. Returns tokens imported."""
+        ib = self._inbound.get(session)
+        if ib is not None:
+            wait = min(30.0, max(0.5, ib.started + ib.eta_s + 2.0 - time.monotonic()))
+            try:
+                await asyncio.wait_for(ib.landed.wait(), wait)
+            except asyncio.TimeoutError:
+                log.warning("replica of %s still in flight after %.1fs; running with what is here", session, wait)
+        e = self.node.engine
+        held = e.cached_prefix(session, prompt)
+        stored_blocks = self._store_match_blocks(session, prompt)
+        self._unused.pop(session, None)  # whatever replica is here is now being used
+        if stored_blocks * e.block_size <= held:
+            return 0
+        t0 = time.monotonic()
+        try:
+            tokens = self.store.import_into(e, session, upto_blocks=stored_blocks)
+        except KVMeshError as err:
+            # An optimisation failed: the turn runs with what the engine has.
+            log.warning("import of %s from the store failed (%s); running without it", session, err)
+            return 0
+        secs = time.monotonic() - t0
+        if secs > 0:
+            self._import_rates.append((stored_blocks * e.block_bytes) / secs)
+        self.node.hub.publish(ReplicaImported(session=session, host=self.node.name, tokens=tokens, seconds=round(secs, 4)))
+        return tokens
+
+    def explain_reuse(self, session: str, prompt: np.ndarray, reused: int) -> tuple[int | None, bool, float | None]:
+        """(token where the prompt stopped matching the best cache held here, stale-state flag, replica age)."""
+        e = self.node.engine
+        best: np.ndarray | None = e.session_tokens(session)
+        m = self.store.manifest(session)
+        age = time.time() - m.updated if m is not None else None
+        if m is not None and (best is None or len(m.tokens) > len(best)):
+            best = m.tokens
+        mismatch = None
+        if best is not None:
+            n = min(len(best), len(prompt))
+            diff = np.flatnonzero(best[:n] != prompt[:n])
+            mismatch = int(diff[0]) if len(diff) else n
+        usable = self._store_match_blocks(session, prompt) * e.block_size
+        stale = usable >= 0.9 * len(prompt) and reused < 0.9 * len(prompt)
+        return mismatch, stale, round(age, 3) if age is not None else None
+
+    # ---- after a turn: replicate to the predicted next host ---------------------
+
+    def after_turn(self, session: str) -> None:
+        e = self.node.engine
+        if e.resident_tokens(session) < max(self.cfg.replicate_min_tokens, e.block_size):
+            return
+        d = self.node.mesh.predict_next(session)
+        if d is not None and d.host != self.node.name:
+            self.submit(session, d.host)
+        if self.cfg.persist_own:
+            self._persist_own(session)
+
+    def submit(self, session: str, target: str) -> asyncio.Future[PushResult]:
+        """Queue a replica push; a newer one supersedes an older one queued or in flight."""
+        assert self._loop is not None
+        key = (session, target)
+        old = self._queued.pop(key, None)
+        if old is not None:
+            old.done.set_result(PushResult(False, reason="superseded"))
+            self._superseded(session, target)
+        running = self._jobs.get(key)
+        if running is not None and running.started:
+            running.cancel.set()
+            self._superseded(session, target)
+        job = _Job(session, target, self._loop.create_future())
+        self._queued[key] = job
+        asyncio.ensure_future(self._run_job(job))
+        return job.done
+
+    def _superseded(self, session: str, target: str) -> None:
+        self.out[target].superseded += 1
+        self.node.hub.publish(ReplicaSuperseded(session=session, src=self.node.name, dst=target))
+
+    async def push(self, session: str, target: str) -> PushResult:
+        return await self.submit(session, target)
+
+    async def _run_job(self, job: _Job) -> None:
+        assert self._sem is not None
+        key = (job.session, job.target)
+        async with self._sem:
+            # At most one transfer per (session, target): wait for the running one to end.
+            while key in self._jobs:
+                await asyncio.sleep(0.01)
+            if self._queued.get(key) is not job:
+                return  # superseded while waiting
+            del self._queued[key]
+            self._jobs[key] = job
+            job.started = True
+            try:
+                result = await self._send(job)
+            except Exception as e:  # noqa: BLE001 - a failed push never fails a turn
+                log.exception("replica push of %s to %s failed", job.session, job.target)
+                result = PushResult(False, reason="error", message=type(e).__name__)
+            finally:
+                self._jobs.pop(key, None)
+        if not job.done.done():
+            job.done.set_result(result)
+
+    async def _send(self, job: _Job) -> PushResult:
+        node, e = self.node, self.node.engine
+        peer = node.mesh.peers.peers.get(job.target)
+        if peer is None:
+            return PushResult(False, reason="unknown_peer", message=f"{job.target} is not a configured peer")
+        self._generation += 1
+        with e.export(job.session) as blocks:
+            if not blocks:
+                return PushResult(False, reason="nothing", message="the engine holds no whole block of this session")
+            bs = e.block_size
+            tokens = e.session_tokens(job.session)
+            assert tokens is not None
+            offer = wire.Offer(session=job.session, sender=node.name, fingerprint=e.fingerprint, block_size=bs,
+                               block_bytes=e.block_bytes, n_blocks=len(blocks), generation=self._generation,
+                               sent_at=time.time())
+            toks = np.ascontiguousarray(tokens[: len(blocks) * bs])
+            assert self._loop is not None
+            result = await self._loop.run_in_executor(self._send_pool, self._send_blocking, peer.cfg.kvshare, offer,
+                                                      toks, blocks, job.cancel)
+        st = self.out[job.target]
+        if result.ok:
+            st.add(result.bytes_sent, result.seconds)
+            node.hub.publish(ReplicaSent(session=job.session, src=node.name, dst=job.target, blocks=result.blocks_sent,
+                                         bytes=result.bytes_sent, seconds=round(result.seconds, 4), tokens=result.tokens))
+        elif result.reason != "superseded":
+            st.refused[result.reason] += 1
+            node.hub.publish(ReplicaRefused(session=job.session, src=node.name, dst=job.target, reason=result.reason,
+                                            message=result.message))
+        return result
+
+    def _send_blocking(self, addr: str, offer: wire.Offer, tokens: np.ndarray, blocks: list[ExportedBlock],
+                       cancel: threading.Event) -> PushResult:
+        host, port = addr.rsplit(":", 1)
+        tx = wire.Sender(self.secret)
+        t0 = time.monotonic()
+        sent = 0
+        try:
+            with socket.create_connection((host, int(port)), timeout=self.cfg.connect_timeout_s) as sock:
+                sock.settimeout(self.cfg.io_timeout_s)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.cfg.socket_buffer_bytes)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                frame = tx.offer_bytes(offer, tokens, [b.hash for b in blocks])
+                sock.sendall(frame)
+                sent += len(frame)
+                ev = self._read_reply(sock, tx)
+                if isinstance(ev, wire.PeerRefused):
+                    return PushResult(False, reason=ev.reason, message=ev.message)
+                assert isinstance(ev, wire.Accepted)
+                t0 = time.monotonic()  # transfer time counts from the first block
+                for b in blocks[ev.first_missing :]:
+                    if cancel.is_set():
+                        raise _Superseded()
+                    hdr = tx.block_header(b.index, b.data)
+                    sock.sendall(hdr)
+                    sock.sendall(b.data)
+                    sent += len(hdr) + b.data.nbytes
+                end = tx.end()
+                sock.sendall(end)
+                sent += len(end)
+                done = self._read_reply(sock, tx)
+                secs = time.monotonic() - t0
+                if isinstance(done, wire.PeerRefused):
+                    return PushResult(False, reason=done.reason, message=done.message, bytes_sent=sent, seconds=secs)
+                assert isinstance(done, wire.Completed)
+                return PushResult(True, tokens=done.tokens, blocks_sent=len(blocks) - ev.first_missing,
+                                  bytes_sent=sent, seconds=secs)
+        except _Superseded:
+            return PushResult(False, reason="superseded", bytes_sent=sent)
+        except (OSError, wire.ProtocolError) as err:
+            reason = err.reason if isinstance(err, wire.ProtocolError) else "unreachable"
+            return PushResult(False, reason=reason, message=str(err), bytes_sent=sent)
+
+    @staticmethod
+    def _read_reply(sock: socket.socket, tx: wire.Sender) -> wire.SenderEvent:
+        while True:
+            data = sock.recv(max(1, tx.want()))
+            events = tx.feed(data) if data else tx.eof()
+            if events:
+                return events[0]
+
+    def _persist_own(self, session: str) -> None:
+        """Write-behind this host's own session to its store (delta), so an eviction here is
+        restored from disk rather than recomputed."""
+        e = self.node.engine
+        tokens = e.session_tokens(session)
+        if tokens is None:
+            return
+        with e.export(session) as blocks:
+            hashes = [b.hash for b in blocks]
+        have = self.store.held_prefix_blocks(session, e.fingerprint, hashes)
+        if have >= len(hashes):
+            return
+        self._write_behind(session, tokens[: len(hashes) * e.block_size], hashes, have)
+
+    def _write_behind(self, session: str, tokens: np.ndarray, hashes: list[bytes], first_block: int) -> None:
+        """Copy blocks [first_block, n) from the engine's pool to the store on the disk thread.
+
+        The blocks stay pinned until the disk write ends, so the pool cannot reuse them meanwhile."""
+        e = self.node.engine
+        bs = e.block_size
+        ids: list[int] = []
+        for i in range(first_block, len(hashes)):
+            bid = e.blocks.lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
+            if bid is None:
+                break
+            e.blocks.acquire(bid)
+            ids.append(bid)
+        if not ids:
+            return
+        views = [e.pool.read_bytes(b) for b in ids]
+        n = first_block + len(ids)
+        self._generation += 1
+        gen = self._generation
+        loop = self._loop
+        assert loop is not None
+
+        def write() -> None:
+            try:
+                w = self.store.begin_write(session, fingerprint=e.fingerprint, block_size=bs, block_bytes=e.block_bytes,
+                                           tokens=tokens[: n * bs], hashes=hashes[:n], first_block=first_block,
+                                           generation=gen)
+                with w:
+                    for k, v in enumerate(views):
+                        w.write_block(first_block + k, v, payload_digest(v))
+                    w.commit()
+            except Exception as err:  # noqa: BLE001 - the store is an optimisation
+                log.warning("store write of %s failed: %s", session, err)
+            finally:
+                loop.call_soon_threadsafe(e.blocks.release, ids)
+
+        self._disk.submit(write)
+
+    # ---- receiving -------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closing.is_set():
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve_conn, args=(conn,), name="kvshare-recv", daemon=True).start()
+
+    def _call(self, fn, *args):  # type: ignore[no-untyped-def]
+        """Run fn on the event loop thread and wait for it (engine bookkeeping has one writer)."""
+        assert self._loop is not None
+
+        async def run():  # type: ignore[no-untyped-def]
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        rx = wire.Receiver(self.secret, self.previous_secret)
+        txn: ImportTxn | None = None
+        offer: wire.Offer | None = None
+        src = "?"
+        plan: dict[str, object] = {}
+        try:
+            conn.settimeout(self.cfg.io_timeout_s)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.cfg.socket_buffer_bytes)
+            received = 0
+            last_byte = 0.0
+            t_first = 0.0
+            while not rx.done:
+                view = rx.payload_view()
+                if view is not None:
+                    n = conn.recv_into(view)
+                    received += n
+                    events = rx.payload_filled(n) if n else rx.eof()
+                else:
+                    data = conn.recv(max(1, rx.want()))
+                    received += len(data)
+                    events = rx.feed(data) if data else rx.eof()
+                for ev in events:
+                    if isinstance(ev, wire.Refused):
+                        conn.sendall(ev.reply)
+                        self._call(self._refused, offer, src, ev.reason, ev.message)
+                        return
+                    if isinstance(ev, wire.OfferReceived):
+                        offer, src = ev.offer, ev.offer.sender
+                        plan = self._call(self._on_offer, ev)
+                        if "refuse" in plan:
+                            reason, message = plan["refuse"]  # type: ignore[misc]
+                            conn.sendall(rx.refuse(reason, message))
+                            self._call(self._refused, offer, src, reason, message)
+                            return
+                        txn = plan.get("txn")  # type: ignore[assignment]
+                        target = (lambda h, t=txn: t.buffer(h.index)) if txn is not None else None
+                        conn.sendall(rx.accept(int(plan["first_missing"]), payload_target=target))  # type: ignore[call-overload]
+                        t_first = time.monotonic()
+                    elif isinstance(ev, wire.EndReceived):
+                        last_byte = time.monotonic()
+                        tokens = self._call(self._on_complete, offer, plan, received, last_byte, t_first)
+                        txn = None  # committed
+                        conn.sendall(rx.result_ok(tokens))
+        except (OSError, wire.ProtocolError, concurrent.futures.CancelledError) as err:
+            reason = err.reason if isinstance(err, wire.ProtocolError) else "connection"
+            if offer is not None and not self._closing.is_set():
+                self._call(self._refused, offer, src, reason, str(err))
+        finally:
+            if txn is not None and not self._closing.is_set():
+                self._call(self._abort, offer, txn)
+            conn.close()
+
+    def _on_offer(self, ev: wire.OfferReceived) -> dict[str, object]:
+        """Decide on the loop: refuse, or the first block to send and where payloads land."""
+        e, offer = self.node.engine, ev.offer
+        if offer.fingerprint != e.fingerprint:
+            return {"refuse": ("fingerprint", "model fingerprint differs from this engine's")}
+        if offer.block_size != e.block_size or offer.block_bytes != e.block_bytes:
+            return {"refuse": ("shape", f"blocks of {offer.block_size} tokens/{offer.block_bytes} bytes; "
+                                        f"this engine uses {e.block_size}/{e.block_bytes}")}
+        try:
+            txn = e.begin_import(offer.session, offer.fingerprint, ev.tokens, ev.hashes)
+        except ImportRefused as err:
+            if err.reason != "no_room":
+                return {"refuse": (err.reason, str(err))}
+            # The engine is full of running turns: this replica goes to the store only (slow path).
+            return {"refuse": ("no_room", "every KV block is held by a running turn")}
+        engine_held = txn.missing[0] if txn.missing else offer.n_blocks
+        store_held = self.store.held_prefix_blocks(offer.session, offer.fingerprint, ev.hashes)
+        first = max(engine_held, store_held)
+        self._inbound[offer.session] = _Inbound(offer.sender, offer.num_tokens, time.monotonic(),
+                                                 eta_s=(offer.n_blocks - first) * offer.block_bytes / 1e9)
+        return {"txn": txn, "first_missing": first, "engine_held": engine_held, "store_held": store_held,
+                "tokens": ev.tokens, "hashes": ev.hashes}
+
+    def _on_complete(self, offer: wire.Offer, plan: dict[str, object], received: int, last_byte: float,
+                     t_first: float) -> int:
+        """END verified: fill from the store what it had, commit the import: the replica is ready."""
+        e = self.node.engine
+        txn: ImportTxn = plan["txn"]  # type: ignore[assignment]
+        engine_held, store_held = int(plan["engine_held"]), int(plan["store_held"])  # type: ignore[call-overload]
+        for i in range(engine_held, store_held):
+            txn.write(i, self.store.block_view(offer.session, i))
+        tokens = txn.commit()
+        ready = time.monotonic()
+        lag = ready - last_byte
+        st = self.inn[offer.sender]
+        st.add(received, max(1e-9, last_byte - t_first))
+        st.ready_lag_s.append(lag)
+        ib = self._inbound.pop(offer.session, None)
+        if ib is not None:
+            ib.landed.set()
+        prev_unused = self._unused.get(offer.session, 0)
+        self.wasted_bytes += prev_unused
+        self._unused[offer.session] = received
+        self.node.hub.publish(ReplicaReady(session=offer.session, src=offer.sender, dst=self.node.name, tokens=tokens,
+                                           bytes=received, lag_s=round(lag, 5), imported=True))
+        hashes: list[bytes] = plan["hashes"]  # type: ignore[assignment]
+        self._write_behind(offer.session, plan["tokens"], hashes, store_held)  # type: ignore[arg-type]
+        return tokens
+
+    def _abort(self, offer: wire.Offer | None, txn: ImportTxn) -> None:
+        txn.abort()
+        if offer is not None:
+            ib = self._inbound.pop(offer.session, None)
+            if ib is not None:
+                ib.landed.set()
+
+    def _refused(self, offer: wire.Offer | None, src: str, reason: str, message: str) -> None:
+        self.inn[src].refused[reason] += 1
+        session = offer.session if offer is not None else "?"
+        if offer is not None:
+            ib = self._inbound.pop(offer.session, None)
+            if ib is not None:
+                ib.landed.set()
+        log.info("refused a replica of %s from %s: %s (%s)", session, src, reason, message)
+        self.node.hub.publish(ReplicaRefused(session=session, src=src, dst=self.node.name, reason=reason,
+                                             message=message[:200]))

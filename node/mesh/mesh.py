@@ -1,0 +1,195 @@
+"""The mesh as this node sees it: peers, session records, placement inputs, the cluster view.
+
+What this host holds is asked of its engine and store on every call; what a
+peer holds is what that peer last reported (at most `stale_after_s` old).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING
+
+from node.mesh.auth import peer_token
+from node.mesh.peers import PeerTable
+from node.mesh.placement import Decision, Holding, HostLoad, Policy, choose, home_of, last_host_of, predict_next
+from node.mesh.sessions import SessionBook
+from node.protocol import (
+    ClusterSnapshot,
+    HandoffCounters,
+    HostInfo,
+    LinkInfo,
+    PeerStatus,
+    SessionHolding,
+    SessionInfo,
+)
+
+if TYPE_CHECKING:
+    from node.node import Node
+
+
+class Mesh:
+    def __init__(self, node: Node):
+        cfg = node.cfg.mesh
+        self.node = node
+        secrets = cfg.secrets()
+        self.peer_token = peer_token(secrets[0]) if secrets else None
+        self.secrets = secrets
+        self.peers = PeerTable(cfg.peers, token=self.peer_token, poll_interval_s=cfg.poll_interval_s,
+                               stale_after_s=cfg.stale_after_s, publish=node.hub.publish)
+        self.book = SessionBook()
+        self.draining = False
+        self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, node.engine.kv_bytes_per_token)
+        # Where this entry node last sent each session, and when: fresher than any poll.
+        self.routed: dict[str, tuple[str, float]] = {}
+        self.decision_s: collections.deque[float] = collections.deque(maxlen=5000)
+
+    async def start(self) -> None:
+        await self.peers.start()
+
+    async def stop(self) -> None:
+        await self.peers.stop()
+
+    # ---- placement inputs ----------------------------------------------------
+
+    def _self_load(self) -> HostLoad:
+        e = self.node.engine
+        return HostLoad(self.node.name, e.slots.slots, e.slots.busy, e.slots.queued, e.slots.mean_turn_s(),
+                        e.prefill_rate(), self.node.import_bps(), available=not self.draining)
+
+    def hosts(self) -> dict[str, HostLoad]:
+        out = {self.node.name: self._self_load()}
+        for p in self.peers.peers.values():
+            st = p.status
+            if st is None:
+                out[p.name] = HostLoad(p.name, 0, 0, 0, 1.0, 1.0, 1.0, available=False)
+                continue
+            h = st.host
+            out[p.name] = HostLoad(p.name, h.slots, min(h.slots, h.busy + p.pending), h.queued, st.mean_turn_s,
+                                   max(h.prefill_tps, 1.0), st.import_bps, available=p.reachable and not h.draining)
+        return out
+
+    def local_holding(self, session: str) -> SessionHolding:
+        n = self.node
+        rec = self.book.records.get(session)
+        stored, updated = n.store_tokens(session)
+        inbound, eta = n.inbound(session)
+        return SessionHolding(
+            session=session, resident_tokens=n.engine.resident_tokens(session), store_tokens=stored,
+            store_updated=updated, homed_at=rec.homed_at if rec else 0.0,
+            last_turn_at=rec.last_turn_at if rec else 0.0, turns=rec.turns if rec else 0,
+            moves=rec.moves if rec else 0, last_handoff=rec.last_handoff if rec else None,
+            inflight_to=n.inflight_to(session), inbound_tokens=inbound, inbound_eta_s=eta,
+        )
+
+    def holdings(self, session: str) -> dict[str, Holding]:
+        out: dict[str, Holding] = {}
+        mine = self.local_holding(session)
+        if mine.resident_tokens or mine.store_tokens or mine.homed_at or mine.inbound_tokens:
+            out[self.node.name] = _holding(mine)
+        for p in self.peers.peers.values():
+            sh = p.sessions.get(session)
+            if sh is not None:
+                out[p.name] = _holding(sh)
+        routed = self.routed.get(session)
+        if routed is not None:
+            host, ts = routed
+            cur = out.get(host, Holding())
+            if ts > cur.last_turn_at:
+                out[host] = Holding(cur.resident, cur.stored, cur.inbound, cur.inbound_eta_s,
+                                    max(ts, cur.homed_at), ts)
+        return out
+
+    def decide(self, session: str, prompt_tokens: int, *, unavailable: frozenset[str] = frozenset()) -> Decision | None:
+        t0 = time.perf_counter()
+        d = choose(self.hosts(), self.holdings(session), prompt_tokens, self.policy, unavailable=unavailable)
+        dt = time.perf_counter() - t0
+        self.decision_s.append(dt)
+        self.node.metrics.decision.observe(dt)
+        return d
+
+    def home(self, session: str) -> str | None:
+        return home_of(self.holdings(session))
+
+    def last_host(self, session: str) -> str | None:
+        return last_host_of(self.holdings(session))
+
+    def predict_next(self, session: str) -> Decision | None:
+        return predict_next(self.hosts(), self.holdings(session), self.policy)
+
+    def decision_ms(self, q: float) -> float:
+        xs = sorted(self.decision_s)
+        return 1000 * xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+    # ---- status and the cluster view ----------------------------------------
+
+    def local_status(self) -> PeerStatus:
+        n = self.node
+        names = set(n.engine.sessions) | set(self.book.records) | set(n.store_sessions())
+        return PeerStatus(
+            host=n.host_info(), sessions=[self.local_holding(s) for s in sorted(names)],
+            counters=self.book.counters.model_copy(), links=n.links(),
+            mean_turn_s=n.engine.slots.mean_turn_s(), import_bps=n.import_bps(),
+            kv_bytes_per_token=n.engine.kv_bytes_per_token, wasted_replica_bytes=n.wasted_replica_bytes(),
+        )
+
+    def cluster(self) -> ClusterSnapshot:
+        now = time.time()
+        statuses: dict[str, PeerStatus] = {self.node.name: self.local_status()}
+        hosts = [statuses[self.node.name].host]
+        for p in self.peers.peers.values():
+            if p.status is not None:
+                statuses[p.name] = p.status
+                h = p.status.host.model_copy(update={"reachable": p.reachable,
+                                                     "last_seen": now - (time.monotonic() - p.heard_at)})
+            else:
+                h = HostInfo(name=p.name, api=p.cfg.api, reachable=False)
+            hosts.append(h)
+        by_session: dict[str, dict[str, SessionHolding]] = collections.defaultdict(dict)
+        for host, st in statuses.items():
+            for sh in st.sessions:
+                by_session[sh.session][host] = sh
+        sessions = [_session_info(s, held, now) for s, held in sorted(by_session.items())]
+        counters = HandoffCounters()
+        links: dict[tuple[str, str], LinkInfo] = {}
+        for host, st in statuses.items():
+            for f in ("warm", "partial", "cold", "stale_state_cold"):
+                setattr(counters, f, getattr(counters, f) + getattr(st.counters, f))
+            for li in st.links:
+                # Transfer figures come from the sender's report, handoff counts from the receiver's.
+                cur = links.setdefault((li.src, li.dst), LinkInfo(src=li.src, dst=li.dst))
+                if li.src == host:
+                    cur.bytes_sent, cur.transfers, cur.throughput_bps = li.bytes_sent, li.transfers, li.throughput_bps
+                    cur.last_transfer_s, cur.last_transfer_bytes = li.last_transfer_s, li.last_transfer_bytes
+                    cur.goodput_gbps = li.goodput_gbps
+                if li.dst == host:
+                    cur.warm, cur.partial, cur.cold = li.warm, li.partial, li.cold
+        return ClusterSnapshot(node=self.node.name, ts=now, hosts=sorted(hosts, key=lambda h: h.name),
+                               sessions=sessions, links=sorted(links.values(), key=lambda li: (li.src, li.dst)),
+                               counters=counters)
+
+
+def _holding(sh: SessionHolding) -> Holding:
+    return Holding(sh.resident_tokens, sh.store_tokens, sh.inbound_tokens, sh.inbound_eta_s or 0.0, sh.homed_at,
+                   sh.last_turn_at)
+
+
+def _session_info(session: str, held: dict[str, SessionHolding], now: float) -> SessionInfo:
+    home = max(held, key=lambda h: held[h].homed_at)
+    if held[home].homed_at == 0:
+        home = None  # type: ignore[assignment]
+    home_tokens = held[home].resident_tokens if home else 0
+    others = [(max(sh.store_tokens, sh.resident_tokens), h) for h, sh in held.items() if h != home]
+    replica_tokens, replica_host = max(others, default=(0, None))
+    rep = held.get(replica_host) if replica_host else None
+    age = now - rep.store_updated if rep is not None and rep.store_updated else None
+    last = held[home] if home else None
+    return SessionInfo(
+        session=session, home=home, resident_tokens=home_tokens,
+        replica_host=replica_host if replica_tokens else None, replica_tokens=replica_tokens,
+        replica_behind_tokens=max(0, home_tokens - replica_tokens) if replica_tokens else 0,
+        replica_age_s=round(age, 2) if age is not None else None,
+        last_handoff=last.last_handoff if last else None,
+        turns=sum(sh.turns for sh in held.values()), moves=sum(sh.moves for sh in held.values()),
+        last_turn_at=last.homed_at if last else 0.0,
+    )

@@ -1,0 +1,105 @@
+"""Peers: the configured hosts of the mesh and a live view of each one's status.
+
+Each node polls its peers' `GET /v1/peer/status` every `poll_interval_s`; a
+peer not heard from within `stale_after_s` is unreachable: shown as such,
+never routed to, never hidden.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from pydantic import ValidationError
+
+from node.config import PeerConfig
+from node.mesh.auth import PEER_HEADER
+from node.protocol import PeerDown, PeerStatus, PeerUp, SessionHolding
+
+log = logging.getLogger("kvmesh.mesh.peers")
+
+
+@dataclass
+class Peer:
+    cfg: PeerConfig
+    status: PeerStatus | None = None
+    heard_at: float = 0.0  # monotonic
+    reachable: bool = False
+    error: str = ""
+    sessions: dict[str, SessionHolding] = field(default_factory=dict)
+    pending: int = 0  # turns this node forwarded there and that have not started yet
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+
+class PeerTable:
+    def __init__(self, peers: list[PeerConfig], *, token: str | None, poll_interval_s: float, stale_after_s: float,
+                 publish: Callable[[object], object]):
+        self.peers = {p.name: Peer(p) for p in peers}
+        self.poll_interval_s = poll_interval_s
+        self.stale_after_s = stale_after_s
+        self._publish = publish
+        self._headers = {PEER_HEADER: token} if token else {}
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0), headers=self._headers)
+        self._task = asyncio.create_task(self._run(), name="peer-poll")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._client:
+            await self._client.aclose()
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        assert self._client is not None, "PeerTable not started"
+        return self._client
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.gather(*(self.poll(p) for p in self.peers.values()))
+            self._expire()
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def poll(self, peer: Peer) -> None:
+        try:
+            r = await self.client.get(f"{peer.cfg.api}/v1/peer/status")
+            r.raise_for_status()
+            status = PeerStatus.model_validate_json(r.content)
+        except (httpx.HTTPError, ValidationError) as e:
+            peer.error = type(e).__name__ + (f" {e.response.status_code}" if isinstance(e, httpx.HTTPStatusError) else "")
+            return
+        self.update(peer, status)
+
+    def update(self, peer: Peer, status: PeerStatus) -> None:
+        peer.status = status
+        peer.sessions = {s.session: s for s in status.sessions}
+        peer.heard_at = time.monotonic()
+        peer.error = ""
+        if not peer.reachable:
+            peer.reachable = True
+            log.info("peer %s is up", peer.name)
+            self._publish(PeerUp(peer=peer.name))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for p in self.peers.values():
+            if p.reachable and now - p.heard_at > self.stale_after_s:
+                self.mark_down(p.name, p.error or f"not heard from for {self.stale_after_s:g}s")
+
+    def mark_down(self, name: str, reason: str) -> None:
+        p = self.peers.get(name)
+        if p is not None and p.reachable:
+            p.reachable = False
+            log.warning("peer %s is unreachable: %s", name, reason)
+            self._publish(PeerDown(peer=name, reason=reason))

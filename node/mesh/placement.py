@@ -1,0 +1,147 @@
+"""Placement: which host runs a session's next turn, and where its replica should go.
+
+One pure function, `choose`, answers both questions, so the kv_share target
+(the host placement would pick if the home were busy) can never disagree with
+where the turn would really go. The home (the host that ran the session last)
+keeps the turn while it has a free slot. Otherwise every available host is
+scored by expected time to first token: queue wait + uncached tokens / that
+host's measured prefill rate + import time; the replica holder usually wins,
+and waiting for the home wins when that is quicker. A move that cannot be warm
+is refused unless waiting for the home would take longer than `cold_move_after_s`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HostLoad:
+    name: str
+    slots: int
+    busy: int
+    queued: int
+    mean_turn_s: float
+    prefill_tps: float
+    import_bps: float  # replica store -> engine, bytes/s
+    available: bool = True  # reachable and not draining
+
+    @property
+    def free(self) -> int:
+        return max(0, self.slots - self.busy) if self.queued == 0 else 0
+
+    def wait_s(self) -> float:
+        """Expected queue wait: none with a free slot, else queue position x recent turn time."""
+        if self.free:
+            return 0.0
+        return (self.queued + 1) * self.mean_turn_s / max(1, self.slots)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one host holds of the session (tokens)."""
+
+    resident: int = 0
+    stored: int = 0
+    inbound: int = 0
+    inbound_eta_s: float = 0.0
+    homed_at: float = 0.0
+    last_turn_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    warm_fraction: float = 0.9
+    cold_move_after_s: float = 30.0
+    kv_bytes_per_token: int = 8192
+
+
+@dataclass(frozen=True)
+class Decision:
+    host: str
+    home: str | None
+    prev_host: str | None  # where the session's last turn ran (a turn elsewhere is a handoff)
+    predicted_reused: int
+    expected_ttft_s: float
+    reason: str
+
+
+def home_of(holdings: dict[str, Holding]) -> str | None:
+    """The host that ran the session last (or had it migrated to it)."""
+    best = max(holdings.items(), key=lambda kv: kv[1].homed_at, default=None)
+    return best[0] if best is not None and best[1].homed_at > 0 else None
+
+
+def last_host_of(holdings: dict[str, Holding]) -> str | None:
+    best = max(holdings.items(), key=lambda kv: kv[1].last_turn_at, default=None)
+    return best[0] if best is not None and best[1].last_turn_at > 0 else None
+
+
+def _estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) -> tuple[float, int]:
+    """(expected TTFT seconds, tokens reused) if the turn ran on h."""
+    wait = h.wait_s()
+    reuse, extra = 0, 0.0
+    if held is not None:
+        reuse = held.resident
+        if held.stored > reuse:
+            reuse = held.stored
+            extra = (held.stored - held.resident) * policy.kv_bytes_per_token / max(h.import_bps, 1e6)
+        if held.inbound > reuse:
+            # A replica still in flight counts if it lands sooner than the recompute would take.
+            gain_s = (held.inbound - reuse) / h.prefill_tps
+            if held.inbound_eta_s < gain_s:
+                reuse, extra = held.inbound, max(extra, held.inbound_eta_s)
+    reuse = min(reuse, max(0, prompt - 1))
+    return wait + extra + (prompt - reuse) / h.prefill_tps, reuse
+
+
+def choose(
+    hosts: dict[str, HostLoad],
+    holdings: dict[str, Holding],
+    prompt_tokens: int,
+    policy: Policy,
+    *,
+    unavailable: frozenset[str] = frozenset(),
+) -> Decision | None:
+    """The host for this turn (None when no host can take it)."""
+    home = home_of(holdings)
+    prev = last_host_of(holdings)
+    cands = [h for h in hosts.values() if h.available and h.name not in unavailable]
+    if not cands:
+        return None
+    est = {h.name: _estimate(h, holdings.get(h.name), prompt_tokens, policy) for h in cands}
+    if home in est and hosts[home].free:
+        # Stay where the cache is while that host has a free slot.
+        ttft, reuse = est[home]
+        return Decision(home, home, prev, reuse, ttft, "home")
+    home_wait = hosts[home].wait_s() if home in est else None
+
+    def allowed(name: str) -> bool:
+        if home_wait is None or name == home or prompt_tokens == 0:
+            return True
+        warm = est[name][1] >= policy.warm_fraction * prompt_tokens
+        return warm or home_wait > policy.cold_move_after_s
+
+    ok = [h for h in cands if allowed(h.name)]
+    # Lowest expected TTFT; ties: the home, then more reuse, then fewer busy slots, then name.
+    best = min(ok, key=lambda h: (round(est[h.name][0], 4), h.name != home, -est[h.name][1], h.busy, h.name))
+    ttft, reuse = est[best.name]
+    if best.name == home:
+        reason = "home" if best.free else "wait-for-home"
+    elif reuse and holdings.get(best.name) is not None:
+        reason = "replica"
+    elif home is None:
+        reason = "new-session"
+    else:
+        reason = "least-loaded"
+    return Decision(best.name, home, prev, reuse, ttft, reason)
+
+
+def predict_next(hosts: dict[str, HostLoad], holdings: dict[str, Holding], policy: Policy) -> Decision | None:
+    """Where the session would go if its home were busy now: the kv_share target."""
+    home = home_of(holdings)
+    if home is None:
+        return None
+    held = holdings[home]
+    size = max(held.resident, held.stored)
+    return choose(hosts, holdings, size, policy, unavailable=frozenset({home}))

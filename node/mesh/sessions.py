@@ -1,0 +1,72 @@
+"""This host's record of the sessions it served, and its handoff accounting.
+
+Records say what happened here (turns, moves, when the session was last homed
+here). They never say what the engine holds: that is asked of the engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+from node.protocol import HandoffClass, HandoffCounters
+
+
+@dataclass
+class SessionRecord:
+    session: str
+    homed_at: float = 0.0
+    last_turn_at: float = 0.0
+    turns: int = 0
+    moves: int = 0
+    last_handoff: HandoffClass | None = None
+    last_prompt_tokens: int = 0
+
+
+@dataclass
+class LinkCounts:
+    warm: int = 0
+    partial: int = 0
+    cold: int = 0
+
+
+class SessionBook:
+    """Session records (LRU-capped) plus handoff counters: mesh-wide share, per link, per session."""
+
+    def __init__(self, cap: int = 100_000):
+        self.records: collections.OrderedDict[str, SessionRecord] = collections.OrderedDict()
+        self.cap = cap
+        self.counters = HandoffCounters()
+        self.links_in: dict[str, LinkCounts] = collections.defaultdict(LinkCounts)  # by source host
+
+    def get(self, session: str) -> SessionRecord:
+        rec = self.records.get(session)
+        if rec is None:
+            rec = self.records[session] = SessionRecord(session)
+            while len(self.records) > self.cap:
+                self.records.popitem(last=False)
+        else:
+            self.records.move_to_end(session)
+        return rec
+
+    def turn_served(self, session: str, prompt_tokens: int, handoff: tuple[str, HandoffClass, bool] | None) -> SessionRecord:
+        """Record a turn that ran here; `handoff` = (previous host, class, stale_state) when it moved."""
+        rec = self.get(session)
+        rec.turns += 1
+        rec.homed_at = rec.last_turn_at = time.time()
+        rec.last_prompt_tokens = prompt_tokens
+        if handoff is not None:
+            src, cls, stale = handoff
+            rec.moves += 1
+            rec.last_handoff = cls
+            setattr(self.counters, cls, getattr(self.counters, cls) + 1)
+            if stale and cls == "cold":
+                self.counters.stale_state_cold += 1
+            lc = self.links_in[src]
+            setattr(lc, cls, getattr(lc, cls) + 1)
+        return rec
+
+    def adopt(self, session: str) -> None:
+        """Make this host the session's home (a migration landed here)."""
+        self.get(session).homed_at = time.time()
