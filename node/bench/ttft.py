@@ -18,23 +18,24 @@ from pathlib import Path
 from node.bench import emit
 from node.bench.workload import grow_conversation, text
 from node.config import EngineConfig, SimConfig
-from node.engine.engine import Engine, GenerateRequest, TextDelta
+from node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
 from node.engine.hashing import payload_digest
 from node.kvshare.store import ReplicaStore
 
 SESSION = "bench-ttft"
 
 async def _ttft(engine: Engine, prompt: list[int], max_tokens: int = 1) -> tuple[float, str]:
-    t0 = time.monotonic()
-    ttft = None
+    """Request to first token, as the engine measured it (queue + reuse + prefill + first sample)."""
     out = []
+    ttft = None
     async for ev in engine.generate(GenerateRequest(SESSION, prompt, max_tokens=max_tokens, temperature=0.0)):
-        if ttft is None:
-            ttft = time.monotonic() - t0
         if isinstance(ev, TextDelta):
             out.append(ev.text)
+        elif isinstance(ev, TurnDone):
+            ttft = ev.stats.ttft_s
     assert ttft is not None
     return ttft, "".join(out)
+
 
 def _engine_cfg(kind: str, tokens: int) -> EngineConfig:
     ctx = max(4096, tokens + 2048)

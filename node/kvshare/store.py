@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, cast
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -59,9 +59,9 @@ log = logging.getLogger("kvmesh.kvshare.store")
 
 FsyncPolicy = Literal["always", "never"]
 MANIFEST = "manifest.json"
-FORMAT = 1
 TEMP_PREFIX = "~"
 MAX_SEGMENTS = 16
+_wall_clock = time.time  # stamps a manifest's "updated" (LRU order after a restart); swappable in tests
 
 
 class StoreError(KVMeshError):
@@ -153,7 +153,7 @@ class _ManifestModel(BaseModel):
 
 def _manifest_json(m: Manifest) -> bytes:
     model = _ManifestModel(
-        format=FORMAT,
+        format=1,
         session=m.session,
         fingerprint=m.fingerprint,
         block_size=m.block_size,
@@ -210,7 +210,7 @@ def _write_file(directory: Path, name: str, data: bytes | memoryview, fsync: boo
 
 
 def _bytes_of(data: bytes | bytearray | memoryview | np.ndarray) -> memoryview:
-    mv = memoryview(data)
+    mv = memoryview(cast("bytes", data))  # numpy arrays are buffers too; the stubs disagree
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
@@ -276,12 +276,7 @@ class ReplicaStore:
         m = self.manifest(session)
         if m is None or m.fingerprint != fingerprint:
             return 0
-        n = 0
-        for mine, theirs in zip(m.hashes, hashes):
-            if mine != theirs:
-                break
-            n += 1
-        return n
+        return self._common(m.hashes, hashes)
 
     def usage_bytes(self) -> int:
         """Bytes on disk of every held session (segments, tokens, manifests)."""
@@ -295,14 +290,21 @@ class ReplicaStore:
             if session in self._entries:
                 self._entries.move_to_end(session)
 
-    def block_view(self, session: str, i: int) -> memoryview:
-        """Read-only view of block i's payload, mapped from its segment (not re-verified)."""
+    def block_view(self, session: str, i: int, *, verify: bool = False) -> memoryview:
+        """Read-only view of block i's payload, mapped from its segment.
+
+        With verify=True its payload digest is checked first (once per process, as
+        `import_into` does); a corrupt block drops the session and raises StoreError('digest').
+        """
         check_session_id(session)
         with self._lock:
             entry = self._entries.get(session)
             if entry is None:
                 raise StoreError(f"no replica of session {session!r}", reason="missing")
-            return self._view(entry, i)
+            view = self._view(entry, i)
+        if verify and not self._verify(entry, i, view):
+            raise StoreError(f"replica of {session!r}: block {i} on disk is corrupt (digest mismatch)", reason="digest")
+        return view
 
     # ---- writing ----------------------------------------------------------------
 
@@ -331,7 +333,7 @@ class ReplicaStore:
             self._check_prefix(session, base, fingerprint, block_size, block_bytes, hashes, first_block)
             keep, seg_first = self._plan(base, first_block)
             carry = [self._view(entry, i) for i in range(seg_first, first_block)] if entry else []
-        with self._lock:  # against _forget_empty_dir of an aborted first write
+            # Under the same lock as _forget_empty_dir, so an aborted first write cannot remove it now.
             directory = self._dir(session)
             fresh = not directory.exists()
             directory.mkdir(exist_ok=True)
@@ -389,7 +391,7 @@ class ReplicaStore:
     @staticmethod
     def _common(a: Sequence[bytes], b: Sequence[bytes]) -> int:
         n = 0
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=False):
             if x != y:
                 break
             n += 1
@@ -449,7 +451,7 @@ class ReplicaStore:
             digests = list(w.base.digests[: w.seg_first]) if w.base else []
             manifest = Manifest(
                 w.session, w.fingerprint, w.block_size, w.block_bytes, w.tokens, w.hashes, digests + w._digests,
-                w.generation, time.time(), tuple(segments), seq, tokens_file,
+                w.generation, _wall_clock(), tuple(segments), seq, tokens_file,
             )  # fmt: skip
             _write_file(d, MANIFEST, _manifest_json(manifest), sync)
             if sync:

@@ -69,7 +69,7 @@ import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -361,8 +361,8 @@ class _Rx(enum.Enum):
     DONE = "done"
 
 
-def _as_bytes_view(data: bytes | bytearray | memoryview) -> memoryview:
-    mv = memoryview(data)
+def _as_bytes_view(data: bytes | bytearray | memoryview | np.ndarray) -> memoryview:
+    mv = memoryview(cast("bytes", data))  # numpy arrays are buffers too; the stubs disagree
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
@@ -376,6 +376,7 @@ class Receiver:
         self._need = _OFFER_PREFIX.size
         self._acc = bytearray()
         self._prefix = b""
+        self._lens = (0, 0, 0)  # header bytes, tokens, hashes, from the prefix
         self.offer: Offer | None = None
         self.hashes: list[bytes] = []
         self.first_missing: int | None = None
@@ -548,9 +549,8 @@ class Receiver:
         except ValidationError as e:
             return self._refused(Reason.MALFORMED, f"bad offer header: {e.error_count()} error(s), first: {e.errors()[0]['msg']}")
         if offer.n_blocks != n_hashes or offer.num_tokens != n_tokens:
-            return self._refused(
-                Reason.MALFORMED, f"offer says {offer.n_blocks} blocks of {offer.block_size}; frame has {n_hashes} hashes, {n_tokens} tokens"
-            )
+            said = f"offer says {offer.n_blocks} blocks of {offer.block_size}"
+            return self._refused(Reason.MALFORMED, f"{said}; the frame has {n_hashes} hashes, {n_tokens} tokens")
         if offer.block_bytes > self.limits.max_block_bytes:
             return self._refused(Reason.OVERSIZED, f"block_bytes {offer.block_bytes} exceeds the limit {self.limits.max_block_bytes}")
         t0 = header_len
@@ -622,7 +622,8 @@ class Receiver:
         count, mac = _END_REST.unpack(unit)
         got = self._next - self.first_missing
         if self._next != self.offer.n_blocks or count != got:
-            return self._refused(Reason.INCOMPLETE, f"END says {count} blocks; {got} arrived of the {self.offer.n_blocks - self.first_missing} asked for")
+            asked = self.offer.n_blocks - self.first_missing
+            return self._refused(Reason.INCOMPLETE, f"END says {count} blocks; {got} arrived of the {asked} asked for")
         if not hmac.compare_digest(self._end_mac.digest(), mac):
             return self._refused(Reason.UNAUTHENTICATED, "the END mac does not authenticate the streamed digests")
         self._state = _Rx.RESULT
@@ -657,7 +658,6 @@ class Sender:
         self._offer_mac = b""
         self.first_missing: int | None = None
         self._next = 0
-        self._sent = 0
         self._end_mac: Any = None
         self._ended = False
 
@@ -688,8 +688,9 @@ class Sender:
         if digest is None:
             if payload is None:
                 raise ValueError("block_header needs the payload or its digest")
-            if memoryview(payload).nbytes != self.offer.block_bytes:
-                raise ValueError(f"payload is {memoryview(payload).nbytes} bytes; blocks are {self.offer.block_bytes}")
+            size = _as_bytes_view(payload).nbytes
+            if size != self.offer.block_bytes:
+                raise ValueError(f"payload is {size} bytes; blocks are {self.offer.block_bytes}")
             digest = payload_digest(payload)
         self._end_mac.update(digest)
         self._next += 1
@@ -756,7 +757,8 @@ class Sender:
         if status not in (_STATUS_OK, _STATUS_REFUSED):
             raise ProtocolError(Reason.MALFORMED, f"reply status {status} is neither ok nor refused")
         if rlen > MAX_REASON_BYTES or mlen > MAX_MESSAGE_BYTES:
-            raise ProtocolError(Reason.OVERSIZED, f"reply reason/message of {rlen}/{mlen} bytes exceed {MAX_REASON_BYTES}/{MAX_MESSAGE_BYTES}")
+            most = f"{MAX_REASON_BYTES}/{MAX_MESSAGE_BYTES}"
+            raise ProtocolError(Reason.OVERSIZED, f"reply reason/message of {rlen}/{mlen} bytes exceed {most}")
         self._fixed, self._fixed_bytes = fields, unit
         self._state, self._need = tail, rlen + mlen + MAC_BYTES
         return []

@@ -115,6 +115,7 @@ def test_is_causal_in_the_model_breaks_chunked_prefill(tiny: Decoder, monkeypatc
         return real(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa)
 
     monkeypatch.setattr(model_mod, "F", types.SimpleNamespace(scaled_dot_product_attention=is_causal_everywhere, silu=F.silu))
+    monkeypatch.setattr(model_mod, "_flash_cpu", None)  # take the explicit-mask path
     bad, _ = _prefill(tiny, toks, [0, 128, N])
     assert (bad - ref).abs().max() > 1e-2
 
