@@ -42,6 +42,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def cmd_load(args: argparse.Namespace) -> int:
+    from node.bench import emit
+    from node.load import LoadRunner, LoadShape
+
+    shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, max_tokens=args.max_tokens,
+                      seed=args.seed)
+    record = open(args.record, "w") if args.record else None
+    try:
+        runner = LoadRunner([u.rstrip("/") for u in args.node], shape, record=record, time_scale=args.time_scale)
+        stats = asyncio.run(runner.replay(args.replay) if args.replay else runner.run(args.duration))
+    finally:
+        if record:
+            record.close()
+    emit(stats.summary(), args)
+    return 0 if stats.errors == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: keep long LLM conversations warm across hosts")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -72,7 +89,36 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tokens", type=int, default=16384)
     t.add_argument("--engine", choices=["tiny", "sim"], default="tiny")
     t.add_argument("--store-dir", type=Path, help="where the replica file goes (default: a temp dir)")
+    h = bsub.add_parser("handoff", help="two sim nodes, 16 agent sessions: warm/partial/cold handoffs")
+    h.add_argument("--json", action="store_true")
+    h.add_argument("--duration", type=float, default=120.0)
+    h.add_argument("--sessions", type=int, default=16)
+    h.add_argument("--slots", type=int, default=4)
+    h.add_argument("--kv-scale", type=float, default=0.05)
+    h.add_argument("--cache-bytes", type=int, default=1 << 30)
+    h.add_argument("--target-tokens", type=int, default=50_000)
+    h.add_argument("--max-tokens", type=int, default=64)
+    h.add_argument("--time-scale", type=float, default=1.0, help="multiplies think times (compression < 1)")
+    h.add_argument("--seed", type=int, default=1)
+    x = bsub.add_parser("transfer", help="kv_share delta vs raw TCP between two node processes")
+    x.add_argument("--json", action="store_true")
+    x.add_argument("--mib", type=float, default=247.0, help="delta size")
+    x.add_argument("--link", choices=["loopback", "1gbit", "10gbit"], default="loopback")
+    x.add_argument("--repeat", type=int, default=3)
     b.set_defaults(func=cmd_bench)
+
+    ld = sub.add_parser("load", help="drive a mesh like a fleet of coding agents")
+    ld.add_argument("--node", action="append", required=True, help="entry node URL (repeat for several)")
+    ld.add_argument("--sessions", type=int, default=16)
+    ld.add_argument("--duration", type=float, default=120.0)
+    ld.add_argument("--target-tokens", type=int, default=50_000)
+    ld.add_argument("--max-tokens", type=int, default=64)
+    ld.add_argument("--time-scale", type=float, default=1.0)
+    ld.add_argument("--seed", type=int, default=1)
+    ld.add_argument("--record", type=Path, help="write a JSONL trace of every turn")
+    ld.add_argument("--replay", type=Path, help="replay a JSONL trace instead of generating")
+    ld.add_argument("--json", action="store_true")
+    ld.set_defaults(func=cmd_load)
     return p
 
 

@@ -41,6 +41,8 @@ def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]
         where = ".".join(loc)
         if e.get("type") == "json_invalid":
             return "the request body is not valid JSON: " + str(e.get("ctx", {}).get("error", e.get("msg"))), None
+        if not loc and e.get("type") in ("dict_type", "model_attributes_type", "model_type"):
+            return "the request body must be a JSON object (send it with Content-Type: application/json)", None
         param = param or (loc[0] if loc else None)
         parts.append(f"{where or 'body'}: {e.get('msg')}")
     return "invalid request: " + "; ".join(parts), param
@@ -62,9 +64,11 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 400 and str(exc.detail) == "There was an error parsing the body":
+            message = "the request body could not be parsed as JSON (is it UTF-8?)"
         else:
             message = str(exc.detail)
-        code = {413: "request_too_large"}.get(exc.status_code, str(exc.status_code))
+        code = {400: "invalid_value", 413: "request_too_large"}.get(exc.status_code, str(exc.status_code))
         return error_json(exc.status_code, message, "invalid_request_error", code,
                           headers=dict(exc.headers or {}))
 

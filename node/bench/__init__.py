@@ -20,4 +20,12 @@ def run(args: argparse.Namespace) -> int:
         from node.bench.ttft import run_ttft
 
         return run_ttft(args)
+    if args.bench == "handoff":
+        from node.bench.handoff import run_handoff
+
+        return run_handoff(args)
+    if args.bench == "transfer":
+        from node.bench.transfer import run_transfer
+
+        return run_transfer(args)
     raise SystemExit(f"unknown benchmark {args.bench!r}")

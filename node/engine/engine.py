@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import xxhash
 
 from node.config import EngineConfig
 from node.engine.blocks import BlockManager, BlockPool
@@ -89,6 +90,14 @@ class EngineCounters:
     imports_refused: int = 0
     prefill_s: float = 0.0
     recent_prefill_tps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=16))
+
+
+def _generator(seed: int | None) -> torch.Generator | None:
+    """A sampling generator from a 64-bit seed: hashed first, so high bits matter too."""
+    if seed is None:
+        return None
+    mixed = xxhash.xxh64_intdigest(seed.to_bytes(8, "little", signed=True))
+    return torch.Generator().manual_seed(mixed & ((1 << 63) - 1))
 
 
 def _pick_device(want: str) -> torch.device:
@@ -285,7 +294,7 @@ class Engine:
             logits = await self.runner.forward(slot, tokens[reuse:], reuse)
             stats.prefill_s = time.monotonic() - t2
             self._count_prefill(len(tokens) - reuse, stats.prefill_s, reuse)
-            gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+            gen = _generator(req.seed)
             allowed = self._allowed if self.cfg.kind in ("tiny", "sim") else None
             decoder = self.tokenizer.incremental_decoder()
             out_ids: list[int] = []

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+# Below this, logits / temperature overflows fp32: such temperatures sample greedily.
+MIN_TEMPERATURE = 1e-4
+
 
 def sample(
     logits: torch.Tensor,
@@ -15,7 +18,7 @@ def sample(
     """logits: [vocab] fp32; allowed: [vocab] bool, or None for every id."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    if temperature <= 0.0:
+    if temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:

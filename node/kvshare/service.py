@@ -576,7 +576,7 @@ class KVShare:
         txn: ImportTxn = plan["txn"]  # type: ignore[assignment]
         engine_held, store_held = int(plan["engine_held"]), int(plan["store_held"])  # type: ignore[call-overload]
         for i in range(engine_held, store_held):
-            txn.write(i, self.store.block_view(offer.session, i))
+            txn.write(i, self.store.block_view(offer.session, i, verify=True))
         tokens = txn.commit()
         ready = time.monotonic()
         lag = ready - last_byte

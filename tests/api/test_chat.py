@@ -217,10 +217,6 @@ def test_seeded_sampling_is_deterministic(tiny, tiny_client):
     assert greedy not in (a1, b)  # sampling really sampled
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "node/engine/engine.py Engine._turn: torch.Generator().manual_seed(req.seed) - torch's CPU mt19937 keeps only the "
-    "low 32 bits of the seed, so seeds that differ only above bit 31 (1 and 2**32+1, -1 and 2**63-1) sample "
-    "identical text; fold the 64-bit seed (e.g. hash it) before seeding"))
 def test_seeds_differing_in_high_bits_sample_differently(tiny, tiny_client):
     """Two seeds that differ only in their high 32 bits give different samples."""
     msgs = [{"role": "user", "content": "Name some colours."}]

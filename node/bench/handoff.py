@@ -1,0 +1,88 @@
+"""`kvmesh bench handoff`: two sim nodes on loopback, 16 coding-agent sessions, handoffs counted.
+
+The counters are the mesh's own (GET /v1/cluster), not the load generator's
+view; decision time is the placement function's, measured inside the nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from node.bench import emit
+from node.launcher import NodeProcess, mesh_configs
+from node.load import LoadRunner, LoadShape
+
+
+def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cache_bytes: int,
+               extra: dict[str, Any] | None = None) -> list[NodeProcess]:
+    engine = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_timeout_s": 600.0,
+              "sim": {"kv_scale": kv_scale}}
+    base: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 4 * cache_bytes},
+                            "mesh": {"poll_interval_s": 0.25}}
+    for k, v in (extra or {}).items():
+        base.setdefault(k, {}).update(v)
+    cfgs = mesh_configs(work, names, engine=engine, extra=base)
+    nodes = [NodeProcess(n, p, work).start() for n, p in cfgs.items()]
+    try:
+        for n in nodes:
+            n.wait_ready()
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+    return nodes
+
+
+def wait_peers(nodes: list[NodeProcess], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hosts = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=5).json()["hosts"]
+        if len(hosts) == len(nodes) and all(h["reachable"] for h in hosts):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the nodes did not see each other")
+
+
+def run_handoff(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
+        nodes = start_mesh(Path(tmp), ["node-a", "node-b"], slots=args.slots, kv_scale=args.kv_scale,
+                           cache_bytes=args.cache_bytes)
+        try:
+            wait_peers(nodes)
+            shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, seed=args.seed,
+                              max_tokens=args.max_tokens)
+            runner = LoadRunner([n.api for n in nodes], shape, time_scale=args.time_scale)
+            t0 = time.monotonic()
+            stats = asyncio.run(runner.run(args.duration))
+            elapsed = time.monotonic() - t0
+            time.sleep(1.0)  # two status polls: every node's counters are in the cluster view
+            cluster = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=10).json()
+            node_stats = [httpx.get(f"{n.api}/v1/stats", timeout=10).json() for n in nodes]
+        finally:
+            for n in nodes:
+                n.stop()
+    c = cluster["counters"]
+    total = c["warm"] + c["partial"] + c["cold"]
+
+    def pct(x: int) -> float:
+        return round(100.0 * x / total, 2) if total else 0.0
+
+    load = stats.summary()
+    result = {
+        "handoffs": total, "warm": c["warm"], "partial": c["partial"], "cold": c["cold"],
+        "warm_pct": pct(c["warm"]), "partial_pct": pct(c["partial"]), "cold_pct": pct(c["cold"]),
+        "stale_state_cold": c["stale_state_cold"],
+        "decision_p99_ms": max(s["decision_p99_ms"] for s in node_stats),
+        "turns": load["turns"], "errors": load["errors"], "duration_s": round(elapsed, 1),
+        "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
+        "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
+    }
+    emit(result, args)
+    return 0
