@@ -217,6 +217,8 @@ class ReplicaReady(_Event):
     bytes: int
     lag_s: float  # replica usable this long after its last byte arrived
     imported: bool  # landed in the engine (else: store only)
+    recv_s: float = 0.0  # from the answer to the last byte: the transfer as the receiver saw it
+    blocks: int = 0  # blocks that crossed the wire (the delta)
 
 
 class ReplicaImported(_Event):

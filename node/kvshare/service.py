@@ -590,7 +590,9 @@ class KVShare:
         self.wasted_bytes += prev_unused
         self._unused[offer.session] = received
         self.node.hub.publish(ReplicaReady(session=offer.session, src=offer.sender, dst=self.node.name, tokens=tokens,
-                                           bytes=received, lag_s=round(lag, 5), imported=True))
+                                           bytes=received, lag_s=round(lag, 5), imported=True,
+                                           recv_s=round(last_byte - t_first, 5),
+                                           blocks=offer.n_blocks - int(plan["first_missing"])))  # type: ignore[call-overload]
         hashes: list[bytes] = plan["hashes"]  # type: ignore[assignment]
         self._write_behind(offer.session, plan["tokens"], hashes, store_held)  # type: ignore[arg-type]
         return tokens

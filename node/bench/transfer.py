@@ -1,0 +1,167 @@
+"""`kvmesh bench transfer`: a 247 MiB kv_share delta vs raw TCP, between the same two hosts.
+
+Two node processes (sim engine at the field report's 20 KiB/token): a session
+is replicated once (the base), grows by the delta, and the delta's replica is
+measured as the receiver saw it (answer -> last byte), with its ready lag
+(last byte -> imported). In the same run, a raw single-stream TCP send of the
+same byte count between the same two hosts. On loopback by default; with
+`--link 1gbit|10gbit` (root) across a shaped veth pair between two namespaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from websockets.sync.client import connect
+
+from node.bench import emit
+from node.bench.handoff import wait_peers
+from node.bench.workload import text
+from node.launcher import NodeProcess, free_port, mesh_configs
+
+BLOCK = 256
+BASE_BLOCKS = 8
+
+
+def _engine(delta_mib: float, delta_blocks: int) -> dict[str, Any]:
+    per_token = int(delta_mib * 2**20 / (delta_blocks * BLOCK)) // 16 * 16
+    pool = (BASE_BLOCKS + delta_blocks) * 2 + 8
+    return {"kind": "sim", "slots": 1, "block_size": BLOCK, "cache_bytes": pool * per_token * BLOCK,
+            "sim": {"kv_bytes_per_token": per_token, "kv_scale": 1.0, "prefill_tps": 2e6, "decode_tps": 1000.0}}
+
+
+EXTRA = {"kvshare": {"replicate_min_tokens": 0, "persist_own": False, "fsync": "never"},
+         "mesh": {"poll_interval_s": 0.2}}
+
+
+def _turn(api: str, session: str, messages: list[dict[str, str]]) -> str:
+    r = httpx.post(f"{api}/v1/chat/completions", headers={"X-Session-Id": session}, timeout=120,
+                   json={"model": "kvmesh-sim", "messages": messages, "max_tokens": 2, "temperature": 0})
+    r.raise_for_status()
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def _await_ready(ws_url: str, session: str, trigger: Any, timeout: float = 120.0) -> dict[str, Any]:
+    """Run trigger() and return the receiver's replica_ready event for this session."""
+    with connect(ws_url, max_size=None, open_timeout=10) as ws:
+        ws.recv(timeout=10)  # the snapshot
+        trigger()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ev = json.loads(ws.recv(timeout=max(0.1, deadline - time.monotonic())))
+            if ev.get("replay"):
+                continue
+            if ev["type"] == "replica_ready" and ev["session"] == session:
+                return ev
+            if ev["type"] == "replica_refused" and ev["session"] == session:
+                raise RuntimeError(f"replica refused: {ev['reason']} {ev.get('message')}")
+    raise TimeoutError("no replica_ready")
+
+
+def _raw_tcp(nbytes: int, recv_prefix: list[str], send_prefix: list[str], host: str) -> float:
+    port = free_port() if not recv_prefix else 7100
+    rx = subprocess.Popen([*recv_prefix, sys.executable, "-m", "node.bench.rawtcp", "recv", host, str(port), str(nbytes)],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        assert rx.stdout is not None
+        if rx.stdout.readline().strip() != "ready":
+            raise RuntimeError("raw TCP receiver did not start")
+        subprocess.run([*send_prefix, sys.executable, "-m", "node.bench.rawtcp", "send", host, str(port), str(nbytes)],
+                       check=True, capture_output=True, timeout=300)
+        out, _ = rx.communicate(timeout=60)
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+    return float(out.split()[-1])
+
+
+def _measure(apis: dict[str, str], raw: Any, delta_blocks: int, repeat: int, rng: random.Random) -> dict[str, Any]:
+    a, b = apis["a"], apis["b"]
+    ws_b = b.replace("http://", "ws://") + "/v1/events"
+    rounds = []
+    for k in range(repeat):
+        session = f"bench-transfer-{k}"
+        # The base: BASE_BLOCKS blocks, replicated to b as a normal turn would.
+        msgs = [{"role": "system", "content": text(rng, BASE_BLOCKS * BLOCK + 100)}]
+        base = _await_ready(ws_b, session, lambda: _turn(a, session, msgs))
+        # The delta: the conversation grows by delta_blocks whole blocks.
+        msgs = msgs + [{"role": "assistant", "content": "ok"}, {"role": "tool", "content": text(rng, delta_blocks * BLOCK)}]
+        ev = _await_ready(ws_b, session, lambda: _turn(a, session, msgs))
+        raw_s = raw(ev["bytes"])
+        rounds.append({"bytes": ev["bytes"], "blocks": ev["blocks"], "recv_s": ev["recv_s"], "lag_s": ev["lag_s"],
+                       "raw_s": raw_s, "base_blocks": base["blocks"]})
+    return {"rounds": rounds}
+
+
+def run_transfer(args: argparse.Namespace) -> int:
+    delta_blocks = 50
+    engine = _engine(args.mib, delta_blocks)
+    block_bytes = engine["sim"]["kv_bytes_per_token"] * BLOCK
+    rng = random.Random(3)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-transfer-") as tmp:
+        work = Path(tmp)
+        if args.link == "loopback":
+            cfgs = mesh_configs(work, ["a", "b"], engine=engine, extra=EXTRA)
+            nodes = [NodeProcess(n, p, work).start() for n, p in cfgs.items()]
+            try:
+                for n in nodes:
+                    n.wait_ready()
+                wait_peers(nodes)
+                apis = {n.name: n.api for n in nodes}
+                res = _measure(apis, lambda nb: _raw_tcp(nb, [], [], "127.0.0.1"), delta_blocks, args.repeat, rng)
+            finally:
+                for n in nodes:
+                    n.stop()
+        else:
+            from node.netlab.mesh import lab_api, lab_nodes
+            from node.netlab.netns import TwoHostLab, can_use_netns
+
+            ok, why = can_use_netns()
+            if not ok:
+                raise SystemExit(f"--link {args.link}: {why}")
+            with TwoHostLab(args.link) as lab:
+                nodes = lab_nodes(lab, work, engine=engine, extra=EXTRA)
+                try:
+                    for n in nodes:
+                        n.wait_ready()
+                    for n in nodes:
+                        n.info["api"] = lab_api(lab, n.name)
+                    wait_peers(nodes)
+                    a, b = lab.hosts
+                    apis = {"a": lab_api(lab, "host-a"), "b": lab_api(lab, "host-b")}
+                    res = _measure(apis, lambda nb: _raw_tcp(nb, b.exec_prefix(), a.exec_prefix(), b.data_ip),
+                                   delta_blocks, args.repeat, rng)
+                finally:
+                    for n in nodes:
+                        n.stop()
+    rounds = res["rounds"]
+    ideal = delta_blocks * block_bytes
+    kv = [8 * r["bytes"] / r["recv_s"] / 1e9 for r in rounds]
+    raw = [8 * r["bytes"] / r["raw_s"] / 1e9 for r in rounds]
+    ratios = [k / w for k, w in zip(kv, raw)]
+    i = ratios.index(statistics.median(ratios)) if len(ratios) % 2 else int(math.floor(len(ratios) / 2))
+    result = {
+        "bytes": rounds[i]["bytes"],
+        "raw_tcp_gbps": round(raw[i], 3),
+        "kvshare_gbps": round(kv[i], 3),
+        "ratio": round(ratios[i], 3),
+        "ready_after_last_byte_s": round(max(r["lag_s"] for r in rounds), 4),
+        "sent_over_ideal": round(max(r["bytes"] for r in rounds) / ideal, 4),
+        "link": args.link,
+        "delta_blocks": rounds[i]["blocks"],
+        "rounds": [{"kvshare_gbps": round(k, 3), "raw_tcp_gbps": round(w, 3), "lag_s": r["lag_s"]}
+                   for k, w, r in zip(kv, raw, rounds)],
+    }
+    emit(result, args)
+    return 0

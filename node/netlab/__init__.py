@@ -1,0 +1,1 @@
+"""netlab: two hosts as network namespaces joined by a shaped veth pair."""
