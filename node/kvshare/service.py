@@ -496,6 +496,7 @@ class KVShare:
     def _serve_conn(self, conn: socket.socket) -> None:
         rx = wire.Receiver(self.secret, self.previous_secret)
         txn: ImportTxn | None = None
+        writer: object | None = None
         offer: wire.Offer | None = None
         src = "?"
         plan: dict[str, object] = {}
@@ -529,21 +530,26 @@ class KVShare:
                             self._call(self._refused, offer, src, reason, message)
                             return
                         txn = plan.get("txn")  # type: ignore[assignment]
+                        writer = plan.get("writer")
                         target = (lambda h, t=txn: t.buffer(h.index)) if txn is not None else None
                         conn.sendall(rx.accept(int(plan["first_missing"]), payload_target=target))  # type: ignore[call-overload]
                         t_first = time.monotonic()
+                    elif isinstance(ev, wire.BlockReceived) and writer is not None:
+                        writer.write_block(ev.index, ev.data, ev.digest)  # type: ignore[attr-defined]
                     elif isinstance(ev, wire.EndReceived):
                         last_byte = time.monotonic()
                         tokens = self._call(self._on_complete, offer, plan, received, last_byte, t_first)
-                        txn = None  # committed
+                        txn = writer = None  # committed
                         conn.sendall(rx.result_ok(tokens))
-        except (OSError, wire.ProtocolError, concurrent.futures.CancelledError) as err:
-            reason = err.reason if isinstance(err, wire.ProtocolError) else "connection"
+        except (OSError, KVMeshError, concurrent.futures.CancelledError, concurrent.futures.TimeoutError) as err:
+            reason = getattr(err, "reason", None) or ("connection" if isinstance(err, OSError) else type(err).__name__)
             if offer is not None and not self._closing.is_set():
                 self._call(self._refused, offer, src, reason, str(err))
         finally:
             if txn is not None and not self._closing.is_set():
                 self._call(self._abort, offer, txn)
+            if writer is not None:
+                writer.abort()  # type: ignore[attr-defined]
             conn.close()
 
     def _on_offer(self, ev: wire.OfferReceived) -> dict[str, object]:
@@ -554,30 +560,45 @@ class KVShare:
         if offer.block_size != e.block_size or offer.block_bytes != e.block_bytes:
             return {"refuse": ("shape", f"blocks of {offer.block_size} tokens/{offer.block_bytes} bytes; "
                                         f"this engine uses {e.block_size}/{e.block_bytes}")}
+        store_held = self.store.held_prefix_blocks(offer.session, offer.fingerprint, ev.hashes)
         try:
             txn = e.begin_import(offer.session, offer.fingerprint, ev.tokens, ev.hashes)
         except ImportRefused as err:
             if err.reason != "no_room":
                 return {"refuse": (err.reason, str(err))}
-            # The engine is full of running turns: this replica goes to the store only (slow path).
-            return {"refuse": ("no_room", "every KV block is held by a running turn")}
+            # Every KV block is held by a running turn: the replica goes to the store only
+            # (the slow path: disk on the critical path), to be imported before its next turn.
+            try:
+                writer = self.store.begin_write(offer.session, fingerprint=offer.fingerprint, block_size=offer.block_size,
+                                                block_bytes=offer.block_bytes, tokens=ev.tokens, hashes=ev.hashes,
+                                                first_block=store_held, generation=offer.generation)
+            except KVMeshError as werr:
+                return {"refuse": (getattr(werr, "reason", "store"), str(werr))}
+            self._track_inbound(offer, store_held)
+            return {"writer": writer, "first_missing": store_held}
         engine_held = txn.missing[0] if txn.missing else offer.n_blocks
-        store_held = self.store.held_prefix_blocks(offer.session, offer.fingerprint, ev.hashes)
         first = max(engine_held, store_held)
-        self._inbound[offer.session] = _Inbound(offer.sender, offer.num_tokens, time.monotonic(),
-                                                 eta_s=(offer.n_blocks - first) * offer.block_bytes / 1e9)
+        self._track_inbound(offer, first)
         return {"txn": txn, "first_missing": first, "engine_held": engine_held, "store_held": store_held,
                 "tokens": ev.tokens, "hashes": ev.hashes}
+
+    def _track_inbound(self, offer: wire.Offer, first: int) -> None:
+        self._inbound[offer.session] = _Inbound(offer.sender, offer.num_tokens, time.monotonic(),
+                                                 eta_s=(offer.n_blocks - first) * offer.block_bytes / 1e9)
 
     def _on_complete(self, offer: wire.Offer, plan: dict[str, object], received: int, last_byte: float,
                      t_first: float) -> int:
         """END verified: fill from the store what it had, commit the import: the replica is ready."""
-        e = self.node.engine
-        txn: ImportTxn = plan["txn"]  # type: ignore[assignment]
-        engine_held, store_held = int(plan["engine_held"]), int(plan["store_held"])  # type: ignore[call-overload]
-        for i in range(engine_held, store_held):
-            txn.write(i, self.store.block_view(offer.session, i, verify=True))
-        tokens = txn.commit()
+        txn: ImportTxn | None = plan.get("txn")  # type: ignore[assignment]
+        writer = plan.get("writer")
+        if txn is not None:
+            engine_held, store_held = int(plan["engine_held"]), int(plan["store_held"])  # type: ignore[call-overload]
+            for i in range(engine_held, store_held):
+                txn.write(i, self.store.block_view(offer.session, i, verify=True))
+            tokens = txn.commit()
+        else:
+            writer.commit()  # type: ignore[union-attr]
+            tokens = 0
         ready = time.monotonic()
         lag = ready - last_byte
         st = self.inn[offer.sender]
@@ -590,11 +611,11 @@ class KVShare:
         self.wasted_bytes += prev_unused
         self._unused[offer.session] = received
         self.node.hub.publish(ReplicaReady(session=offer.session, src=offer.sender, dst=self.node.name, tokens=tokens,
-                                           bytes=received, lag_s=round(lag, 5), imported=True,
+                                           bytes=received, lag_s=round(lag, 5), imported=txn is not None,
                                            recv_s=round(last_byte - t_first, 5),
                                            blocks=offer.n_blocks - int(plan["first_missing"])))  # type: ignore[call-overload]
-        hashes: list[bytes] = plan["hashes"]  # type: ignore[assignment]
-        self._write_behind(offer.session, plan["tokens"], hashes, store_held)  # type: ignore[arg-type]
+        if txn is not None:
+            self._write_behind(offer.session, plan["tokens"], plan["hashes"], store_held)  # type: ignore[arg-type]
         return tokens
 
     def _abort(self, offer: wire.Offer | None, txn: ImportTxn) -> None:
