@@ -76,10 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--ready-file", type=Path, help="write {name, api, pid} JSON here once listening")
     n.set_defaults(func=cmd_node)
 
-    d = sub.add_parser("demo", help="start a local node and run a short scripted conversation")
-    d.add_argument("--engine", choices=["tiny", "sim"], default="tiny")
-    d.add_argument("--turns", type=int, default=4)
-    d.add_argument("--headless", action="store_true", help="print, do not open the console")
+    d = sub.add_parser("demo", help="a live two-node mesh with a coding-agent workload and the console")
+    d.add_argument("--headless", action="store_true", help="print the counters once a second instead of the console")
+    d.add_argument("--seconds", type=float, default=None, help="with --headless: stop after this long")
+    d.add_argument("--sessions", type=int, default=16)
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks; the last stdout line is one JSON object")

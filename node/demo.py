@@ -1,67 +1,107 @@
-"""`kvmesh demo`: start a local node and hold a short conversation with it, printing what happened."""
+"""`kvmesh demo`: a live two-node mesh, a coding-agent workload, and the console on top.
+
+Both nodes run the sim engine (4 slots each) at a pace that keeps them busy,
+so sessions move every few seconds and replicas land ahead of them. With
+`--headless` the warm/partial/cold counters are printed once a second instead
+of opening the console. Ctrl-C (or quitting the console) stops everything this
+command started, by PID, and removes its temp directory.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
-import random
+import asyncio
+import os
+import secrets
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from node.bench.workload import grow_conversation, text
-from node.launcher import NodeProcess, write_toml
+from node.bench.handoff import start_mesh, wait_peers
+from node.launcher import NodeProcess
+from node.load import LoadRunner, LoadShape
+
+
+class _Workload:
+    """The load generator on a thread of its own, stoppable."""
+
+    def __init__(self, apis: list[str], sessions: int):
+        shape = LoadShape(sessions=sessions, target_tokens=40_000, max_tokens=48, think_s=(0.3, 1.5))
+        self.runner = LoadRunner(apis, shape)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name="demo-load", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.runner.run(24 * 3600))
+        except Exception:  # noqa: BLE001 - the demo's workload failing must not hide the console
+            pass
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.runner._stop.set)
+        self.thread.join(timeout=30)
+
+
+def _print_counters(api: str, stop_after: float | None) -> None:
+    t0 = time.monotonic()
+    print(f"{'time':>6} {'turns':>6} {'handoffs':>8} {'warm':>5} {'part':>5} {'cold':>5} {'warm%':>6}  hosts")
+    with httpx.Client(timeout=5) as c:
+        while stop_after is None or time.monotonic() - t0 < stop_after:
+            time.sleep(1.0)
+            try:
+                cl = c.get(f"{api}/v1/cluster").json()
+            except httpx.HTTPError:
+                continue
+            k = cl["counters"]
+            total = k["warm"] + k["partial"] + k["cold"]
+            pct = f"{100 * k['warm'] / total:5.1f}%" if total else "    -"
+            turns = sum(s["turns"] for s in cl["sessions"])
+            hosts = " ".join(f"{h['name']}:{h['busy']}/{h['slots']}{' DRAIN' if h['draining'] else ''}"
+                             for h in cl["hosts"])
+            print(f"{time.monotonic() - t0:6.0f} {turns:>6} {total:>8} {k['warm']:>5} {k['partial']:>5} {k['cold']:>5} "
+                  f"{pct}  {hosts}", flush=True)
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp:
         work = Path(tmp)
-        cfg = work / "node-1.toml"
-        write_toml(cfg, {"name": "node-1", "api": {"host": "127.0.0.1", "port": 0},
-                         "engine": {"kind": args.engine, "slots": 2, "cache_bytes": 512 << 20, "max_context": 32768}})
-        node = NodeProcess("node-1", cfg, work)
-        print(f"starting node-1 ({args.engine} engine) ...", flush=True)
-        node.start()
+        print("starting a two-node mesh (sim engine, 4 slots each) ...", flush=True)
+        nodes: list[NodeProcess] = start_mesh(
+            work, ["gpu-1", "gpu-2"], slots=4, kv_scale=0.05, cache_bytes=768 << 20,
+            extra={"kvshare": {"replicate_min_tokens": 4096}, "admin_token": token},
+        )
+        load: _Workload | None = None
         try:
-            node.wait_ready()
-            print(f"node-1 ready at {node.api}\n", flush=True)
-            rng = random.Random(1)
-            msgs = grow_conversation(rng, 6000)
-            model = httpx.get(f"{node.api}/v1/models").json()["data"][0]["id"]
-            print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'reused':>7} {'ttft_s':>7}  reply")
-            with httpx.Client(timeout=120) as client:
-                for turn in range(1, args.turns + 1):
-                    t0 = time.monotonic()
-                    ttft = None
-                    reply = []
-                    usage = {}
-                    with client.stream("POST", f"{node.api}/v1/chat/completions",
-                                       headers={"X-Session-Id": "demo-1"},
-                                       json={"model": model, "messages": msgs, "max_tokens": 24, "temperature": 0,
-                                             "stream": True, "stream_options": {"include_usage": True}}) as r:
-                        r.raise_for_status()
-                        for line in r.iter_lines():
-                            if not line.startswith("data: ") or line == "data: [DONE]":
-                                continue
+            wait_peers(nodes)
+            apis = [n.api for n in nodes]
+            print("mesh up: " + ", ".join(f"{n.name} {n.api}" for n in nodes), flush=True)
+            load = _Workload(apis, args.sessions)
+            load.start()
+            if args.headless:
+                _print_counters(apis[0], args.seconds)
+            else:
+                token_file = work / "admin-token"
+                token_file.write_text(token)
+                os.chmod(token_file, 0o600)
+                from console.cli import main as console_main
 
-
-                            obj = json.loads(line[6:])
-                            if obj.get("usage"):
-                                usage = obj["usage"]
-                            for ch in obj.get("choices", []):
-                                if ch["delta"].get("content"):
-                                    ttft = ttft or time.monotonic() - t0
-                                    reply.append(ch["delta"]["content"])
-                    content = "".join(reply)
-                    cached = usage["prompt_tokens_details"]["cached_tokens"]
-                    pct = 100 * cached / usage["prompt_tokens"]
-                    print(f"{turn:>4} {usage['prompt_tokens']:>7} {cached:>7} {pct:>6.1f}% {ttft or 0:>7.3f}  {content[:30]!r}",
-                          flush=True)
-                    msgs += [{"role": "assistant", "content": content},
-                             {"role": "tool", "content": text(rng, 800)}]
-            print("\nturn 1 prefilled everything; later turns reuse the resident cache (cached tokens).")
+                console_main([*(f"--node={a}" for a in apis), f"--admin-token-file={token_file}"])
+        except KeyboardInterrupt:
+            pass
         finally:
-            node.stop()
+            print("stopping the demo ...", file=sys.stderr, flush=True)
+            if load is not None:
+                load.stop()
+            for n in nodes:
+                n.stop()
     return 0
+

@@ -27,7 +27,10 @@ def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cac
     base: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 4 * cache_bytes},
                             "mesh": {"poll_interval_s": 0.25}}
     for k, v in (extra or {}).items():
-        base.setdefault(k, {}).update(v)
+        if isinstance(v, dict):
+            base.setdefault(k, {}).update(v)
+        else:
+            base[k] = v
     cfgs = mesh_configs(work, names, engine=engine, extra=base)
     nodes = [NodeProcess(n, p, work).start() for n, p in cfgs.items()]
     try:
