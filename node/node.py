@@ -34,9 +34,11 @@ from node.protocol import (
     DrainStarted,
     Handoff,
     HostInfo,
+    HostStatus,
     LinkInfo,
     MigrateCompleted,
     MigrateStarted,
+    ReplicaEvicted,
     TurnFinished,
     TurnStarted,
     Undrained,
@@ -120,6 +122,7 @@ class Node:
         self.kvshare = KVShare(self)
         self.mesh = Mesh(self)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.engine.on_evict = lambda s: self.hub.publish(ReplicaEvicted(session=s, host=self.name, where="engine"))
         log.info(
             "node %s: engine %s, %d slots, %d KV blocks of %d tokens (%.2f MiB each), fingerprint %s",
             self.name, cfg.engine.kind, cfg.engine.slots, self.engine.pool.num_blocks, self.engine.block_size,
@@ -128,7 +131,17 @@ class Node:
 
     async def start(self) -> None:
         await self.kvshare.start()
+        loop = asyncio.get_running_loop()
+        self.kvshare.store.on_evict = lambda s: loop.call_soon_threadsafe(
+            self.hub.publish, ReplicaEvicted(session=s, host=self.name, where="store"))
         await self.mesh.start()
+        self._spawn(self._status_loop())
+
+    async def _status_loop(self, every_s: float = 1.0) -> None:
+        """Periodic host status: one coalesced event a second (not kept in the replay ring)."""
+        while True:
+            await asyncio.sleep(every_s)
+            self.hub.publish(HostStatus(host=self.host_info()))
 
     async def stop(self) -> None:
         for t in self._tasks:

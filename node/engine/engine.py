@@ -11,7 +11,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,6 +155,8 @@ class Engine:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._allowed = torch.from_numpy(self.tokenizer.generation_mask())
         self.counters = EngineCounters()
+        # Called with the session id whenever a resident cache is dropped.
+        self.on_evict: Callable[[str], None] | None = None
 
     # ---- what the engine holds ------------------------------------------------
 
@@ -216,6 +218,8 @@ class Engine:
     def _drop(self, session: str) -> None:
         seq = self.sessions.pop(session)
         self.blocks.release(seq.block_ids)
+        if self.on_evict is not None:
+            self.on_evict(session)
 
     def evict(self, session: str) -> bool:
         """Drop a session's resident cache (its blocks stay addressable until reused)."""
@@ -495,8 +499,8 @@ class ImportTxn:
             # A running turn or a longer copy of the same prefix wins; ours stay cached by hash.
             e.blocks.release(ids)
             return e.cached_prefix(self.session, self.tokens[: n * bs])
-        if cur is not None:
-            e._drop(self.session)
+        if cur is not None:  # replaced, not evicted
+            e.blocks.release(e.sessions.pop(self.session).block_ids)
         e.sessions[self.session] = Sequence(self.session, self.tokens[: n * bs].copy(), ids, self.hashes[:n])
         return n * bs
 

@@ -583,8 +583,10 @@ class KVShare:
                 "tokens": ev.tokens, "hashes": ev.hashes}
 
     def _track_inbound(self, offer: wire.Offer, first: int) -> None:
+        st = self.inn.get(offer.sender)
+        rate = st.bytes / st.seconds if st is not None and st.seconds > 0 else 1e9  # measured on this link
         self._inbound[offer.session] = _Inbound(offer.sender, offer.num_tokens, time.monotonic(),
-                                                 eta_s=(offer.n_blocks - first) * offer.block_bytes / 1e9)
+                                                 eta_s=(offer.n_blocks - first) * offer.block_bytes / rate)
 
     def _on_complete(self, offer: wire.Offer, plan: dict[str, object], received: int, last_byte: float,
                      t_first: float) -> int:

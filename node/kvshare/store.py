@@ -39,7 +39,7 @@ import uuid
 import warnings
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -249,6 +249,8 @@ class ReplicaStore:
         self.budget_bytes = budget_bytes
         self.fsync: FsyncPolicy = fsync
         self.evictions = 0
+        # Called with the session id after a budget or explicit eviction (any thread).
+        self.on_evict: Callable[[str], None] | None = None
         self.dropped = 0  # sessions removed because their files were corrupt
         self._lock = threading.RLock()  # the index
         self._commit_lock = threading.RLock()  # disk changes: commits and evictions
@@ -557,6 +559,11 @@ class ReplicaStore:
         with self._commit_lock:
             if self._remove(session):
                 self.evictions += 1
+                self._evicted(session)
+
+    def _evicted(self, session: str) -> None:
+        if self.on_evict is not None:
+            self.on_evict(session)
 
     def _drop(self, session: str, why: str) -> None:
         log.warning("dropping the replica of session %r: %s", session, why)
@@ -583,6 +590,7 @@ class ReplicaStore:
             log.info("evicting the replica of session %r: over the %d-byte budget", victim, self.budget_bytes)
             self._remove(victim)
             self.evictions += 1
+            self._evicted(victim)
 
     def _rmtree(self, path: Path) -> None:
         """Make the directory vanish at once (rename), then delete it."""
