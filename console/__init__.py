@@ -1,1 +1,4 @@
-"""console"""
+"""kvmesh-console: the Textual operator console of a kvmesh mesh.
+
+Imports from `node` are limited to `node.protocol` (the wire contract).
+"""

@@ -1,0 +1,354 @@
+"""The Textual app: wires the state, the ingest workers, the refresh timer and the action path.
+
+- One ingest worker per node (`run_worker(..., group="ingest:<url>", exclusive=True)`),
+  each following that node's websocket forever and feeding `ConsoleState`.
+- A timer (~0.5 s) patches the main screen from the state inside `batch_update()`;
+  widgets are patched, never rebuilt. Each refresh's time to paint is recorded
+  (the bench reports its p95).
+- Every mesh-changing action (keys, palette, batch marks) goes through
+  `request_action`: refused in read-only mode, a target picker for migrate, the one
+  confirm modal, then the admin API; requests and results land in the event log.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+from typing import Awaitable, Callable, Iterable
+
+from textual.app import App
+from textual.command import Provider
+
+from console.actions import MeshAction
+from console.admin import AdminClient, TokenSource
+from console.config import ConsoleConfig
+from console.format import glyphs_for
+from console.ingest import stream_node
+from console.palette import MeshCommands
+from console.screens.confirm import ConfirmScreen
+from console.screens.main import VIEWS, MainScreen
+from console.screens.picker import TargetPicker
+from console.state import ConsoleState
+from console.theme import DEFAULT_THEME, THEME_NAMES, Palette, css_path, fill_kvm_variables, load_themes
+from console.widgets.hosts import HostsTable
+from console.widgets.sessions import SessionsTable
+from node.protocol import ActionResult
+
+Source = Callable[[ConsoleState], Awaitable[None]]
+PaletteCommand = tuple[str, str, Callable[[], object]]
+
+
+class KvmeshConsole(App[None]):
+    CSS_PATH = str(css_path())
+    TITLE = "kvmesh-console"
+    COMMANDS = App.COMMANDS | {MeshCommands}
+
+    def __init__(
+        self,
+        config: ConsoleConfig,
+        *,
+        state: ConsoleState | None = None,
+        sources: Iterable[tuple[str, Source]] | None = None,
+        admin: AdminClient | None = None,
+        token: TokenSource | None = None,
+    ) -> None:
+        self.config = config
+        self.glyphs = glyphs_for(config.ascii)
+        self.state = state or ConsoleState(glyphs=self.glyphs)
+        self.state.glyphs = self.glyphs
+        super().__init__()
+        for theme in load_themes():
+            self.register_theme(theme)
+        self.theme = config.theme if config.theme in self.available_themes else DEFAULT_THEME
+        self._sources = list(sources) if sources is not None else None
+        # Read-only consoles hold no admin client at all: nothing to misuse.
+        self.admin = None if config.readonly else admin
+        self.token = token
+        self._palette: Palette | None = None
+        self._main: MainScreen | None = None
+        self._refresh_pending = False
+        self.patch_ms: deque[float] = deque(maxlen=100_000)
+        self.refresh_ms: deque[float] = deque(maxlen=100_000)
+        self._gc_frozen_at = 0.0
+
+    # ---- theme ---------------------------------------------------------------------------
+
+    def get_css_variables(self) -> dict[str, str]:
+        variables = fill_kvm_variables(super().get_css_variables())
+        self.theme_variables = variables
+        return variables
+
+    @property
+    def palette(self) -> Palette:
+        if self._palette is None:
+            self._palette = Palette.from_variables(self.theme_variables or self.get_css_variables())
+        return self._palette
+
+    def _on_theme_changed(self, _theme: object) -> None:
+        self._palette = None
+        self.state.mark_all_dirty()
+        self.schedule_refresh()
+
+    def cycle_theme(self) -> None:
+        names = [n for n in THEME_NAMES if n in self.available_themes]
+        i = names.index(self.theme) if self.theme in names else -1
+        self.theme = names[(i + 1) % len(names)]
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def get_default_screen(self) -> MainScreen:
+        self._main = MainScreen(readonly=self.config.readonly, ascii_only=self.config.ascii)
+        return self._main
+
+    @property
+    def main(self) -> MainScreen:
+        assert self._main is not None
+        return self._main
+
+    def on_mount(self) -> None:
+        self.theme_changed_signal.subscribe(self, self._on_theme_changed)
+        self.set_interval(self.config.refresh_interval, self.refresh_view, name="refresh")
+        if self.config.readonly:
+            self.state.log_console("read-only console: drain, undrain, migrate and replicate are off")
+        elif self.token is not None:
+            if self.token.warning:
+                self.state.log_console(self.token.warning, level="warn")
+            if self.token.token is None:
+                self.state.log_console(
+                    "no admin token (KVMESH_ADMIN_TOKEN or --admin-token-file): nodes will refuse actions",
+                    level="warn",
+                )
+        self._start_sources()
+        self.call_after_refresh(self.refresh_view)
+
+    async def on_unmount(self) -> None:
+        if self.admin is not None:
+            await self.admin.aclose()
+
+    def _start_sources(self) -> None:
+        if self._sources is None:
+            self._sources = []
+            for url in self.config.nodes:
+                conn = self.state.add_node(url)
+                self._sources.append((conn.url, self._node_source(conn.url)))
+        for name, source in self._sources:
+            self._run_source(name, source)
+
+    def _node_source(self, url: str) -> Source:
+        async def run(state: ConsoleState) -> None:
+            await stream_node(url, state)
+
+        return run
+
+    def _run_source(self, name: str, source: Source) -> None:
+        # exclusive per node: restarting a node's stream replaces, never doubles, it.
+        self.run_worker(
+            source(self.state), name=f"ingest {name}", group=f"ingest:{name}", exclusive=True, exit_on_error=False,
+        )
+
+    def _discover(self) -> None:
+        found = self.state.take_discovered()
+        if not found or not self.config.discover:
+            return
+        for name, url in found.items():
+            if url in self.state.nodes:
+                continue
+            conn = self.state.add_node(url, discovered=True)
+            self.state.log_console(f"discovered {name} at {url}; following its events")
+            self._run_source(conn.url, self._node_source(conn.url))
+
+    # ---- refresh -------------------------------------------------------------------------
+
+    def schedule_refresh(self) -> None:
+        """Refresh soon (after an operator action) without waiting for the timer."""
+        if not self._refresh_pending:
+            self._refresh_pending = True
+            self.call_later(self.refresh_view)
+
+    def refresh_view(self) -> None:
+        self._refresh_pending = False
+        if self._main is None or not self._main.is_mounted:
+            return
+        t0 = time.perf_counter()
+        self.state.tick()
+        self._discover()
+        changes = self.state.take_changes()
+        with self.batch_update():
+            self._main.patch(self.state, changes, self.palette, self.glyphs)
+        self.patch_ms.append((time.perf_counter() - t0) * 1000)
+        self.call_after_refresh(self._painted, t0)
+        if changes.full:
+            self.call_after_refresh(self._settle_gc)
+
+    def _settle_gc(self) -> None:
+        """After a snapshot is on screen, move the long-lived heap out of the collector's way.
+
+        A full (generation 2) collection walks every tracked object: with a few
+        thousand sessions on screen that was a 150 ms stall every few seconds, the
+        p95 of the refresh. Collecting once and freezing what survives (the
+        state, the widgets, the row caches) leaves later full collections only
+        the objects made since. Objects freed by reference counting, which is
+        nearly all of the console's churn, are unaffected. At most once a minute,
+        so a flapping node cannot turn this into the stall it removes.
+        """
+        now = time.monotonic()
+        if now - self._gc_frozen_at < 60:
+            return
+        self._gc_frozen_at = now
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+
+    def _painted(self, t0: float) -> None:
+        self.refresh_ms.append((time.perf_counter() - t0) * 1000)
+
+    # ---- pause -----------------------------------------------------------------------------
+
+    def toggle_pause(self) -> None:
+        if self.state.paused:
+            n = self.state.resume()
+            self.state.log_console(f"resumed: applied {n} queued update{'s' if n != 1 else ''} in order")
+        else:
+            self.state.pause()
+            self.state.log_console("paused: updates are queued, none dropped (p resumes)")
+        self.schedule_refresh()
+
+    # ---- mesh-changing actions: the one path ---------------------------------------------
+
+    def selected_hosts(self) -> list[str]:
+        table = self.main.query_one(HostsTable)
+        marked = sorted(k for k in table.marked if k in self.state.hosts)
+        if marked:
+            return marked
+        key = table.cursor_key
+        return [key] if key else []
+
+    def selected_sessions(self) -> list[str]:
+        table = self.main.query_one(SessionsTable)
+        marked = sorted(k for k in table.marked if k in self.state.sessions)
+        if marked:
+            return marked
+        key = table.cursor_key
+        return [key] if key else []
+
+    def refuse_readonly(self, kind: str) -> None:
+        self.state.log_console(f"refused {kind}: this console is read-only", level="warn", kind="action")
+        self.notify(f"{kind} refused: read-only console", severity="warning", timeout=3)
+        self.schedule_refresh()
+
+    def request_action(self, kind: str, targets: list[str] | None = None, target_host: str | None = None) -> None:
+        """Entry point for drain/undrain/migrate/replicate from keys, palette or tests."""
+        if self.config.readonly:
+            self.refuse_readonly(kind)
+            return
+        if kind not in ("drain", "undrain", "migrate", "replicate"):
+            raise ValueError(kind)
+        if targets is None:
+            targets = self.selected_hosts() if kind in ("drain", "undrain") else self.selected_sessions()
+        if not targets:
+            what = "host" if kind in ("drain", "undrain") else "session"
+            self.notify(f"select a {what} first (h focuses hosts, space marks rows)", timeout=3)
+            return
+        if kind == "migrate" and target_host is None:
+            self._pick_target(targets)
+            return
+        self.confirm(MeshAction(kind, tuple(targets), target_host))  # type: ignore[arg-type]
+
+    def _pick_target(self, sessions: list[str]) -> None:
+        homes = {self.state.sessions[s].home or "" for s in sessions if s in self.state.sessions}
+        hosts = []
+        for name in self.state.host_names():
+            word = self.state.host_state(name)[0]
+            ok = word == "UP" and not (len(homes) == 1 and name in homes)
+            hosts.append((name, word, ok))
+
+        def picked(target: str | None) -> None:
+            if target:
+                self.confirm(MeshAction("migrate", tuple(sessions), target))
+            else:
+                self.state.log_console("migrate cancelled (no target picked)", kind="action")
+                self.schedule_refresh()
+
+        self.push_screen(TargetPicker(sessions, homes, hosts), callback=picked)
+
+    def confirm(self, action: MeshAction) -> None:
+        """The one confirm modal; on yes the action runs, on no it is logged as cancelled."""
+        if self.config.readonly:
+            self.refuse_readonly(action.kind)
+            return
+
+        def decided(ok: bool | None) -> None:
+            if ok:
+                self.run_worker(self.execute(action), group="admin", exit_on_error=False)
+            else:
+                self.state.log_console(f"cancelled {action.describe()}", kind="action")
+                self.schedule_refresh()
+
+        self.push_screen(ConfirmScreen(action), callback=decided)
+
+    async def execute(self, action: MeshAction) -> list[ActionResult]:
+        if self.config.readonly or self.admin is None:
+            self.refuse_readonly(action.kind)
+            return []
+        self.state.log_console(f"requested {action.describe()}", kind="action")
+        self.schedule_refresh()
+        results = []
+        for target in action.targets:
+            if action.kind == "drain":
+                res = await self.admin.drain(target)
+            elif action.kind == "undrain":
+                res = await self.admin.undrain(target)
+            elif action.kind == "migrate":
+                assert action.target_host is not None
+                res = await self.admin.migrate(target, action.target_host)
+            else:
+                res = await self.admin.replicate(target)
+            results.append(res)
+            word = "accepted" if res.ok else "FAILED"
+            self.state.log_console(
+                f"{action.kind} {target}: {word}: {res.message}", level="ok" if res.ok else "error", kind="action"
+            )
+        failed = sum(1 for r in results if not r.ok)
+        summary = f"{action.kind}: {len(results) - failed} accepted, {failed} failed (see event log)"
+        self.notify(summary, severity="error" if failed else "information", timeout=4)
+        self._clear_marks(action)
+        self.schedule_refresh()
+        return results
+
+    def _clear_marks(self, action: MeshAction) -> None:
+        if action.kind in ("drain", "undrain"):
+            table = self.main.query_one(HostsTable)
+            for key in list(table.marked):
+                table.marked.discard(key)
+                self.state.touch_host(key)
+        else:
+            stable = self.main.query_one(SessionsTable)
+            for key in list(stable.marked):
+                stable.marked.discard(key)
+                self.state.touch_session(key)
+
+    # ---- command palette -----------------------------------------------------------------------
+
+    def palette_commands(self, include_sessions: bool) -> list[PaletteCommand]:
+        cmds: list[PaletteCommand] = [
+            ("resume updates" if self.state.paused else "pause updates", "freeze the view; updates queue", self.toggle_pause),
+            ("help: keys", "list every key", self.main.action_help),
+            ("filter sessions and events", "same as /", self.main.action_filter),
+        ]
+        for name in THEME_NAMES:
+            cmds.append((f"theme {name}", "switch theme", lambda n=name: setattr(self, "theme", n)))
+        for view in VIEWS:
+            cmds.append((f"view {view}", "show that panel (compact layout)", lambda v=view: self.main.action_view(v)))
+        if self.config.readonly:
+            return cmds
+        for host in self.state.host_names():
+            cmds.append((f"drain {host}", "confirm, then drain this host", lambda h=host: self.request_action("drain", [h])))
+            cmds.append((f"undrain {host}", "confirm, then undrain this host", lambda h=host: self.request_action("undrain", [h])))
+        if include_sessions:
+            for sid in self.state.sessions:
+                cmds.append((f"migrate {sid}", "pick a target, confirm", lambda s=sid: self.request_action("migrate", [s])))
+                cmds.append((f"replicate {sid}", "confirm, then replicate now", lambda s=sid: self.request_action("replicate", [s])))
+        return cmds
+
+

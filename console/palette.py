@@ -1,0 +1,40 @@
+"""Command palette (ctrl+p) provider: the console's actions by name.
+
+"drain node-2", "undrain node-2", "migrate sess-00042", "replicate sess-00042",
+plus pause/resume, theme, views, help. Mesh-changing commands are not offered in
+read-only mode, and every one of them goes through the same confirm modal as its key.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+if TYPE_CHECKING:
+    from console.app import KvmeshConsole
+
+# Fuzzy-matching every session on each keystroke is fine for thousands of them;
+# showing more than this many hits helps nobody.
+MAX_HITS = 60
+
+
+class MeshCommands(Provider):
+    @property
+    def console_app(self) -> KvmeshConsole:
+        return cast("KvmeshConsole", self.app)
+
+    async def discover(self) -> Hits:
+        for name, help_text, callback in self.console_app.palette_commands(include_sessions=False):
+            yield DiscoveryHit(name, callback, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        hits = []
+        for name, help_text, callback in self.console_app.palette_commands(include_sessions=True):
+            score = matcher.match(name)
+            if score > 0:
+                hits.append(Hit(score, matcher.highlight(name), callback, text=name, help=help_text))
+        hits.sort(key=lambda h: h.score, reverse=True)
+        for hit in hits[:MAX_HITS]:
+            yield hit

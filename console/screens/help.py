@@ -1,0 +1,55 @@
+"""Help screen: every key the console answers to, built from the bindings themselves."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from console.actions import MESH_ACTIONS
+
+
+def format_key(key: str) -> str:
+    names = {"question_mark": "?", "slash": "/", "space": "space", "escape": "esc", "tab": "tab"}
+    return "/".join(names.get(k, k) for k in key.split(","))
+
+
+def help_lines(bindings: list[Binding], readonly: bool) -> list[str]:
+    lines = []
+    for b in bindings:
+        desc = b.description or b.action
+        if b.action in MESH_ACTIONS and readonly:
+            desc += "  (disabled: read-only)"
+        lines.append(f"  {format_key(b.key):<12} {desc}")
+    lines.append(f"  {'ctrl+p':<12} command palette: the same actions by name (\"drain node-2\")")
+    lines.append(f"  {'up/down':<12} move the cursor; pgup/pgdn, home/end scroll")
+    lines.append(f"  {'enter':<12} in a modal: press the focused button (Cancel first)")
+    return lines
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [
+        Binding("escape,q,question_mark", "close", "Close"),
+    ]
+
+    def __init__(self, bindings: list[Binding], readonly: bool) -> None:
+        super().__init__()
+        self.lines = help_lines(bindings, readonly)
+        self.readonly = readonly
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-dialog", classes="dialog"):
+            title = "kvmesh-console keys" + ("  (read-only: mesh actions are off)" if self.readonly else "")
+            yield Static(title, classes="dialog-title")
+            yield Static("\n".join(self.lines), id="help-keys")
+            yield Static(
+                "Handoffs: WARM >= 90% of the prompt reused, PART 30-90%, COLD < 30%.\n"
+                "Freshness: fresh = replica caught up, behind = lagging (tokens, age), stale = old.\n"
+                "Esc closes.",
+                classes="dialog-note",
+            )
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,265 @@
+"""The main screen: all panels, the key bindings, the compact (80x24) layout switch.
+
+Layout. Large terminals show everything at once: hosts on top, sessions and the
+big handoff counters in the middle, links and the event log at the bottom.
+Below 100x32 the screen takes the `-compact` class: hosts stay on top, counters
+shrink to one line, and sessions / links / events share the rest, one at a time
+(keys 1-3, shown in the view bar). Both layouts are the same widgets restyled by
+`themes/kvmesh.tcss`, so state and cursors survive a resize.
+
+Bindings live here rather than on the App so that modals (confirm, picker, help)
+do not inherit them: a `d` typed into a confirm dialog must not start another drain.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+from rich.text import Text
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.screen import Screen
+from textual.widgets import Footer, Input, Static
+
+from console.actions import MESH_ACTIONS
+from console.format import Glyphs
+from console.state import Changes, ConsoleState
+from console.theme import Palette
+from console.widgets.counters import CountersLine, CountersPanel
+from console.widgets.eventlog import EventLog
+from console.widgets.hosts import HostsTable
+from console.widgets.links import LinksTable
+from console.widgets.sessions import SessionsTable
+from console.widgets.topbar import TopBar
+
+if TYPE_CHECKING:
+    from console.app import KvmeshConsole
+
+VIEWS: tuple[str, ...] = ("sessions", "links", "events")
+COMPACT_WIDTH = 100
+COMPACT_HEIGHT = 32
+
+
+class MainScreen(Screen[None]):
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("question_mark", "help", "Help"),
+        Binding("slash", "filter", "Filter"),
+        Binding("escape", "clear_filter", "Clear filter", show=False),
+        Binding("p", "pause", "Pause"),
+        Binding("d", "drain", "Drain host"),
+        Binding("u", "undrain", "Undrain host"),
+        Binding("m", "migrate", "Migrate"),
+        Binding("r", "replicate", "Replicate"),
+        Binding("space", "mark", "Mark row for a batch action", show=False),
+        Binding("t", "cycle_theme", "Theme"),
+        Binding("s", "sort", "Sort sessions (cycle column)", show=False),
+        Binding("e", "log_scope", "Event log scope: mesh / all / actions", show=False),
+        Binding("o", "log_order", "Event log order: newest first / tail", show=False),
+        Binding("1", "view('sessions')", "Sessions view", show=False),
+        Binding("2", "view('links')", "Links view", show=False),
+        Binding("3", "view('events')", "Events view", show=False),
+        Binding("h", "focus_hosts", "Hosts (select a host)", show=False),
+    ]
+
+    def __init__(self, *, readonly: bool, ascii_only: bool) -> None:
+        super().__init__()
+        self.readonly = readonly
+        self.ascii_only = ascii_only
+        self.view = "sessions"
+        self.compact = False
+        self._viewbar_last: Text | None = None
+
+    @property
+    def console_app(self) -> KvmeshConsole:
+        return cast("KvmeshConsole", self.app)
+
+    def compose(self) -> ComposeResult:
+        yield TopBar(readonly=self.readonly, id="topbar")
+        hosts = HostsTable(id="hosts")
+        hosts.border_title = "Hosts"
+        yield hosts
+        yield CountersLine(id="counters-line")
+        yield Static("", id="viewbar")
+        with Horizontal(id="middle"):
+            yield SessionsTable(id="sessions", classes="view")
+            counters = CountersPanel(ascii_only=self.ascii_only, id="counters")
+            counters.border_title = "Handoffs"
+            yield counters
+        with Horizontal(id="bottom"):
+            yield LinksTable(id="links", classes="view")
+            yield EventLog(id="events", classes="view")
+        yield Input(placeholder="filter sessions and events (Enter keeps it, Esc clears)", id="filter")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.add_class(f"-view-{self.view}")
+        if self.ascii_only:
+            self.add_class("-ascii")
+        self.query_one(SessionsTable).focus()
+        self._apply_size(self.size.width, self.size.height)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._apply_size(event.size.width, event.size.height)
+
+    def _apply_size(self, width: int, height: int) -> None:
+        forced = self.console_app.config.layout
+        compact = forced == "compact" or (forced == "auto" and (width < COMPACT_WIDTH or height < COMPACT_HEIGHT))
+        if compact != self.compact or not (self.has_class("-compact") or self.has_class("-large")):
+            self.compact = compact
+            self.set_class(compact, "-compact")
+            self.set_class(not compact, "-large")
+            self.console_app.state.mark_all_dirty()  # the counters widget in use changed
+
+    # ---- patching from the state (called inside App.batch_update) -----------------------------
+
+    def patch(self, state: ConsoleState, changes: Changes, palette: Palette, glyphs: Glyphs) -> None:
+        app = self.console_app
+        cfg = app.config
+        full = changes.full
+        self.query_one(TopBar).patch(state, palette, theme=app.theme, utc=cfg.utc, show_clock=cfg.show_clock)
+        self.query_one(HostsTable).patch(state, palette, glyphs, utc=cfg.utc, full=full)
+        links = self.query_one(LinksTable)
+        links.patch(state, palette, glyphs)
+        if self.compact:
+            self.query_one(CountersLine).patch(state, palette, glyphs, links.selected_link)
+        else:
+            self.query_one(CountersPanel).patch(state, palette, glyphs, links.selected_link)
+        self.query_one(SessionsTable).patch(state, changes, palette, glyphs, full=full)
+        self.query_one(EventLog).patch(state, palette, glyphs, utc=cfg.utc, force=full)
+        self._patch_viewbar(state, palette, glyphs)
+
+    def _patch_viewbar(self, state: ConsoleState, palette: Palette, glyphs: Glyphs) -> None:
+        t = Text(no_wrap=True, overflow="ellipsis")
+        for i, view in enumerate(VIEWS, 1):
+            current = view == self.view
+            t.append(f"{glyphs.cursor if current else ' '}{i} {view.capitalize()} ", style=palette.bold if current else palette.muted)
+        notes = []
+        for name in state.host_names():
+            word, level, since = state.host_state(name)
+            if level == "stale" and since:
+                from console.format import fmt_clock
+
+                notes.append(f"{name} {word}, stale since {fmt_clock(since, self.console_app.config.utc)}")
+        if notes:
+            t.append(" " + "; ".join(notes), style=palette.stale)
+        if t != self._viewbar_last:
+            self._viewbar_last = t
+            self.query_one("#viewbar", Static).update(t, layout=False)
+
+    # ---- readonly: mesh actions are hidden from the footer and not bound ------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in MESH_ACTIONS and self.readonly:
+            return False
+        return True
+
+    # ---- actions ------------------------------------------------------------------------------
+
+    async def action_quit(self) -> None:
+        await self.app.action_quit()
+
+    def action_help(self) -> None:
+        from console.screens.help import HelpScreen
+
+        self.app.push_screen(HelpScreen(list(self.BINDINGS), self.readonly))  # type: ignore[arg-type]
+
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.add_class("-shown")
+        box.focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        if box.value or box.has_class("-shown"):
+            box.value = ""
+            box.remove_class("-shown")
+            self._apply_filter("")
+            self.query_one(SessionsTable).focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input.id == "filter":
+            self._apply_filter(event.value)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "filter":
+            if not event.value:
+                event.input.remove_class("-shown")
+            self.query_one(SessionsTable).focus()
+
+    def on_key(self, event: events.Key) -> None:
+        # Esc inside the filter box clears it (the screen binding would not see it first).
+        if event.key == "escape" and self.focused is self.query_one("#filter", Input):
+            event.stop()
+            self.action_clear_filter()
+
+    def _apply_filter(self, text: str) -> None:
+        self.query_one(SessionsTable).set_filter(text)
+        self.query_one(EventLog).set_filter(text)
+        self.console_app.schedule_refresh()
+
+    def action_pause(self) -> None:
+        self.console_app.toggle_pause()
+
+    def action_drain(self) -> None:
+        self.console_app.request_action("drain")
+
+    def action_undrain(self) -> None:
+        self.console_app.request_action("undrain")
+
+    def action_migrate(self) -> None:
+        self.console_app.request_action("migrate")
+
+    def action_replicate(self) -> None:
+        self.console_app.request_action("replicate")
+
+    def action_mark(self) -> None:
+        focused = self.focused
+        table: HostsTable | SessionsTable | None = None
+        if isinstance(focused, (HostsTable, SessionsTable)):
+            table = focused
+        if table is None:
+            return
+        key = table.toggle_mark()
+        if key is None:
+            return
+        state = self.console_app.state
+        if isinstance(table, SessionsTable):
+            state.touch_session(key)  # re-render the row with its mark
+        else:
+            state.touch_host(key)
+        table.action_cursor_down()
+        self.console_app.schedule_refresh()
+
+    def action_cycle_theme(self) -> None:
+        self.console_app.cycle_theme()
+
+    def action_sort(self) -> None:
+        by = self.query_one(SessionsTable).cycle_sort()
+        self.notify(f"sessions sorted by {by}", timeout=2)
+        self.console_app.schedule_refresh()
+
+    def action_log_scope(self) -> None:
+        scope = self.query_one(EventLog).cycle_scope()
+        self.notify(f"event log: {scope}", timeout=2)
+        self.console_app.schedule_refresh()
+
+    def action_log_order(self) -> None:
+        self.query_one(EventLog).toggle_order()
+        self.console_app.schedule_refresh()
+
+    def action_view(self, view: str) -> None:
+        if view not in VIEWS:
+            return
+        self.remove_class(f"-view-{self.view}")
+        self.view = view
+        self.add_class(f"-view-{view}")
+        widget = {"sessions": SessionsTable, "links": LinksTable, "events": EventLog}[view]
+        self.call_after_refresh(self.query_one(widget).focus)
+        self._viewbar_last = None
+        self.console_app.schedule_refresh()
+
+    def action_focus_hosts(self) -> None:
+        self.query_one(HostsTable).focus()

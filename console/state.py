@@ -1,0 +1,860 @@
+"""The console's model of the mesh: plain Python, fed snapshots and events, no Textual.
+
+Everything the screen shows is read from one `ConsoleState`. The ingest side
+calls `feed_frame` / `feed` with what arrives on each node's websocket and
+`node_connected` / `node_disconnected` as sockets come and go; the UI side reads
+the tables here and calls `take_changes()` on its refresh timer to learn which
+rows to patch. Keeping it free of Textual means the tricky parts (rebuild on
+reconnect, dedupe, replay vs live, out-of-order, pause) are unit-tested directly.
+
+Rules this model keeps:
+- A snapshot replaces the mesh-wide picture (hosts are upserted and never dropped,
+  sessions absent from it are removed, counters are replaced).
+- Events are identified by `(node, seq)` and applied at most once.
+- Replayed events (`replay=True`) are already reflected in the snapshot that
+  preceded them, so they go to the event log only, unless they are newer than the
+  snapshot's watermark (`SnapshotEvent.seq` from the same node, when the node
+  sets it). Applying them again would double-count handoffs and roll hosts back
+  to older values.
+- "Latest value" fields (a host's status, a session's home) only move forward in
+  event time, so an event that arrives late cannot overwrite newer state; counts
+  (handoffs, turns) are commutative and always applied.
+- While paused, events queue in arrival order and are applied in that order on
+  resume; nothing is dropped. Connection status is not queued: it is about the
+  console's own sockets, and an operator must see a node go away even when paused.
+- A node whose socket is lost stays, marked DISCONNECTED with the time it went stale.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Literal
+
+from pydantic import ValidationError
+
+from console.format import CLASS_WORDS, UNICODE, Glyphs, fmt_bytes, fmt_seconds, fmt_tokens
+from node.protocol import (
+    PROTOCOL_VERSION,
+    ClusterSnapshot,
+    DrainCompleted,
+    DrainProgress,
+    DrainStarted,
+    Event,
+    Handoff,
+    HandoffCounters,
+    HostInfo,
+    HostStatus,
+    LinkInfo,
+    MigrateCompleted,
+    MigrateStarted,
+    PeerDown,
+    PeerUp,
+    ReplicaEvicted,
+    ReplicaImported,
+    ReplicaReady,
+    ReplicaRefused,
+    ReplicaSent,
+    ReplicaSuperseded,
+    SessionInfo,
+    SnapshotEvent,
+    TurnFinished,
+    TurnStarted,
+    Undrained,
+    parse_event,
+)
+
+LinkKey = tuple[str, str]
+Level = Literal["info", "ok", "warn", "error"]
+HostLevel = Literal["ok", "warn", "error", "stale"]
+Freshness = Literal["fresh", "behind", "stale", "none"]
+
+# A replica older than this is shown as stale whatever its lag: a turn landing on
+# it would likely find the conversation moved on.
+REPLICA_STALE_AFTER_S = 300.0
+# How many (node, seq) pairs per node the dedupe remembers; a replay ring is far
+# smaller than this, so anything older is certainly a duplicate.
+DEDUPE_WINDOW = 50_000
+# Per-second throughput buckets kept per link (the sparkline's history).
+LINK_HISTORY_S = 120
+# Event types too frequent for the main log: they go to their own, smaller ring
+# so a burst of turns never pushes a drain's progress out of the log.
+NOISY_TYPES = frozenset({"turn_started", "turn_finished", "host_status"})
+# Console-originated log entries (action requests and results) use this as node.
+CONSOLE_NODE = "console"
+
+
+def normalize_url(url: str) -> str:
+    """A node's base URL as a key: scheme and host lower-cased, no trailing slash."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    scheme, rest = url.split("://", 1)
+    host, sep, path = rest.partition("/")
+    return f"{scheme.lower()}://{host.lower()}{sep}{path}"
+
+
+@dataclass(slots=True)
+class HostRow:
+    name: str
+    info: HostInfo
+    ts: float = 0.0  # event time of the data in `info`; older updates are ignored
+    drain_done: int = 0
+    drain_total: int = 0
+    missing: bool = False  # absent from the latest snapshot: kept on screen, shown stale
+
+
+@dataclass(slots=True)
+class SessionRow:
+    sid: str
+    home: str | None = None
+    resident_tokens: int = 0
+    replica_host: str | None = None
+    replica_tokens: int = 0
+    replica_behind_tokens: int = 0
+    replica_at: float | None = None  # wall time the replica was last written
+    last_handoff: str | None = None
+    turns: int = 0
+    moves: int = 0
+    last_turn_at: float = 0.0
+    ts: float = 0.0  # event time of the last "latest value" update
+    active: bool = False  # a turn is running now
+    migrating_to: str | None = None
+
+    @classmethod
+    def from_info(cls, info: SessionInfo, snap_ts: float) -> SessionRow:
+        replica_at = None
+        if info.replica_host and info.replica_age_s is not None:
+            replica_at = snap_ts - info.replica_age_s
+        return cls(
+            sid=info.session, home=info.home, resident_tokens=info.resident_tokens,
+            replica_host=info.replica_host, replica_tokens=info.replica_tokens,
+            replica_behind_tokens=info.replica_behind_tokens, replica_at=replica_at,
+            last_handoff=info.last_handoff, turns=info.turns, moves=info.moves,
+            last_turn_at=info.last_turn_at, ts=snap_ts,
+        )
+
+    def freshness(self, now: float) -> tuple[Freshness, float | None]:
+        """How usable the replica is: fresh (caught up), behind, stale, or none; and its age."""
+        if not self.replica_host:
+            return "none", None
+        age = None if self.replica_at is None else max(0.0, now - self.replica_at)
+        if age is not None and age > REPLICA_STALE_AFTER_S:
+            return "stale", age
+        if self.replica_behind_tokens > 0:
+            return "behind", age
+        return "fresh", age
+
+
+@dataclass(slots=True)
+class LinkRow:
+    src: str
+    dst: str
+    bytes_sent: int = 0
+    transfers: int = 0
+    last_transfer_s: float | None = None
+    last_transfer_bytes: int | None = None
+    last_transfer_at: float | None = None
+    goodput_gbps: float | None = None
+    snap_bps: float = 0.0  # throughput the node reported in the last snapshot
+    snap_ts: float = 0.0
+    warm: int = 0
+    partial: int = 0
+    cold: int = 0
+    # bytes per whole wall-clock second, spread over each transfer's duration
+    buckets: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def key(self) -> LinkKey:
+        return (self.src, self.dst)
+
+    def add_transfer(self, end_ts: float, seconds: float, nbytes: int) -> None:
+        """Spread a transfer's bytes over the seconds it took, so the sparkline shows a rate."""
+        seconds = max(seconds, 1e-3)
+        start = end_ts - seconds
+        t = start
+        while t < end_ts:
+            sec = math.floor(t)
+            nxt = min(end_ts, sec + 1.0)
+            self.buckets[sec] = self.buckets.get(sec, 0.0) + nbytes * (nxt - t) / seconds
+            t = nxt
+
+    def history_bps(self, now: float, n: int) -> list[float]:
+        """Bits per second for each of the last `n` complete seconds, oldest first."""
+        last = math.floor(now) - 1
+        return [self.buckets.get(s, 0.0) * 8 for s in range(last - n + 1, last + 1)]
+
+    def now_bps(self, now: float, window: int = 3) -> float:
+        """Recent throughput: the mean of the last few seconds, else the snapshot's figure."""
+        if self.buckets:
+            return sum(self.history_bps(now, window)) / window
+        if self.snap_ts and now - self.snap_ts < 10:
+            return self.snap_bps
+        return 0.0
+
+    def trim(self, now: float) -> None:
+        cutoff = math.floor(now) - LINK_HISTORY_S
+        for sec in [s for s in self.buckets if s < cutoff]:
+            del self.buckets[sec]
+
+
+@dataclass(slots=True)
+class NodeConn:
+    """The console's own connection to one node's event stream."""
+
+    url: str
+    name: str | None = None  # learned from the node's snapshot
+    connected: bool = False
+    ever_connected: bool = False
+    connected_since: float | None = None
+    stale_since: float | None = None  # when the stream was lost (None while connected)
+    error: str = ""
+    reconnects: int = 0
+    snapshot_node: str | None = None
+    snapshot_seq: int = 0  # watermark: events from snapshot_node with seq <= this are in the snapshot
+    discovered: bool = False
+
+
+@dataclass(slots=True)
+class LogEntry:
+    ts: float
+    node: str
+    seq: int
+    kind: str  # event type, or "console" / "action" for the console's own entries
+    text: str
+    level: Level = "info"
+    replay: bool = False
+    order: int = 0  # tie-break for equal timestamps: arrival order
+
+    @property
+    def sort_key(self) -> tuple[float, int]:
+        return (self.ts, self.order)
+
+
+@dataclass
+class Changes:
+    """What changed since the UI last looked; the refresh timer patches only these."""
+
+    hosts: set[str] = field(default_factory=set)
+    sessions: set[str] = field(default_factory=set)
+    removed_sessions: set[str] = field(default_factory=set)
+    links: set[LinkKey] = field(default_factory=set)
+    counters: bool = False
+    log: bool = False
+    nodes: bool = False
+    full: bool = False  # a snapshot was applied: every row may have changed
+
+    def any(self) -> bool:
+        return bool(
+            self.hosts or self.sessions or self.removed_sessions or self.links
+            or self.counters or self.log or self.nodes or self.full
+        )
+
+
+class _Dedupe:
+    """Remembers which (node, seq) pairs were seen, in a bounded window per node."""
+
+    def __init__(self, window: int = DEDUPE_WINDOW) -> None:
+        self.window = window
+        self._seen: dict[str, set[int]] = {}
+        self._max: dict[str, int] = {}
+
+    def first_time(self, node: str, seq: int) -> bool:
+        if seq <= 0:
+            return True  # no identity to dedupe on
+        seen = self._seen.setdefault(node, set())
+        top = self._max.get(node, 0)
+        if seq in seen or seq <= top - self.window:
+            return False
+        seen.add(seq)
+        if seq > top:
+            self._max[node] = seq
+            if len(seen) > 2 * self.window:
+                cutoff = seq - self.window
+                self._seen[node] = {s for s in seen if s > cutoff}
+        return True
+
+
+class ConsoleState:
+    """The whole mesh as the console knows it. See the module docstring for the rules."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.time,
+        log_cap: int = 1000,
+        noisy_log_cap: int = 300,
+        glyphs: Glyphs = UNICODE,
+    ) -> None:
+        self.clock = clock
+        self.glyphs = glyphs
+        self.hosts: dict[str, HostRow] = {}
+        self.sessions: dict[str, SessionRow] = {}
+        self.links: dict[LinkKey, LinkRow] = {}
+        self.counters = HandoffCounters()
+        self.nodes: dict[str, NodeConn] = {}  # by normalized URL
+        self.snapshot_ts: float = 0.0
+        self.log_cap = log_cap
+        self.noisy_log_cap = noisy_log_cap
+        self.log: list[LogEntry] = []  # sorted by (ts, order)
+        self.noisy_log: deque[LogEntry] = deque(maxlen=noisy_log_cap)
+        self.log_version = 0
+        self.paused = False
+        self.pending: list[tuple[str, Event]] = []
+        self.events_total = 0
+        self.duplicates = 0
+        self.bad_frames = 0
+        self.newer_protocol_seen = False
+        self._dedupe = _Dedupe()
+        self._order = itertools.count(1)
+        self._console_seq = itertools.count(1)
+        self._changes = Changes()
+        self._discovered: dict[str, str] = {}  # host name -> url, not yet connected
+        self._rate_window: deque[tuple[float, int]] = deque()
+        self.events_per_s = 0.0
+
+    # ---- connections -----------------------------------------------------------
+
+    def add_node(self, url: str, *, discovered: bool = False) -> NodeConn:
+        key = normalize_url(url)
+        conn = self.nodes.get(key)
+        if conn is None:
+            conn = self.nodes[key] = NodeConn(url=key, discovered=discovered)
+            self._changes.nodes = True
+        return conn
+
+    def node_connected(self, url: str) -> None:
+        conn = self.add_node(url)
+        now = self.clock()
+        if conn.ever_connected:
+            conn.reconnects += 1
+        conn.connected = True
+        conn.ever_connected = True
+        conn.connected_since = now
+        conn.error = ""
+        was_stale = conn.stale_since
+        conn.stale_since = None
+        self._changes.nodes = True
+        self._touch_host_of(conn)
+        if was_stale is not None:
+            self.log_console(f"reconnected to {conn.name or conn.url}; rebuilding from its snapshot")
+
+    def node_disconnected(self, url: str, reason: str = "") -> None:
+        conn = self.add_node(url)
+        conn.error = reason
+        if conn.connected or conn.stale_since is None:
+            conn.stale_since = self.clock() if conn.ever_connected else conn.stale_since
+        if conn.connected:
+            self.log_console(
+                f"lost {conn.name or conn.url}" + (f": {reason}" if reason else "") + "; reconnecting",
+                level="warn",
+            )
+        conn.connected = False
+        self._changes.nodes = True
+        self._touch_host_of(conn)
+
+    def _touch_host_of(self, conn: NodeConn) -> None:
+        if conn.name and conn.name in self.hosts:
+            self._changes.hosts.add(conn.name)
+
+    def conn_for_host(self, name: str) -> NodeConn | None:
+        for conn in self.nodes.values():
+            if conn.name == name:
+                return conn
+        return None
+
+    def connected_count(self) -> tuple[int, int]:
+        return sum(1 for c in self.nodes.values() if c.connected), len(self.nodes)
+
+    def take_discovered(self) -> dict[str, str]:
+        """Peers seen in snapshots (host name -> API URL) that the console has no stream for yet."""
+        found, self._discovered = self._discovered, {}
+        return found
+
+    # ---- ingest ----------------------------------------------------------------
+
+    def feed_frame(self, url: str, data: str | bytes) -> bool:
+        """One websocket text frame. Malformed or unknown frames are counted and skipped."""
+        try:
+            event = parse_event(data)
+        except ValidationError as exc:
+            self.bad_frames += 1
+            if self.bad_frames <= 3 or self.bad_frames % 1000 == 0:
+                # An unknown type usually means a newer node: say so, without flooding.
+                self.log_console(f"skipped unreadable event from {url} ({exc.error_count()} errors)", level="warn")
+            return False
+        return self.feed(url, event)
+
+    def feed(self, url: str, event: Event) -> bool:
+        """Accept one parsed event from `url`. Returns False for a duplicate."""
+        if not isinstance(event, SnapshotEvent):
+            if not self._dedupe.first_time(event.node, event.seq):
+                self.duplicates += 1
+                return False
+        if event.v > PROTOCOL_VERSION and not self.newer_protocol_seen:
+            self.newer_protocol_seen = True
+            self.log_console(
+                f"{event.node or url} speaks protocol v{event.v}, this console v{PROTOCOL_VERSION}",
+                level="warn",
+            )
+        if self.paused:
+            self.pending.append((normalize_url(url), event))
+            self._changes.nodes = True  # the pending count in the header changes
+            return True
+        self._apply(normalize_url(url), event)
+        return True
+
+    def pause(self) -> None:
+        self.paused = True
+        self._changes.nodes = True
+
+    def resume(self) -> int:
+        """Apply everything queued while paused, in arrival order; returns how many."""
+        self.paused = False
+        queued, self.pending = self.pending, []
+        for url, event in queued:
+            self._apply(url, event)
+        self._changes.nodes = True
+        return len(queued)
+
+    @property
+    def pending_count(self) -> int:
+        return len(self.pending)
+
+    def _apply(self, url: str, event: Event) -> None:
+        conn = self.add_node(url)
+        if isinstance(event, SnapshotEvent):
+            self._apply_snapshot(conn, event)
+            return
+        self.events_total += 1
+        now = self.clock()
+        self._rate_window.append((now, 1))
+        if event.replay and not self._newer_than_snapshot(conn, event):
+            self._log_event(event)
+            return
+        handler = _HANDLERS.get(event.type)
+        if handler is not None:
+            handler(self, event)
+        self._log_event(event)
+
+    def _newer_than_snapshot(self, conn: NodeConn, event: Event) -> bool:
+        return bool(
+            conn.snapshot_seq
+            and conn.snapshot_node
+            and event.node == conn.snapshot_node
+            and event.seq > conn.snapshot_seq
+        )
+
+    # ---- snapshots ---------------------------------------------------------------
+
+    def _apply_snapshot(self, conn: NodeConn, event: SnapshotEvent) -> None:
+        snap: ClusterSnapshot = event.cluster
+        conn.name = snap.node or event.node or conn.name
+        conn.snapshot_node = event.node or snap.node
+        conn.snapshot_seq = event.seq
+        self.snapshot_ts = snap.ts or event.ts
+        ts = self.snapshot_ts
+        seen_hosts = set()
+        for info in snap.hosts:
+            seen_hosts.add(info.name)
+            row = self.hosts.get(info.name)
+            if row is None:
+                self.hosts[info.name] = HostRow(name=info.name, info=info, ts=ts)
+            else:
+                row.info = info
+                row.ts = ts
+                row.missing = False
+            if info.api:
+                self._maybe_discover(info)
+        for name, row in self.hosts.items():
+            if name not in seen_hosts:
+                row.missing = True  # kept: a host never silently leaves the screen
+        new_sessions = {}
+        for info in snap.sessions:
+            new_sessions[info.session] = SessionRow.from_info(info, ts)
+        removed = set(self.sessions) - set(new_sessions)
+        self.sessions = new_sessions
+        self._changes.removed_sessions |= removed
+        self._changes.sessions -= removed
+        for info in snap.links:
+            row = self.links.get((info.src, info.dst))
+            if row is None:
+                row = self.links[(info.src, info.dst)] = LinkRow(src=info.src, dst=info.dst)
+            _link_from_info(row, info, ts)
+        self.counters = snap.counters.model_copy()
+        self._changes.full = True
+        self._changes.counters = True
+        self._changes.nodes = True
+        self.log_console(
+            f"snapshot from {conn.name}: {len(snap.hosts)} hosts, {len(snap.sessions)} sessions,"
+            f" {len(snap.links)} links",
+            ts=event.ts or None,
+        )
+
+    def _maybe_discover(self, info: HostInfo) -> None:
+        api = normalize_url(info.api)
+        if api in self.nodes or self.conn_for_host(info.name) is not None:
+            return
+        self._discovered[info.name] = api
+
+    # ---- per-event handlers ------------------------------------------------------
+
+    def _session(self, sid: str) -> SessionRow:
+        row = self.sessions.get(sid)
+        if row is None:
+            row = self.sessions[sid] = SessionRow(sid=sid)
+            self._changes.removed_sessions.discard(sid)
+        self._changes.sessions.add(sid)
+        return row
+
+    def _host(self, name: str) -> HostRow | None:
+        row = self.hosts.get(name)
+        if row is not None:
+            self._changes.hosts.add(name)
+        return row
+
+    def _link(self, src: str, dst: str) -> LinkRow:
+        row = self.links.get((src, dst))
+        if row is None:
+            row = self.links[(src, dst)] = LinkRow(src=src, dst=dst)
+        self._changes.links.add((src, dst))
+        return row
+
+    def _on_turn_started(self, ev: TurnStarted) -> None:
+        s = self._session(ev.session)
+        if ev.ts >= s.ts:
+            s.ts = ev.ts
+            s.home = ev.host
+            s.active = True
+
+    def _on_turn_finished(self, ev: TurnFinished) -> None:
+        s = self._session(ev.session)
+        s.turns += 1
+        if ev.ts >= s.ts:
+            s.ts = ev.ts
+            s.home = ev.host
+            s.active = False
+            s.last_turn_at = ev.ts
+            if ev.ok:
+                s.resident_tokens = ev.prompt_tokens + ev.completion_tokens
+            if s.replica_host:
+                s.replica_behind_tokens = max(0, s.resident_tokens - s.replica_tokens)
+
+    def _on_handoff(self, ev: Handoff) -> None:
+        c = self.counters
+        if ev.cls == "warm":
+            c.warm += 1
+        elif ev.cls == "partial":
+            c.partial += 1
+        else:
+            c.cold += 1
+        if ev.stale_state:
+            c.stale_state_cold += 1
+        self._changes.counters = True
+        link = self._link(ev.src, ev.dst)
+        setattr(link, ev.cls, getattr(link, ev.cls) + 1)
+        s = self._session(ev.session)
+        s.moves += 1
+        if ev.ts >= s.ts:
+            s.ts = ev.ts
+            s.last_handoff = ev.cls
+            s.home = ev.dst
+
+    def _on_replica_sent(self, ev: ReplicaSent) -> None:
+        link = self._link(ev.src, ev.dst)
+        link.bytes_sent += ev.bytes
+        link.transfers += 1
+        if link.last_transfer_at is None or ev.ts >= link.last_transfer_at:
+            link.last_transfer_at = ev.ts
+            link.last_transfer_s = ev.seconds
+            link.last_transfer_bytes = ev.bytes
+            link.goodput_gbps = ev.bytes * 8 / ev.seconds / 1e9 if ev.seconds > 0 else None
+        link.add_transfer(ev.ts or self.clock(), ev.seconds, ev.bytes)
+
+    def _on_replica_ready(self, ev: ReplicaReady) -> None:
+        s = self._session(ev.session)
+        if s.replica_at is None or ev.ts >= s.replica_at:
+            s.replica_host = ev.dst
+            s.replica_tokens = ev.tokens
+            s.replica_at = ev.ts
+            s.replica_behind_tokens = max(0, s.resident_tokens - ev.tokens)
+
+    def _on_replica_imported(self, ev: ReplicaImported) -> None:
+        s = self._session(ev.session)
+        if s.home == ev.host:
+            s.resident_tokens = max(s.resident_tokens, ev.tokens)
+
+    def _on_replica_evicted(self, ev: ReplicaEvicted) -> None:
+        s = self.sessions.get(ev.session)
+        if s is None:
+            return
+        self._changes.sessions.add(ev.session)
+        if ev.where == "store" and s.replica_host == ev.host:
+            s.replica_host = None
+            s.replica_tokens = 0
+            s.replica_behind_tokens = 0
+            s.replica_at = None
+        elif ev.where == "engine" and s.home == ev.host:
+            s.resident_tokens = 0
+
+    def _on_host_status(self, ev: HostStatus) -> None:
+        row = self.hosts.get(ev.host.name)
+        if row is None:
+            self.hosts[ev.host.name] = HostRow(name=ev.host.name, info=ev.host, ts=ev.ts)
+            self._changes.hosts.add(ev.host.name)
+            return
+        if ev.ts >= row.ts:
+            row.info = ev.host
+            row.ts = ev.ts
+            row.missing = False
+            self._changes.hosts.add(ev.host.name)
+
+    def _on_peer(self, ev: PeerUp | PeerDown) -> None:
+        row = self._host(ev.peer)
+        if row is not None and ev.ts >= row.ts:
+            row.info.reachable = isinstance(ev, PeerUp)
+            row.ts = ev.ts
+
+    def _on_drain_started(self, ev: DrainStarted) -> None:
+        row = self._host(ev.host)
+        if row is not None:
+            row.info.draining = True
+            row.drain_done, row.drain_total = 0, ev.sessions
+
+    def _on_drain_progress(self, ev: DrainProgress) -> None:
+        row = self._host(ev.host)
+        if row is not None:
+            row.info.draining = True
+            row.drain_done, row.drain_total = ev.done, ev.total
+
+    def _on_drain_completed(self, ev: DrainCompleted) -> None:
+        row = self._host(ev.host)
+        if row is not None:
+            row.drain_done = row.drain_total = ev.moved + ev.failed
+
+    def _on_undrained(self, ev: Undrained) -> None:
+        row = self._host(ev.host)
+        if row is not None:
+            row.info.draining = False
+            row.drain_done = row.drain_total = 0
+
+    def _on_migrate_started(self, ev: MigrateStarted) -> None:
+        self._session(ev.session).migrating_to = ev.dst
+
+    def _on_migrate_completed(self, ev: MigrateCompleted) -> None:
+        s = self._session(ev.session)
+        s.migrating_to = None
+        if ev.ok:
+            s.moves += 1
+            if ev.ts >= s.ts:
+                s.ts = ev.ts
+                s.home = ev.dst
+
+    # ---- event log -----------------------------------------------------------------
+
+    def _log_event(self, ev: Event) -> None:
+        text, level = describe(ev, self.glyphs)
+        entry = LogEntry(
+            ts=ev.ts or self.clock(), node=ev.node, seq=ev.seq, kind=ev.type, text=text,
+            level=level, replay=ev.replay, order=next(self._order),
+        )
+        if ev.type in NOISY_TYPES:
+            self.noisy_log.append(entry)
+        else:
+            self._insert_log(entry)
+        self.log_version += 1
+        self._changes.log = True
+
+    def log_console(self, text: str, level: Level = "info", kind: str = "console", ts: float | None = None) -> LogEntry:
+        """An entry from the console itself: action requests, results, connection changes."""
+        entry = LogEntry(
+            ts=ts if ts is not None else self.clock(), node=CONSOLE_NODE, seq=next(self._console_seq),
+            kind=kind, text=text, level=level, order=next(self._order),
+        )
+        self._insert_log(entry)
+        self.log_version += 1
+        self._changes.log = True
+        return entry
+
+    def _insert_log(self, entry: LogEntry) -> None:
+        if not self.log or entry.sort_key >= self.log[-1].sort_key:
+            self.log.append(entry)
+        else:
+            bisect.insort(self.log, entry, key=lambda e: e.sort_key)  # a late event: keep time order
+        if len(self.log) > self.log_cap + self.log_cap // 10:
+            del self.log[: len(self.log) - self.log_cap]  # trim in batches, not per entry
+
+    def log_entries(self, include_noisy: bool = False) -> list[LogEntry]:
+        """The event log, oldest first, capped at log_cap."""
+        main = self.log[-self.log_cap :]
+        if not include_noisy or not self.noisy_log:
+            return main
+        merged = main + list(self.noisy_log)
+        merged.sort(key=lambda e: e.sort_key)
+        return merged
+
+    # ---- periodic ---------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Called on the UI timer: age out link history, update the event rate."""
+        now = self.clock()
+        for link in self.links.values():
+            if link.buckets:
+                link.trim(now)
+                self._changes.links.add(link.key)  # the sparkline moves with time
+        window = 5.0
+        while self._rate_window and self._rate_window[0][0] < now - window:
+            self._rate_window.popleft()
+        rate = sum(n for _, n in self._rate_window) / window
+        if rate != self.events_per_s:
+            self.events_per_s = rate
+            self._changes.nodes = True
+
+    def take_changes(self) -> Changes:
+        changes, self._changes = self._changes, Changes()
+        return changes
+
+    def touch_session(self, sid: str) -> None:
+        """Ask for a session's row to be rendered again (its mark changed, say)."""
+        if sid in self.sessions:
+            self._changes.sessions.add(sid)
+
+    def touch_host(self, name: str) -> None:
+        if name in self.hosts:
+            self._changes.hosts.add(name)
+
+    def mark_all_dirty(self) -> None:
+        """For a theme or glyph change: every cell must be rendered again."""
+        self._changes.full = True
+        self._changes.counters = True
+        self._changes.log = True
+        self._changes.nodes = True
+
+    # ---- derived views ------------------------------------------------------------------
+
+    def host_names(self) -> list[str]:
+        """Hosts in name order: the order never follows load."""
+        return sorted(self.hosts)
+
+    def host_state(self, name: str) -> tuple[str, HostLevel, float | None]:
+        """(word, level, stale_since) for a host; the word carries the meaning, not the colour."""
+        row = self.hosts[name]
+        conn = self.conn_for_host(name)
+        if conn is not None and conn.ever_connected and not conn.connected:
+            return "DISCONNECTED", "stale", conn.stale_since
+        if row.missing:
+            return "MISSING", "stale", row.info.last_seen or row.ts
+        if not row.info.reachable:
+            return "UNREACHABLE", "error", row.info.last_seen or None
+        if row.info.draining:
+            if row.drain_total:
+                return f"DRAIN {row.drain_done}/{row.drain_total}", "warn", None
+            return "DRAINING", "warn", None
+        return "UP", "ok", None
+
+    def is_stale_host(self, name: str) -> bool:
+        return self.host_state(name)[1] == "stale"
+
+    def live_hosts(self) -> list[str]:
+        """Hosts a session can be moved to: reachable, not draining, not disconnected."""
+        return [n for n in self.host_names() if self.host_state(n)[0] == "UP"]
+
+    def selected_link_counters(self, key: LinkKey | None) -> LinkRow | None:
+        return self.links.get(key) if key else None
+
+    def iter_sessions(self) -> Iterator[SessionRow]:
+        return iter(self.sessions.values())
+
+
+def _link_from_info(row: LinkRow, info: LinkInfo, ts: float) -> None:
+    row.bytes_sent = info.bytes_sent
+    row.transfers = info.transfers
+    row.last_transfer_s = info.last_transfer_s
+    row.last_transfer_bytes = info.last_transfer_bytes
+    row.goodput_gbps = info.goodput_gbps
+    row.snap_bps = info.throughput_bps
+    row.snap_ts = ts
+    row.warm, row.partial, row.cold = info.warm, info.partial, info.cold
+
+
+_HANDLERS: dict[str, Callable[[ConsoleState, Event], None]] = {
+    "turn_started": ConsoleState._on_turn_started,  # type: ignore[dict-item]
+    "turn_finished": ConsoleState._on_turn_finished,  # type: ignore[dict-item]
+    "handoff": ConsoleState._on_handoff,  # type: ignore[dict-item]
+    "replica_sent": ConsoleState._on_replica_sent,  # type: ignore[dict-item]
+    "replica_ready": ConsoleState._on_replica_ready,  # type: ignore[dict-item]
+    "replica_imported": ConsoleState._on_replica_imported,  # type: ignore[dict-item]
+    "replica_evicted": ConsoleState._on_replica_evicted,  # type: ignore[dict-item]
+    "host_status": ConsoleState._on_host_status,  # type: ignore[dict-item]
+    "peer_up": ConsoleState._on_peer,  # type: ignore[dict-item]
+    "peer_down": ConsoleState._on_peer,  # type: ignore[dict-item]
+    "drain_started": ConsoleState._on_drain_started,  # type: ignore[dict-item]
+    "drain_progress": ConsoleState._on_drain_progress,  # type: ignore[dict-item]
+    "drain_completed": ConsoleState._on_drain_completed,  # type: ignore[dict-item]
+    "undrained": ConsoleState._on_undrained,  # type: ignore[dict-item]
+    "migrate_started": ConsoleState._on_migrate_started,  # type: ignore[dict-item]
+    "migrate_completed": ConsoleState._on_migrate_completed,  # type: ignore[dict-item]
+}
+
+
+def describe(ev: Event, g: Glyphs = UNICODE) -> tuple[str, Level]:
+    """One event as a log line (without time and type, which the log shows in columns)."""
+    a = g.arrow
+    if isinstance(ev, TurnStarted):
+        return f"{ev.session} on {ev.host}: {fmt_tokens(ev.prompt_tokens)} prompt, {fmt_tokens(ev.cached_tokens)} cached", "info"
+    if isinstance(ev, TurnFinished):
+        level: Level = "info" if ev.ok else "error"
+        return (
+            f"{ev.session} on {ev.host}: ttft {fmt_seconds(ev.ttft_s)}, {ev.completion_tokens} tok"
+            f" in {fmt_seconds(ev.total_s)}" + ("" if ev.ok else " FAILED")
+        ), level
+    if isinstance(ev, Handoff):
+        word = CLASS_WORDS[ev.cls]
+        pct = 100 * ev.reused_tokens / ev.prompt_tokens if ev.prompt_tokens else 100.0
+        extra = " (stale state)" if ev.stale_state else ""
+        lvl: Level = "ok" if ev.cls == "warm" else ("warn" if ev.cls == "partial" else "error")
+        return f"{g.handoff(ev.cls)} {word} {ev.session} {ev.src}{a}{ev.dst} reused {pct:.0f}%{extra}", lvl
+    if isinstance(ev, ReplicaSent):
+        return (
+            f"{ev.session} {ev.src}{a}{ev.dst} {fmt_bytes(ev.bytes)} ({ev.blocks} blocks,"
+            f" {fmt_tokens(ev.tokens)} tok) in {fmt_seconds(ev.seconds)}"
+        ), "info"
+    if isinstance(ev, ReplicaReady):
+        where = "engine" if ev.imported else "store"
+        return f"{ev.session} ready on {ev.dst} ({where}), {fmt_tokens(ev.tokens)} tok, +{fmt_seconds(ev.lag_s)}", "ok"
+    if isinstance(ev, ReplicaImported):
+        return f"{ev.session} imported on {ev.host}, {fmt_tokens(ev.tokens)} tok in {fmt_seconds(ev.seconds)}", "info"
+    if isinstance(ev, ReplicaEvicted):
+        return f"{ev.session} evicted from {ev.host} {ev.where}", "info"
+    if isinstance(ev, ReplicaRefused):
+        return f"{ev.session} {ev.src}{a}{ev.dst} refused: {ev.reason} {ev.message}".rstrip(), "warn"
+    if isinstance(ev, ReplicaSuperseded):
+        return f"{ev.session} {ev.src}{a}{ev.dst} superseded", "info"
+    if isinstance(ev, HostStatus):
+        h = ev.host
+        return f"{h.name} busy {h.busy}/{h.slots} queue {h.queued}", "info"
+    if isinstance(ev, PeerUp):
+        return f"{ev.peer} is up", "ok"
+    if isinstance(ev, PeerDown):
+        return f"{ev.peer} is DOWN" + (f": {ev.reason}" if ev.reason else ""), "error"
+    if isinstance(ev, DrainStarted):
+        return f"drain {ev.host} started: {ev.sessions} sessions to move", "warn"
+    if isinstance(ev, DrainProgress):
+        return f"drain {ev.host}: {ev.done}/{ev.total} moved", "info"
+    if isinstance(ev, DrainCompleted):
+        lvl2: Level = "ok" if not ev.failed else "error"
+        return f"drain {ev.host} completed: {ev.moved} moved, {ev.failed} failed", lvl2
+    if isinstance(ev, Undrained):
+        return f"{ev.host} undrained: taking turns again", "ok"
+    if isinstance(ev, MigrateStarted):
+        return f"migrate {ev.session} {ev.src}{a}{ev.dst} started", "info"
+    if isinstance(ev, MigrateCompleted):
+        if ev.ok:
+            return f"migrate {ev.session} {ev.src}{a}{ev.dst} completed", "ok"
+        return f"migrate {ev.session} {ev.src}{a}{ev.dst} FAILED: {ev.message}", "error"
+    return ev.type, "info"  # pragma: no cover - every type is handled above
+

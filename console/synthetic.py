@@ -1,0 +1,190 @@
+"""A synthetic mesh: deterministic snapshots and event streams, as JSON frames.
+
+Used by `kvmesh-console bench` (2,000 sessions at 200 events/s), by `--demo`
+(the console with no nodes, for trying the UI), and by tests. It emits exactly
+what a node would put on the wire (protocol models serialized to JSON), so the
+console's parse path is exercised too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+from node.protocol import (
+    ClusterSnapshot,
+    Event,
+    Handoff,
+    HandoffCounters,
+    HostInfo,
+    HostStatus,
+    LinkInfo,
+    ReplicaReady,
+    ReplicaSent,
+    SessionInfo,
+    SnapshotEvent,
+    TurnFinished,
+    TurnStarted,
+    classify,
+)
+
+GiB = 1 << 30
+
+
+@dataclass
+class _Sess:
+    sid: str
+    home: str
+    tokens: int
+    replica: str | None = None
+    replica_tokens: int = 0
+    replica_at: float | None = None
+    turns: int = 0
+    moves: int = 0
+    last: str | None = None
+
+
+@dataclass
+class SyntheticMesh:
+    hosts: int = 4
+    sessions: int = 2000
+    seed: int = 7
+    slots: int = 4
+    t0: float = 1_700_000_000.0
+    _rng: random.Random = field(init=False)
+    _seq: dict[str, int] = field(init=False, default_factory=dict)
+    _sess: list[_Sess] = field(init=False, default_factory=list)
+    _busy: dict[str, int] = field(init=False, default_factory=dict)
+    counters: HandoffCounters = field(init=False, default_factory=HandoffCounters)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self.host_names = [f"node-{i + 1}" for i in range(self.hosts)]
+        for name in self.host_names:
+            self._seq[name] = 0
+            self._busy[name] = 0
+        for i in range(self.sessions):
+            home = self.host_names[i % self.hosts]
+            s = _Sess(sid=f"sess-{i:05d}", home=home, tokens=self._rng.randint(2_000, 60_000))
+            if self._rng.random() < 0.7:
+                s.replica = self.host_names[(i + 1) % self.hosts]
+                s.replica_tokens = s.tokens - self._rng.choice([0, 0, 0, 256, 1024])
+                s.replica_at = self.t0 - self._rng.uniform(1, 400)
+            s.turns = self._rng.randint(1, 40)
+            s.moves = self._rng.randint(0, 5)
+            s.last = self._rng.choice([None, "warm", "warm", "warm", "partial", "cold"])
+            self._sess.append(s)
+        self.counters = HandoffCounters(warm=1200, partial=9, cold=2)
+
+    def _next_seq(self, node: str) -> int:
+        self._seq[node] += 1
+        return self._seq[node]
+
+    def host_info(self, name: str, now: float) -> HostInfo:
+        i = self.host_names.index(name)
+        return HostInfo(
+            name=name, api=f"http://127.0.0.1:{8000 + i}", slots=self.slots, busy=self._busy[name],
+            queued=max(0, self._busy[name] - self.slots + 1) if self._busy[name] >= self.slots else 0,
+            mem_used_bytes=(20 + 3 * i) * GiB, mem_total_bytes=64 * GiB,
+            kv_cache_bytes=16 * GiB, kv_cache_used_bytes=(6 + i) * GiB, store_bytes=(40 + i) * GiB,
+            kvshare_in_bps=1.2e9 * ((i + 1) % 3), kvshare_out_bps=0.8e9 * (i % 3),
+            prefill_tps=6000.0, last_seen=now,
+        )
+
+    def snapshot(self, now: float | None = None, node: str | None = None) -> SnapshotEvent:
+        now = self.t0 if now is None else now
+        node = node or self.host_names[0]
+        hosts = [self.host_info(h, now) for h in self.host_names]
+        sessions = [
+            SessionInfo(
+                session=s.sid, home=s.home, resident_tokens=s.tokens, replica_host=s.replica,
+                replica_tokens=s.replica_tokens if s.replica else 0,
+                replica_behind_tokens=max(0, s.tokens - s.replica_tokens) if s.replica else 0,
+                replica_age_s=(now - s.replica_at) if s.replica_at else None,
+                last_handoff=s.last, turns=s.turns, moves=s.moves, last_turn_at=now - 5,
+            )
+            for s in self._sess
+        ]
+        links = []
+        for a in self.host_names:
+            for b in self.host_names:
+                if a != b and (self.host_names.index(b) - self.host_names.index(a)) % self.hosts == 1:
+                    links.append(LinkInfo(
+                        src=a, dst=b, bytes_sent=40 * GiB, transfers=310, last_transfer_s=0.42,
+                        last_transfer_bytes=180 * (1 << 20), goodput_gbps=3.6, throughput_bps=2.4e9,
+                        warm=300, partial=2, cold=0,
+                    ))
+        cluster = ClusterSnapshot(node=node, ts=now, hosts=hosts, sessions=sessions, links=links,
+                                  counters=self.counters.model_copy())
+        return SnapshotEvent(ts=now, node=node, seq=self._seq[node], cluster=cluster)
+
+    def events(self, now: float, n: int) -> list[Event]:
+        """The next `n` events of a busy mesh: turns, handoffs, replicas, host status."""
+        out: list[Event] = []
+        rng = self._rng
+        for _ in range(n):
+            r = rng.random()
+            s = self._sess[rng.randrange(len(self._sess))]
+            if r < 0.06:
+                h = rng.choice(self.host_names)
+                out.append(HostStatus(ts=now, node=h, seq=self._next_seq(h), host=self.host_info(h, now)))
+            elif r < 0.40:
+                self._busy[s.home] = min(self.slots + 2, self._busy[s.home] + 1)
+                out.append(TurnStarted(ts=now, node=s.home, seq=self._next_seq(s.home), session=s.sid,
+                                       host=s.home, prompt_tokens=s.tokens, cached_tokens=s.tokens - 200))
+            elif r < 0.74:
+                self._busy[s.home] = max(0, self._busy[s.home] - 1)
+                s.tokens += rng.randint(100, 600)
+                s.turns += 1
+                out.append(TurnFinished(ts=now, node=s.home, seq=self._next_seq(s.home), session=s.sid,
+                                        host=s.home, prompt_tokens=s.tokens - 300, cached_tokens=s.tokens - 500,
+                                        completion_tokens=300, ttft_s=0.08, total_s=2.1))
+            elif r < 0.82:
+                dst = s.replica or self.host_names[(self.host_names.index(s.home) + 1) % self.hosts]
+                reused = s.tokens if rng.random() < 0.985 else s.tokens // 2
+                cls = classify(reused / s.tokens)
+                setattr(self.counters, cls, getattr(self.counters, cls) + 1)
+                out.append(Handoff(ts=now, node=dst, seq=self._next_seq(dst), session=s.sid, src=s.home, dst=dst,
+                                   cls=cls, prompt_tokens=s.tokens, reused_tokens=reused))
+                s.home, s.moves, s.last = dst, s.moves + 1, cls
+                s.replica = None
+            elif r < 0.91:
+                dst = self.host_names[(self.host_names.index(s.home) + 1) % self.hosts]
+                nbytes = s.tokens * 4096
+                out.append(ReplicaSent(ts=now, node=s.home, seq=self._next_seq(s.home), session=s.sid, src=s.home,
+                                       dst=dst, blocks=max(1, s.tokens // 256), bytes=nbytes,
+                                       seconds=nbytes * 8 / 9e9, tokens=s.tokens))
+            else:
+                dst = self.host_names[(self.host_names.index(s.home) + 1) % self.hosts]
+                s.replica, s.replica_tokens, s.replica_at = dst, s.tokens, now
+                out.append(ReplicaReady(ts=now, node=dst, seq=self._next_seq(dst), session=s.sid, src=s.home,
+                                        dst=dst, tokens=s.tokens, bytes=s.tokens * 4096, lag_s=0.04, imported=True))
+        return out
+
+
+async def run_synthetic(
+    mesh: SyntheticMesh,
+    feed_frame: Callable[[str, str], object],
+    on_connected: Callable[[str], object],
+    *,
+    url: str = "synthetic://mesh",
+    events_per_s: float = 200.0,
+    clock: Callable[[], float],
+    batch_interval: float = 0.05,
+) -> None:
+    """Play the mesh into a sink as JSON frames: a snapshot, then events at a steady rate."""
+    on_connected(url)
+    feed_frame(url, mesh.snapshot(clock()).model_dump_json())
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    sent = 0
+    while True:
+        await asyncio.sleep(batch_interval)
+        due = int((loop.time() - start) * events_per_s) - sent
+        if due <= 0:
+            continue
+        for ev in mesh.events(clock(), due):
+            feed_frame(url, ev.model_dump_json())
+        sent += due

@@ -1,0 +1,78 @@
+"""Links panel: one row per directed host pair.
+
+Throughput now as a sparkline (per-second history) and a number in Mb/s, the last
+transfer's time and size, and its goodput (Gb/s). The row under
+the cursor is the "selected link" whose handoff counts the counters panel shows.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from console.format import Glyphs, fmt_bytes, fmt_mbps, fmt_seconds, sparkline, truncate
+from console.state import ConsoleState, LinkKey, LinkRow
+from console.theme import Palette
+from console.widgets.table import Column, KeyedTable
+
+SPARK_WIDTH = 10
+
+
+def link_row_key(key: LinkKey) -> str:
+    # Host names cannot contain a space (they are URL path segments), so it separates.
+    return f"{key[0]} {key[1]}"
+
+
+def parse_link_row_key(row_key: str) -> LinkKey | None:
+    src, _, dst = row_key.partition(" ")
+    return (src, dst) if dst else None
+
+
+class LinksTable(KeyedTable):
+    COLUMNS = (
+        Column("link", "Link", 15),
+        Column("spark", "Throughput", SPARK_WIDTH),
+        Column("mbps", "Mb/s", 6),
+        Column("last", "Last xfer", 11),
+        Column("goodput", "Goodput", 7),
+    )
+
+    @property
+    def selected_link(self) -> LinkKey | None:
+        key = self.cursor_key
+        return parse_link_row_key(key) if key else None
+
+    def patch(self, state: ConsoleState, palette: Palette, glyphs: Glyphs) -> None:
+        cursor = self.cursor_key
+        now = state.clock()
+        added = False
+        stale = {n for n in state.hosts if state.is_stale_host(n)}
+        for key in sorted(state.links):
+            link = state.links[key]
+            added |= self.sync_row(link_row_key(key), self.render_link(link, palette, glyphs, now, stale))
+        if added:
+            self.sort_rows(lambda k: k)
+            self.restore_cursor(cursor)
+        title = f"Links {len(state.links)}"
+        if self.border_title != title:
+            self.border_title = title
+
+    def render_link(
+        self, link: LinkRow, palette: Palette, glyphs: Glyphs, now: float, stale_hosts: set[str]
+    ) -> tuple[Text, ...]:
+        base = palette.stale if (link.src in stale_hosts or link.dst in stale_hosts) else None
+
+        def cell(text: str, style: object = None) -> Text:
+            return Text(text, style=base or style or "", no_wrap=True)  # type: ignore[arg-type]
+
+        name = truncate(f"{link.src}{glyphs.arrow}{link.dst}", 15, glyphs)
+        last = "-"
+        if link.last_transfer_s is not None:
+            last = f"{fmt_seconds(link.last_transfer_s)} {fmt_bytes(link.last_transfer_bytes)}"
+        goodput = f"{link.goodput_gbps:.1f}G" if link.goodput_gbps is not None else "-"
+        return (
+            cell(name, palette.bold),
+            cell(sparkline(link.history_bps(now, SPARK_WIDTH), glyphs, SPARK_WIDTH), palette.ok),
+            cell(fmt_mbps(link.now_bps(now))),
+            cell(last),
+            cell(goodput),
+        )
