@@ -42,6 +42,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench.run(args)
 
 
+def cmd_netlab(args: argparse.Namespace) -> int:
+    from node.netlab.run import run_netlab
+
+    return run_netlab(args)
+
+
 def cmd_load(args: argparse.Namespace) -> int:
     from node.bench import emit
     from node.load import LoadRunner, LoadShape
@@ -106,6 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--link", choices=["loopback", "1gbit", "10gbit"], default="loopback")
     x.add_argument("--repeat", type=int, default=3)
     b.set_defaults(func=cmd_bench)
+
+    nl = sub.add_parser("netlab", help="the field report's experiment: two namespaces, shaped links (root)")
+    nl.add_argument("--quick", action="store_true", help="both links in under 10 minutes")
+    nl.add_argument("--links", default="1gbit,10gbit")
+    nl.add_argument("--duration", type=float, default=5400.0, help="seconds per link (the report ran 90 minutes)")
+    nl.add_argument("--kv-scale", type=float, default=0.05, help="KV bytes per token AND link rate x this")
+    nl.add_argument("--time-scale", type=float, default=1.0, help="think times x this")
+    nl.add_argument("--sessions", type=int, default=16)
+    nl.add_argument("--target-tokens", type=int, default=50_000)
+    nl.add_argument("--cache-mib", type=int, default=1024, help="KV pool per node (MiB)")
+    nl.add_argument("--seed", type=int, default=1)
+    nl.add_argument("--out", default="netlab-out", help="directory for netlab.json and netlab.png")
+    nl.add_argument("--json", action="store_true")
+    nl.set_defaults(func=cmd_netlab)
 
     ld = sub.add_parser("load", help="drive a mesh like a fleet of coding agents")
     ld.add_argument("--node", action="append", required=True, help="entry node URL (repeat for several)")

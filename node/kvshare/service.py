@@ -506,6 +506,7 @@ class KVShare:
             received = 0
             last_byte = 0.0
             t_first = 0.0
+            first_block_seen = False
             while not rx.done:
                 view = rx.payload_view()
                 if view is not None:
@@ -534,6 +535,9 @@ class KVShare:
                         target = (lambda h, t=txn: t.buffer(h.index)) if txn is not None else None
                         conn.sendall(rx.accept(int(plan["first_missing"]), payload_target=target))  # type: ignore[call-overload]
                         t_first = time.monotonic()
+                    elif isinstance(ev, wire.BlockHeader) and not first_block_seen:
+                        # Transfer time counts from the first block's first byte, as raw TCP's does.
+                        first_block_seen, t_first = True, time.monotonic()
                     elif isinstance(ev, wire.BlockReceived) and writer is not None:
                         writer.write_block(ev.index, ev.data, ev.digest)  # type: ignore[attr-defined]
                     elif isinstance(ev, wire.EndReceived):

@@ -18,7 +18,13 @@ import subprocess
 import uuid
 from dataclasses import dataclass, field
 
-RATES = {"1gbit": ("1gbit", "1mb"), "10gbit": ("10gbit", "8mb")}
+LINK_MBIT = {"1gbit": 1000.0, "10gbit": 10000.0}
+
+
+def tbf_args(rate_mbit: float) -> list[str]:
+    """tbf rate and a burst worth ~10 ms at that rate (never below 64 KiB)."""
+    burst = max(64 << 10, int(rate_mbit * 1e6 / 8 / 100))
+    return ["rate", f"{rate_mbit:g}mbit", "burst", str(burst), "latency", "20ms"]
 
 
 def _ip(*args: str) -> None:
@@ -50,6 +56,7 @@ class Host:
 @dataclass
 class TwoHostLab:
     rate: str  # "1gbit" | "10gbit" | "none"
+    scale: float = 1.0  # the shaped rate is LINK_MBIT[rate] * scale
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     hosts: list[Host] = field(default_factory=list)
     _made_ns: list[str] = field(default_factory=list)
@@ -78,10 +85,9 @@ class TwoHostLab:
         for h, dev in ((a, f"kd{t}a"), (b, f"kd{t}b")):
             _ip("-n", h.ns, "addr", "add", f"{h.data_ip}/30", "dev", dev)
             _ip("-n", h.ns, "link", "set", dev, "up")
-            if self.rate in RATES:
-                rate, burst = RATES[self.rate]
+            if self.rate in LINK_MBIT:
                 subprocess.run(["ip", "netns", "exec", h.ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                                "rate", rate, "burst", burst, "latency", "20ms"], check=True, capture_output=True)
+                                *tbf_args(self.rate_mbit)], check=True, capture_output=True)
         # management links root <-> each host
         for i, h in enumerate((a, b), start=1):
             root_dev, ns_dev = f"km{t}{i}", f"km{t}{i}n"
@@ -92,6 +98,10 @@ class TwoHostLab:
             _ip("-n", h.ns, "addr", "add", f"{h.mgmt_ip}/30", "dev", ns_dev)
             _ip("-n", h.ns, "link", "set", ns_dev, "up")
         self.hosts = [a, b]
+
+    @property
+    def rate_mbit(self) -> float:
+        return LINK_MBIT.get(self.rate, 0.0) * self.scale
 
     def close(self) -> None:
         for dev in self._made_links:

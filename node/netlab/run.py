@@ -1,0 +1,267 @@
+"""`kvmesh netlab`: the field report's experiment, reproduced on one machine.
+
+Two hosts as network namespaces joined by a veth pair shaped with tc tbf, one
+sim node in each (4 slots, kv_share on the data link), the report's workload
+(16 coding-agent sessions growing to ~50k tokens) driven from the root
+namespace, for each link rate. Scale is stated, never hidden: `--kv-scale`
+shrinks KV bytes per token AND the link rate by the same factor, so transfer
+times match the full-size experiment; think times are compressed by
+`--time-scale`. netem is not in this kernel: no latency or loss is emulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from websockets.sync.client import connect
+
+from node.bench.handoff import wait_peers
+from node.bench.transfer import _raw_tcp
+from node.launcher import NodeProcess
+from node.load import LoadRunner, LoadShape
+from node.netlab.mesh import lab_api, lab_nodes
+from node.netlab.netns import TwoHostLab, can_use_netns
+
+# The field report's 16-session table (see shared/reference/field-report.md).
+REPORT = {
+    "1gbit": {"label": "1 GbE via switch", "delta_mib": 247, "transfer_s": 3.24, "warm_pct": 93.8, "partial_pct": 5.4,
+              "import_s": 2.8},
+    "10gbit": {"label": "10 GbE direct (VPN bypass)", "delta_mib": 247, "transfer_s": 0.55, "warm_pct": 96.2,
+               "partial_pct": None, "import_s": 2.8},
+}
+
+
+@dataclass
+class LinkRun:
+    link: str
+    ready: list[dict[str, Any]] = field(default_factory=list)
+    imported: list[float] = field(default_factory=list)
+    series: list[tuple[float, float, int]] = field(default_factory=list)  # (t, warm %, handoffs)
+    cluster: dict[str, Any] = field(default_factory=dict)
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    duration_s: float = 0.0
+    raw_tcp_s: float | None = None
+    load: dict[str, Any] = field(default_factory=dict)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    v = sorted(xs)
+    return v[min(len(v) - 1, int(q * len(v)))] if v else None
+
+
+class _EventTap:
+    """Collects replica_ready / replica_imported events from one node's websocket, on a thread."""
+
+    def __init__(self, api: str, run: LinkRun):
+        self.url = api.replace("http://", "ws://") + "/v1/events"
+        self.run = run
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            try:
+                with connect(self.url, max_size=None, open_timeout=5) as ws:
+                    while not self.stop.is_set():
+                        try:
+                            ev = json.loads(ws.recv(timeout=0.5))
+                        except TimeoutError:
+                            continue
+                        if ev.get("replay"):
+                            continue
+                        if ev["type"] == "replica_ready":
+                            self.run.ready.append(ev)
+                        elif ev["type"] == "replica_imported":
+                            self.run.imported.append(ev["seconds"])
+            except Exception:  # noqa: BLE001 - reconnect; the run goes on
+                time.sleep(0.5)
+
+
+def _progress(api: str, run: LinkRun, duration: float, stop: threading.Event) -> None:
+    t0 = time.monotonic()
+    with httpx.Client(timeout=5) as c:
+        while not stop.wait(1.0):
+            try:
+                k = c.get(f"{api}/v1/cluster").json()["counters"]
+            except httpx.HTTPError:
+                continue
+            total = k["warm"] + k["partial"] + k["cold"]
+            warm = 100.0 * k["warm"] / total if total else 100.0
+            el = time.monotonic() - t0
+            run.series.append((el, warm, total))
+            done = min(1.0, el / duration)
+            bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
+            print(f"\r  {run.link:>6} [{bar}] {el:5.0f}/{duration:.0f}s  handoffs {total:4d}  warm {warm:5.1f}%",
+                  end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+
+
+def run_link(link: str, work: Path, args: argparse.Namespace) -> LinkRun:
+    run = LinkRun(link)
+    engine = {"kind": "sim", "slots": 4, "cache_bytes": args.cache_mib << 20, "queue_timeout_s": 600.0,
+              "sim": {"kv_scale": args.kv_scale}}
+    extra = {"kvshare": {"fsync": "never", "store_budget_bytes": 4 * (args.cache_mib << 20)},
+             "mesh": {"poll_interval_s": 0.25}}
+    with TwoHostLab(link, scale=args.kv_scale) as lab:
+        (work / link).mkdir(parents=True, exist_ok=True)
+        nodes: list[NodeProcess] = lab_nodes(lab, work / link, engine=engine, extra=extra)
+        try:
+            for n in nodes:
+                n.wait_ready()
+                n.info["api"] = lab_api(lab, n.name)
+            wait_peers(nodes)
+            taps = [_EventTap(n.api, run) for n in nodes]
+            for t in taps:
+                t.thread.start()
+            stop = threading.Event()
+            prog = threading.Thread(target=_progress, args=(nodes[0].api, run, args.duration, stop), daemon=True)
+            prog.start()
+            shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, seed=args.seed)
+            t0 = time.monotonic()
+            stats = asyncio.run(LoadRunner([n.api for n in nodes], shape, time_scale=args.time_scale).run(args.duration))
+            run.duration_s = time.monotonic() - t0
+            stop.set()
+            prog.join()
+            time.sleep(1.0)
+            for t in taps:
+                t.stop.set()
+            run.load = stats.summary()
+            run.cluster = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=10).json()
+            run.stats = [httpx.get(f"{n.api}/v1/stats", timeout=10).json() for n in nodes]
+            sizes = [e["bytes"] for e in run.ready if e["blocks"] > 0]
+            if sizes:
+                a, b = lab.hosts
+                run.raw_tcp_s = _raw_tcp(int(statistics.median(sizes)), b.exec_prefix(), a.exec_prefix(), b.data_ip)
+        finally:
+            for n in nodes:
+                n.stop()
+    return run
+
+
+def summarize(run: LinkRun, scale: float) -> dict[str, Any]:
+    k = run.cluster.get("counters", {"warm": 0, "partial": 0, "cold": 0, "stale_state_cold": 0})
+    total = k["warm"] + k["partial"] + k["cold"]
+    deltas = [e for e in run.ready if e["blocks"] > 0]
+    secs = [e["recv_s"] for e in deltas]
+    lags = [e["lag_s"] for e in deltas]
+    mbps = []
+    for st in run.stats:
+        out = sum(v["bytes"] for v in st["kvshare"]["out"].values())
+        mbps.append(round(8 * out / run.duration_s / 1e6, 1) if run.duration_s else 0.0)
+    p50 = _pct(secs, 0.5)
+    return {
+        "link": run.link,
+        "handoffs": total,
+        "warm_pct": round(100 * k["warm"] / total, 2) if total else None,
+        "partial_pct": round(100 * k["partial"] / total, 2) if total else None,
+        "cold_pct": round(100 * k["cold"] / total, 2) if total else None,
+        "stale_state_cold": k["stale_state_cold"],
+        "transfers": len(deltas),
+        "delta_mib_p50": round((_pct([e["bytes"] for e in deltas], 0.5) or 0) / 2**20 / scale, 1),
+        "transfer_p50_s": round(p50, 3) if p50 is not None else None,
+        "transfer_p95_s": round(_pct(secs, 0.95) or 0, 3) if secs else None,
+        "raw_tcp_s_for_p50_delta": round(run.raw_tcp_s, 3) if run.raw_tcp_s else None,
+        "transfer_over_raw": round(p50 / run.raw_tcp_s, 3) if p50 and run.raw_tcp_s else None,
+        "ready_lag_p50_s": round(_pct(lags, 0.5) or 0, 4) if lags else None,
+        "import_p50_s": round(_pct(run.imported, 0.5) or 0, 4) if run.imported else None,
+        "mbps_per_direction": mbps,
+        "turns": run.load.get("turns"),
+        "errors": run.load.get("errors"),
+        "duration_s": round(run.duration_s, 1),
+    }
+
+
+def table(rows: list[dict[str, Any]], scale: float, time_scale: float) -> str:
+    out = [f"kv_share field experiment, reproduced: KV bytes and link rate scaled by {scale:g} "
+           f"(transfer times comparable to full size), think times x{time_scale:g}; no latency emulation (no netem).",
+           "",
+           f"{'':<26}{'delta MiB':>10}{'xfer p50':>9}{'p95':>7}{'raw TCP':>8}{'ready lag':>10}{'warm%':>7}"
+           f"{'part%':>7}{'cold%':>7}{'stale':>6}{'Mb/s a>b,b>a':>14}{'import':>8}"]
+    for r in rows:
+        rep = REPORT.get(r["link"], {})
+        out.append(f"{'report: ' + rep.get('label', r['link']):<26}{rep.get('delta_mib', ''):>10}"
+                   f"{rep.get('transfer_s', ''):>9}{'':>7}{'':>8}{'':>10}{rep.get('warm_pct', ''):>7}"
+                   f"{rep.get('partial_pct') if rep.get('partial_pct') is not None else '':>7}{'':>7}{'':>6}"
+                   f"{'320-450':>14}{rep.get('import_s', ''):>8}")
+        mb = ",".join(f"{m * (1 / scale):.0f}" for m in r["mbps_per_direction"])
+        out.append(f"{'kvmesh: ' + r['link']:<26}{r['delta_mib_p50']:>10}{_f(r['transfer_p50_s']):>9}"
+                   f"{_f(r['transfer_p95_s']):>7}{_f(r['raw_tcp_s_for_p50_delta']):>8}{_f(r['ready_lag_p50_s']):>10}"
+                   f"{_f(r['warm_pct']):>7}{_f(r['partial_pct']):>7}{_f(r['cold_pct']):>7}{r['stale_state_cold']:>6}"
+                   f"{mb:>14}{_f(r['import_p50_s']):>8}")
+    out.append("")
+    out.append("delta MiB and Mb/s are shown at full scale (measured / scale); times are as measured.")
+    return "\n".join(out)
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:g}"
+
+
+def write_png(runs: list[LinkRun], rows: list[dict[str, Any]], path: Path) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'kvmesh[report]'): no PNG written"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        if run.series:
+            ax1.plot([t for t, _, _ in run.series], [w for _, w, _ in run.series], label=run.link)
+        secs = [e["recv_s"] for e in run.ready if e["blocks"] > 0]
+        if secs:
+            ax2.hist(secs, bins=30, alpha=0.6, label=run.link)
+    ax1.set_title("warm handoffs over time")
+    ax1.set_xlabel("seconds")
+    ax1.set_ylabel("warm %")
+    ax1.set_ylim(0, 101)
+    ax1.legend()
+    ax2.set_title("replica delta transfer time")
+    ax2.set_xlabel("seconds")
+    ax2.set_ylabel("transfers")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return f"PNG report: {path}"
+
+
+def run_netlab(args: argparse.Namespace) -> int:
+    ok, why = can_use_netns()
+    if not ok:
+        print(f"kvmesh netlab: {why}", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.duration = min(args.duration, 150.0)
+    links = [x.strip() for x in args.links.split(",") if x.strip()]
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"netlab: links {', '.join(links)}; {args.duration:g}s each; kv/link scale {args.kv_scale:g}; "
+          f"think-time scale {args.time_scale:g}; no netem (rate shaping only)", file=sys.stderr)
+    runs: list[LinkRun] = []
+    with tempfile.TemporaryDirectory(prefix="kvmesh-netlab-") as tmp:
+        for link in links:
+            runs.append(run_link(link, Path(tmp), args))
+    rows = [summarize(r, args.kv_scale) for r in runs]
+    result = {"links": rows, "scale": args.kv_scale, "time_scale": args.time_scale, "duration_s": args.duration,
+              "latency_emulation": "none (netem unavailable)"}
+    json_path = out_dir / "netlab.json"
+    json_path.write_text(json.dumps(result, indent=2))
+    note = write_png(runs, rows, out_dir / "netlab.png")
+    if not args.json:
+        print(table(rows, args.kv_scale, args.time_scale))
+        print(f"\nJSON: {json_path}\n{note}")
+    print(json.dumps(result), flush=True)
+    return 0
