@@ -6,12 +6,13 @@ Command-line flags override the common fields (see `node.cli`).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from node.errors import ConfigError
 
@@ -54,10 +55,19 @@ class EngineConfig(_Strict):
         return self.model_name or f"kvmesh-{self.kind}"
 
 
+class TLSConfig(_Strict):
+    """Optional TLS for a listener; `ca_file` verifies peers (their API and kv_share)."""
+
+    cert_file: str = Field(min_length=1)
+    key_file: str = Field(min_length=1)
+    ca_file: str = Field("", description="CA bundle that signs the peers' certificates (default: the system store)")
+
+
 class ApiConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(8 << 20, gt=0)
+    tls: TLSConfig | None = None
 
 
 class PeerConfig(_Strict):
@@ -95,6 +105,7 @@ class KVShareConfig(_Strict):
     persist_own: bool = Field(True, description="also keep this host's own sessions in the store")
     concurrency: int = Field(4, ge=1, le=64, description="transfers to different targets in parallel")
     socket_buffer_bytes: int = Field(4 << 20, ge=65536)
+    tls: TLSConfig | None = None
     connect_timeout_s: float = Field(3.0, gt=0)
     io_timeout_s: float = Field(30.0, gt=0)
 
@@ -113,6 +124,25 @@ class NodeConfig(_Strict):
         if set(v) <= {"."}:
             raise ValueError("must contain a letter or digit")
         return v
+
+    @model_validator(mode="after")
+    def _loopback_without_secret(self) -> NodeConfig:
+        """Without a mesh secret, peers and kv_share are unauthenticated: loopback only."""
+        if self.mesh.secret is None:
+            for field_name, host in (("api.host", self.api.host), ("kvshare.listen", self.kvshare.listen.rsplit(":", 1)[0])):
+                if not _is_loopback(host):
+                    raise ValueError(f"{field_name} {host!r} is not a loopback address, and no mesh.secret is set: "
+                                     "set mesh.secret (or KVMESH_MESH_SECRET) to listen beyond this machine")
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def describe(err: ValidationError, source: str) -> str:

@@ -67,3 +67,12 @@ class ImportRefused(KVMeshError):
 
 class ConfigError(KVMeshError):
     """A configuration file or flag is invalid; the message names the field."""
+
+
+class CheckpointError(ConfigError):
+    """A model checkpoint directory cannot be served: a file is missing or unreadable, or
+    its architecture or options are not supported. The message names the file."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path

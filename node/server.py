@@ -28,7 +28,9 @@ async def serve(cfg: NodeConfig, *, ready_file: Path | None = None) -> None:
     app = create_app(node)
     server = uvicorn.Server(
         uvicorn.Config(app, host=cfg.api.host, port=cfg.api.port, log_level="warning", access_log=False,
-                       timeout_keep_alive=30, lifespan="on")
+                       timeout_keep_alive=30, lifespan="on", limit_concurrency=1024,
+                       ssl_certfile=cfg.api.tls.cert_file if cfg.api.tls else None,
+                       ssl_keyfile=cfg.api.tls.key_file if cfg.api.tls else None)
     )
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
@@ -41,7 +43,7 @@ async def serve(cfg: NodeConfig, *, ready_file: Path | None = None) -> None:
         await task
         raise SystemExit(f"node {cfg.name}: the API server did not start on {cfg.api.host}:{cfg.api.port}")
     host, port = server.servers[0].sockets[0].getsockname()[:2]
-    node.api_url = f"http://{host}:{port}"
+    node.api_url = f"{'https' if cfg.api.tls else 'http'}://{host}:{port}"
     info = {"name": cfg.name, "api": node.api_url, "kvshare": node.kvshare.address, "pid": os.getpid()}
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")

@@ -1,16 +1,21 @@
 """The decoder: RMSNorm, RoPE, GQA attention, SwiGLU. Plain torch.
 
-One implementation for every preset. Weights are seeded from the config, so
-every host computes bit-identical KV for identical tokens. The KV cache is
-not owned here: `forward` writes into, and attends over, a caller-supplied
-per-slot workspace `ws: [layers, 2, kv_heads, max_ctx, head_dim]`.
+One implementation for every preset and for real checkpoints (Llama, Qwen2,
+Qwen3: see `node.engine.hf`): the options those families add (qkv bias,
+QK-norm, tied embeddings, RoPE scaling) are config fields of the same layers.
+Preset weights are seeded from the config, so every host computes bit-identical
+KV for identical tokens; checkpoint weights come in through `Decoder.from_weights`.
+The KV cache is not owned here: `forward` writes into, and attends over, a
+caller-supplied per-slot workspace `ws: [layers, 2, kv_heads, max_ctx, head_dim]`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, replace
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +36,21 @@ class ModelConfig:
     norm_eps: float = 1e-5
     max_context: int = 32768
     seed: int = 1234
+    # Options of real checkpoint families. The defaults are the tiny preset's (and
+    # leave its weights, outputs and fingerprint exactly as before they existed).
+    qkv_bias: bool = False  # Qwen2: bias on q/k/v projections
+    o_bias: bool = False  # Llama `attention_bias`: bias on q/k/v *and* o
+    mlp_bias: bool = False  # Llama `mlp_bias`
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    tie_embeddings: bool = False  # lm_head shares the embedding matrix
+    rope_scaling: str = ""  # "" (none), "linear" or "llama3"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_context: int = 8192  # llama3: original_max_position_embeddings
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()  # extra stop ids (the tokenizer has its own)
+    checkpoint: str = ""  # digest of config.json + weight files (node.engine.hf); "" for seeded presets
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
@@ -51,9 +71,25 @@ def preset(name: str, **overrides: object) -> ModelConfig:
     return replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
 
 
+# The fields the fingerprint has always covered. Fields added since enter the blob
+# only when they differ from their default, so a preset's fingerprint (and with it
+# every block hash and every replica already on disk) is unchanged by their addition.
+_V1_FIELDS = frozenset(
+    ("name", "vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+     "rope_theta", "norm_eps", "max_context", "seed")
+)
+
+
 def fingerprint(cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
-    """Names everything that makes two caches interchangeable: arch, config, seed, dtype, block size."""
-    blob = json.dumps({"arch": "kvmesh-decoder/v1", **asdict(cfg), "dtype": str(dtype), "block": block_size}, sort_keys=True)
+    """Names everything that makes two caches interchangeable: arch, config, seed or
+    checkpoint digest, dtype, block size."""
+    default = ModelConfig()
+    cfg_d = {
+        f.name: getattr(cfg, f.name)
+        for f in fields(cfg)
+        if f.name in _V1_FIELDS or getattr(cfg, f.name) != getattr(default, f.name)
+    }
+    blob = json.dumps({"arch": "kvmesh-decoder/v1", **cfg_d, "dtype": str(dtype), "block": block_size}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -68,9 +104,33 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
+def rope_inv_freq(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """Rotation frequencies per pair of dims: [head_dim // 2], fp32, after the config's scaling."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim))
+    if cfg.rope_scaling == "linear":
+        # Position interpolation: position p rotates as p / factor.
+        inv = inv / cfg.rope_factor
+    elif cfg.rope_scaling == "llama3":
+        # Llama 3.1: long wavelengths (beyond the original context / low_freq_factor) are
+        # interpolated by `factor`, short ones (below original / high_freq_factor) kept,
+        # and the band between is blended linearly in 1/wavelength.
+        orig = cfg.rope_original_context
+        low_wavelen = orig / cfg.rope_low_freq_factor
+        high_wavelen = orig / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+        smooth = (orig / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        blended = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, blended, scaled)
+    elif cfg.rope_scaling:
+        raise ValueError(f"unsupported rope scaling {cfg.rope_scaling!r} (supported: linear, llama3)")
+    return inv
+
+
 def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin: [max_context, head_dim // 2], fp32."""
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32) / cfg.head_dim))
+    inv = rope_inv_freq(cfg, device)
     t = torch.arange(cfg.max_context, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv)
     return freqs.cos(), freqs.sin()
@@ -109,17 +169,24 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        qkv_bias = cfg.qkv_bias or cfg.o_bias
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.o_bias)
+        # Qwen3's QK-norm: one weight of head_dim shared by every head.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, kv: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [1, q, d_model]; kv: [2, kv_heads, max_ctx, head_dim] (this layer's workspace)
         c = self.cfg
         q_len = x.shape[1]
-        q = self.wq(x).view(1, q_len, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(1, q_len, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        q = self.wq(x).view(1, q_len, c.n_heads, c.head_dim)
+        k = self.wk(x).view(1, q_len, c.n_kv_heads, c.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, before RoPE
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(1, q_len, c.n_kv_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         end = start + q_len
@@ -145,9 +212,10 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        # w1 = gate, w3 = up, w2 = down (Hugging Face: gate_proj, up_proj, down_proj).
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.mlp_bias)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -174,6 +242,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
@@ -191,6 +261,31 @@ class Decoder(nn.Module):
         model = model.to(device=device, dtype=dtype).eval()
         model.rope_cos, model.rope_sin = rope_tables(cfg, device)
         return model
+
+    @classmethod
+    def from_weights(
+        cls, cfg: ModelConfig, get: Callable[[str], torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> Decoder:
+        """Weights from a source, one tensor at a time: `get(name)` returns the tensor for
+        one of this module's parameter names (`embed.weight`, `layers.3.attn.wq.weight`, ...).
+
+        The module is built on the meta device first, so no memory is spent on an
+        initialisation that would be overwritten, and the peak is the model plus one tensor.
+        A tied lm_head is asked for once, as `embed.weight`.
+        """
+        with torch.device("meta"):
+            model = cls(cfg)
+        for name, p in list(model.named_parameters()):  # tied parameters appear once
+            t = get(name)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"weight {name}: shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            setattr(owner, attr, nn.Parameter(t.to(device=device, dtype=dtype).contiguous(), requires_grad=False))
+        if cfg.tie_embeddings:
+            model.lm_head.weight = model.embed.weight
+        model.rope_cos, model.rope_sin = rope_tables(cfg, device)
+        return model.eval()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, ws: torch.Tensor, start: int) -> torch.Tensor:

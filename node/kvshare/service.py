@@ -31,6 +31,7 @@ from node.engine.hashing import payload_digest
 from node.errors import ImportRefused, KVMeshError
 from node.kvshare import wire
 from node.kvshare.store import ReplicaStore
+from node.tls import client_context, server_context
 from node.protocol import LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaSuperseded
 
 if TYPE_CHECKING:
@@ -133,6 +134,9 @@ class KVShare:
         self._accept_thread: threading.Thread | None = None
         self._closing = threading.Event()
         self.address = ""
+        tls = cfg.tls
+        self._server_tls = server_context(tls) if tls else None
+        self._client_tls = client_context(tls) if tls else None
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -140,7 +144,7 @@ class KVShare:
         self._loop = asyncio.get_running_loop()
         self._sem = asyncio.Semaphore(self.cfg.concurrency)
         host, port = self.cfg.listen.rsplit(":", 1)
-        sock = socket.create_server((host or "127.0.0.1", int(port)), backlog=64, reuse_port=False)
+        sock = socket.create_server((host, int(port)), backlog=64, reuse_port=False)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.cfg.socket_buffer_bytes)
         self._listener = sock
         h, p = sock.getsockname()[:2]
@@ -378,7 +382,9 @@ class KVShare:
         t0 = time.monotonic()
         sent = 0
         try:
-            with socket.create_connection((host, int(port)), timeout=self.cfg.connect_timeout_s) as sock:
+            raw = socket.create_connection((host, int(port)), timeout=self.cfg.connect_timeout_s)
+            sock = self._client_tls.wrap_socket(raw) if self._client_tls else raw
+            with sock:
                 sock.settimeout(self.cfg.io_timeout_s)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.cfg.socket_buffer_bytes)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -484,6 +490,12 @@ class KVShare:
                 return
             threading.Thread(target=self._serve_conn, args=(conn,), name="kvshare-recv", daemon=True).start()
 
+    def _wrap(self, conn: socket.socket) -> socket.socket:
+        if self._server_tls is None:
+            return conn
+        conn.settimeout(self.cfg.io_timeout_s)  # the handshake too is bounded
+        return self._server_tls.wrap_socket(conn, server_side=True)
+
     def _call(self, fn, *args):  # type: ignore[no-untyped-def]
         """Run fn on the event loop thread and wait for it (engine bookkeeping has one writer)."""
         assert self._loop is not None
@@ -501,8 +513,9 @@ class KVShare:
         src = "?"
         plan: dict[str, object] = {}
         try:
-            conn.settimeout(self.cfg.io_timeout_s)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.cfg.socket_buffer_bytes)
+            conn = self._wrap(conn)
+            conn.settimeout(self.cfg.io_timeout_s)
             received = 0
             last_byte = 0.0
             t_first = 0.0

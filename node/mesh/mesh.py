@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from node.mesh.auth import peer_token
+from node.tls import client_context
 from node.mesh.peers import PeerTable
 from node.mesh.placement import Decision, Holding, HostLoad, Policy, choose, home_of, last_host_of, predict_next
 from node.mesh.sessions import SessionBook
@@ -36,7 +37,8 @@ class Mesh:
         self.peer_token = peer_token(secrets[0]) if secrets else None
         self.secrets = secrets
         self.peers = PeerTable(cfg.peers, token=self.peer_token, poll_interval_s=cfg.poll_interval_s,
-                               stale_after_s=cfg.stale_after_s, publish=node.hub.publish)
+                               stale_after_s=cfg.stale_after_s, publish=node.hub.publish,
+                               verify=client_context(node.cfg.api.tls) if node.cfg.api.tls else True)
         self.book = SessionBook()
         self.draining = False
         self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, node.engine.kv_bytes_per_token)

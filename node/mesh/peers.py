@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,17 +41,18 @@ class Peer:
 
 class PeerTable:
     def __init__(self, peers: list[PeerConfig], *, token: str | None, poll_interval_s: float, stale_after_s: float,
-                 publish: Callable[[object], object]):
+                 publish: Callable[[object], object], verify: ssl.SSLContext | bool = True):
         self.peers = {p.name: Peer(p) for p in peers}
         self.poll_interval_s = poll_interval_s
         self.stale_after_s = stale_after_s
         self._publish = publish
         self._headers = {PEER_HEADER: token} if token else {}
         self._client: httpx.AsyncClient | None = None
+        self._verify = verify
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0), headers=self._headers)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0), headers=self._headers, verify=self._verify)
         self._task = asyncio.create_task(self._run(), name="peer-poll")
 
     async def stop(self) -> None:
