@@ -23,8 +23,9 @@ SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 HandoffClass = Literal["warm", "partial", "cold"]
 
 
-def is_valid_session_id(value: str) -> bool:
-    return bool(SESSION_ID_RE.fullmatch(value)) and value not in (".", "..")
+def is_valid_session_id(value: object) -> bool:
+    """Session ids name files on disk: a closed alphabet, bounded length, never '.' or '..'."""
+    return isinstance(value, str) and bool(SESSION_ID_RE.fullmatch(value)) and value not in (".", "..")
 
 
 def classify(reused_fraction: float) -> HandoffClass:

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Body, Header, Request, WebSocket, WebSocketDisconnect
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from node.errors import KVMeshError
 from node.mesh.auth import PEER_HEADER, check_bearer, check_peer_token
@@ -178,7 +178,3 @@ def router(node: Node) -> APIRouter:
         return await node.replicate_now(session)
 
     return r
-
-
-def unauthorized_json(message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "authentication_error", "code": "unauthorized"}}, 401)

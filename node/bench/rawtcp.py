@@ -9,10 +9,13 @@ socket options as kv_share, so the comparison is like for like.
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 import time
 
 import numpy as np
+
+from node.launcher import free_port
 
 CHUNK = 4 << 20
 SOCK_BUF = 4 << 20
@@ -65,6 +68,25 @@ def send(host: str, port: int, nbytes: int) -> float:
             sent += n
         sock.recv(1)
         return time.monotonic() - t0
+
+
+def measure(nbytes: int, recv_prefix: list[str], send_prefix: list[str], host: str) -> float:
+    """Seconds to move nbytes over one TCP stream, receiver and sender each run as a
+    process under its prefix (e.g. `ip netns exec NS`)."""
+    port = free_port() if not recv_prefix else 7100
+    rx = subprocess.Popen([*recv_prefix, sys.executable, "-m", "node.bench.rawtcp", "recv", host, str(port), str(nbytes)],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        assert rx.stdout is not None
+        if rx.stdout.readline().strip() != "ready":
+            raise RuntimeError("raw TCP receiver did not start")
+        subprocess.run([*send_prefix, sys.executable, "-m", "node.bench.rawtcp", "send", host, str(port), str(nbytes)],
+                       check=True, capture_output=True, timeout=300)
+        out, _ = rx.communicate(timeout=60)
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+    return float(out.split()[-1])
 
 
 if __name__ == "__main__":

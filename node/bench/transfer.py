@@ -15,8 +15,6 @@ import json
 import math
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,8 +25,9 @@ from websockets.sync.client import connect
 
 from node.bench import emit
 from node.bench.handoff import wait_peers
+from node.bench import rawtcp
 from node.bench.workload import text
-from node.launcher import NodeProcess, free_port, mesh_configs
+from node.launcher import NodeProcess, mesh_configs
 
 BLOCK = 256
 BASE_BLOCKS = 8
@@ -69,23 +68,6 @@ def _await_ready(ws_url: str, session: str, trigger: Any, timeout: float = 120.0
     raise TimeoutError("no replica_ready")
 
 
-def _raw_tcp(nbytes: int, recv_prefix: list[str], send_prefix: list[str], host: str) -> float:
-    port = free_port() if not recv_prefix else 7100
-    rx = subprocess.Popen([*recv_prefix, sys.executable, "-m", "node.bench.rawtcp", "recv", host, str(port), str(nbytes)],
-                          stdout=subprocess.PIPE, text=True)
-    try:
-        assert rx.stdout is not None
-        if rx.stdout.readline().strip() != "ready":
-            raise RuntimeError("raw TCP receiver did not start")
-        subprocess.run([*send_prefix, sys.executable, "-m", "node.bench.rawtcp", "send", host, str(port), str(nbytes)],
-                       check=True, capture_output=True, timeout=300)
-        out, _ = rx.communicate(timeout=60)
-    finally:
-        if rx.poll() is None:
-            rx.kill()
-    return float(out.split()[-1])
-
-
 def _measure(apis: dict[str, str], raw: Any, delta_blocks: int, repeat: int, rng: random.Random) -> dict[str, Any]:
     a, b = apis["a"], apis["b"]
     ws_b = b.replace("http://", "ws://") + "/v1/events"
@@ -119,7 +101,7 @@ def run_transfer(args: argparse.Namespace) -> int:
                     n.wait_ready()
                 wait_peers(nodes)
                 apis = {n.name: n.api for n in nodes}
-                res = _measure(apis, lambda nb: _raw_tcp(nb, [], [], "127.0.0.1"), delta_blocks, args.repeat, rng)
+                res = _measure(apis, lambda nb: rawtcp.measure(nb, [], [], "127.0.0.1"), delta_blocks, args.repeat, rng)
             finally:
                 for n in nodes:
                     n.stop()
@@ -140,7 +122,7 @@ def run_transfer(args: argparse.Namespace) -> int:
                     wait_peers(nodes)
                     a, b = lab.hosts
                     apis = {"a": lab_api(lab, "host-a"), "b": lab_api(lab, "host-b")}
-                    res = _measure(apis, lambda nb: _raw_tcp(nb, b.exec_prefix(), a.exec_prefix(), b.data_ip),
+                    res = _measure(apis, lambda nb: rawtcp.measure(nb, b.exec_prefix(), a.exec_prefix(), b.data_ip),
                                    delta_blocks, args.repeat, rng)
                 finally:
                     for n in nodes:

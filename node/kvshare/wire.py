@@ -65,7 +65,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -76,6 +75,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, payload_digest
 from node.errors import InvalidRequest, KVMeshError
+from node.protocol import is_valid_session_id
 
 MAGIC = b"KVSH"
 VERSION = 1
@@ -84,8 +84,6 @@ DIGEST_BYTES = 16
 MAX_REASON_BYTES = 64
 MAX_MESSAGE_BYTES = 1024
 
-# Session ids name directories in the replica store: a closed alphabet, bounded length.
-SESSION_ID_RE = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
 
 
 class Kind(enum.IntEnum):
@@ -132,10 +130,6 @@ class InvalidSessionId(InvalidRequest):
     """A session id that could not safely name a file."""
 
     code = "invalid_session_id"
-
-
-def is_valid_session_id(session: object) -> bool:
-    return isinstance(session, str) and session not in (".", "..") and SESSION_ID_RE.fullmatch(session) is not None
 
 
 def check_session_id(session: object) -> str:

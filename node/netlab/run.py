@@ -27,7 +27,7 @@ import httpx
 from websockets.sync.client import connect
 
 from node.bench.handoff import wait_peers
-from node.bench.transfer import _raw_tcp
+from node.bench import rawtcp
 from node.launcher import NodeProcess
 from node.load import LoadRunner, LoadShape
 from node.netlab.mesh import lab_api, lab_nodes
@@ -142,7 +142,7 @@ def run_link(link: str, work: Path, args: argparse.Namespace) -> LinkRun:
             sizes = [e["bytes"] for e in run.ready if e["blocks"] > 0]
             if sizes:
                 a, b = lab.hosts
-                run.raw_tcp_s = _raw_tcp(int(statistics.median(sizes)), b.exec_prefix(), a.exec_prefix(), b.data_ip)
+                run.raw_tcp_s = rawtcp.measure(int(statistics.median(sizes)), b.exec_prefix(), a.exec_prefix(), b.data_ip)
         finally:
             for n in nodes:
                 n.stop()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from node.bench.transfer import _raw_tcp
+from node.bench import rawtcp
 from node.netlab.netns import TwoHostLab, can_use_netns
 
 USABLE, WHY = can_use_netns()
@@ -32,7 +32,7 @@ def test_lab_creates_shaped_link_and_removes_everything() -> None:
         qdisc = subprocess.run(["ip", "netns", "exec", a.ns, "tc", "qdisc", "show"], capture_output=True, text=True).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc
         # bytes cross the data link from host A to host B
-        assert _raw_tcp(1 << 20, b.exec_prefix(), a.exec_prefix(), b.data_ip) > 0
+        assert rawtcp.measure(1 << 20, b.exec_prefix(), a.exec_prefix(), b.data_ip) > 0
     assert _netns() == before
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert f"km{lab.tag}" not in links
