@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-tokens", type=int, default=64)
     h.add_argument("--time-scale", type=float, default=1.0, help="multiplies think times (compression < 1)")
     h.add_argument("--seed", type=int, default=1)
+    h.add_argument("--cold-move-after", type=float, default=30.0, help="mesh.cold_move_after_s for both nodes")
+    h.add_argument("--replicate-min-tokens", type=int, default=8192, help="kvshare.replicate_min_tokens")
     x = bsub.add_parser("transfer", help="kv_share delta vs raw TCP between two node processes")
     x.add_argument("--json", action="store_true")
     x.add_argument("--mib", type=float, default=247.0, help="delta size")

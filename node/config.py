@@ -36,8 +36,9 @@ class SimConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    kind: Literal["tiny", "sim"] = "tiny"
-    model_name: str = Field("", description="served model id; defaults to kvmesh-<kind>")
+    kind: Literal["tiny", "sim", "torch"] = "tiny"
+    model: str = Field("", description="kind 'torch': a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3)")
+    model_name: str = Field("", description="served model id; defaults to the checkpoint directory's name, else kvmesh-<kind>")
     slots: int = Field(4, ge=1, le=256)
     queue_max: int = Field(64, ge=0)
     queue_timeout_s: float = Field(30.0, gt=0)
@@ -50,9 +51,19 @@ class EngineConfig(_Strict):
     first_chunk: int = Field(16384, ge=16)
     sim: SimConfig = SimConfig()
 
+    @model_validator(mode="after")
+    def _model_matches_kind(self) -> EngineConfig:
+        if self.kind == "torch" and not self.model:
+            raise ValueError("engine.kind 'torch' needs engine.model: the path of a local Hugging Face checkpoint directory")
+        if self.model and self.kind != "torch":
+            raise ValueError(f"engine.model is set but engine.kind is {self.kind!r}: set kind = \"torch\" to serve a checkpoint")
+        return self
+
     @property
     def served_model(self) -> str:
-        return self.model_name or f"kvmesh-{self.kind}"
+        if self.model_name:
+            return self.model_name
+        return Path(self.model).name if self.kind == "torch" else f"kvmesh-{self.kind}"
 
 
 class TLSConfig(_Strict):

@@ -83,7 +83,7 @@ def run_demo(args: argparse.Namespace) -> int:
         try:
             wait_peers(nodes)
             apis = [n.api for n in nodes]
-            print("mesh up: " + ", ".join(f"{n.name} {n.api}" for n in nodes), flush=True)
+            print("mesh up: " + ", ".join(f"{n.name} {n.api} pid {n.info['pid']}" for n in nodes), flush=True)
             load = _Workload(apis, args.sessions)
             load.start()
             if args.headless:

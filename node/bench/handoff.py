@@ -56,7 +56,9 @@ def wait_peers(nodes: list[NodeProcess], timeout: float = 20.0) -> None:
 def run_handoff(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
         nodes = start_mesh(Path(tmp), ["node-a", "node-b"], slots=args.slots, kv_scale=args.kv_scale,
-                           cache_bytes=args.cache_bytes)
+                           cache_bytes=args.cache_bytes,
+                           extra={"mesh": {"cold_move_after_s": args.cold_move_after},
+                                  "kvshare": {"replicate_min_tokens": args.replicate_min_tokens}})
         try:
             wait_peers(nodes)
             shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, seed=args.seed,
@@ -86,6 +88,7 @@ def run_handoff(args: argparse.Namespace) -> int:
         "turns": load["turns"], "errors": load["errors"], "duration_s": round(elapsed, 1),
         "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
         "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
+        "cold_move_after_s": args.cold_move_after, "replicate_min_tokens": args.replicate_min_tokens,
     }
     emit(result, args)
     return 0

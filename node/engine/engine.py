@@ -21,12 +21,13 @@ import xxhash
 from node.config import EngineConfig
 from node.engine.blocks import BlockManager, BlockPool
 from node.engine.hashing import as_tokens, block_hashes, chain_seed
+from node.engine.hf import Checkpoint, load_decoder, open_checkpoint
 from node.engine.model import ModelConfig, fingerprint, preset
 from node.engine.runner import Runner, SimCost, SimRunner, TorchRunner, blocks_for
 from node.engine.sampling import sample
 from node.engine.sequence import Match, Sequence
 from node.engine.slots import SlotScheduler
-from node.engine.tokenizer import ByteTokenizer
+from node.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from node.errors import ContextLengthExceeded, ImportRefused, InvalidRequest
 
 
@@ -114,11 +115,20 @@ def _pick_dtype(want: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    """N slots over one block pool; a torch model or the sim cost model underneath."""
+    """N slots over one block pool; a torch model (tiny preset or a local checkpoint) or the
+    sim cost model underneath."""
 
     def __init__(self, cfg: EngineConfig, *, model_cfg: ModelConfig | None = None):
         self.cfg = cfg
-        self.tokenizer = ByteTokenizer()
+        # kind "torch": a Hugging Face checkpoint directory; its config carries the
+        # checkpoint digest, so the fingerprint below names these exact weights.
+        self.checkpoint: Checkpoint | None = None
+        self.tokenizer: Tokenizer
+        if cfg.kind == "torch":
+            self.checkpoint = open_checkpoint(cfg.model, max_context=cfg.max_context)
+            self.tokenizer = HFTokenizer.from_dir(self.checkpoint.path, extra_eos_ids=self.checkpoint.config.eos_ids)
+        else:
+            self.tokenizer = ByteTokenizer()
         self.block_size = cfg.block_size
         self.model_name = cfg.served_model
         self.device = _pick_device(cfg.device)
@@ -131,7 +141,10 @@ class Engine:
             fp_cfg = ModelConfig(name=f"sim-{self.kv_bytes_per_token}", max_context=cfg.sim.max_context)
         else:
             self.dtype = _pick_dtype(cfg.dtype, self.device)
-            self.model_cfg = model_cfg or preset(cfg.kind, max_context=cfg.max_context)
+            if self.checkpoint is not None:
+                self.model_cfg = model_cfg or self.checkpoint.config
+            else:
+                self.model_cfg = model_cfg or preset(cfg.kind, max_context=cfg.max_context)
             self.kv_bytes_per_token = self.model_cfg.kv_bytes_per_token(self.dtype)
             m = self.model_cfg
             block_shape = (m.n_layers, 2, m.n_kv_heads, self.block_size, m.head_dim)
@@ -147,13 +160,18 @@ class Engine:
         if cfg.kind == "sim":
             self.runner = SimRunner(self.pool, SimCost(cfg.sim.prefill_tps, cfg.sim.decode_tps), self.tokenizer.vocab_size)
         else:
+            weights = load_decoder(self.checkpoint, self.dtype, self.device) if self.checkpoint is not None else None
             self.runner = TorchRunner(
-                self.model_cfg, self.pool, cfg.slots, prefill_chunk=cfg.prefill_chunk, first_chunk=cfg.first_chunk
+                self.model_cfg, self.pool, cfg.slots, prefill_chunk=cfg.prefill_chunk, first_chunk=cfg.first_chunk,
+                model=weights,
             )
         self.slots = SlotScheduler(cfg.slots, cfg.queue_max, cfg.queue_timeout_s)
         self.sessions: collections.OrderedDict[str, Sequence] = collections.OrderedDict()  # LRU first
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
-        self._allowed = torch.from_numpy(self.tokenizer.generation_mask())
+        # The byte tokenizer masks what a random-weight model may emit; a real model is not masked.
+        mask = self.tokenizer.generation_mask()
+        self._allowed = None if mask is None else torch.from_numpy(mask)
+        self._stop_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.model_cfg.eos_ids)
         self.counters = EngineCounters()
         # Called with the session id whenever a resident cache is dropped.
         self.on_evict: Callable[[str], None] | None = None
@@ -299,7 +317,7 @@ class Engine:
             stats.prefill_s = time.monotonic() - t2
             self._count_prefill(len(tokens) - reuse, stats.prefill_s, reuse)
             gen = _generator(req.seed)
-            allowed = self._allowed if self.cfg.kind in ("tiny", "sim") else None
+            allowed = self._allowed
             decoder = self.tokenizer.incremental_decoder()
             out_ids: list[int] = []
             text, emitted = "", 0
@@ -309,7 +327,7 @@ class Engine:
                 tok = sample(logits, req.temperature, req.top_p, gen, allowed)
                 if not out_ids:
                     stats.ttft_s = time.monotonic() - t0
-                if tok == self.tokenizer.eos_id:
+                if tok in self._stop_ids:
                     stats.finish_reason = "stop"
                     break
                 out_ids.append(tok)

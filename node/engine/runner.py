@@ -37,12 +37,14 @@ class Runner(Protocol):
 class TorchRunner:
     """Runs the decoder on one compute thread; the event loop stays free for I/O."""
 
-    def __init__(self, cfg: ModelConfig, pool: BlockPool, slots: int, *, prefill_chunk: int, first_chunk: int):
+    def __init__(self, cfg: ModelConfig, pool: BlockPool, slots: int, *, prefill_chunk: int, first_chunk: int,
+                 model: Decoder | None = None):
         self.cfg = cfg
         self.pool = pool
         self.prefill_chunk = prefill_chunk
         self.first_chunk = first_chunk
-        self.model = Decoder.seeded(cfg, pool.dtype, pool.device)
+        # A checkpoint's weights (node.engine.hf) or, for a preset, seeded ones.
+        self.model = model if model is not None else Decoder.seeded(cfg, pool.dtype, pool.device)
         _, _, kv_heads, block, head_dim = pool.block_shape
         self.block_size = block
         # Per-slot workspaces: [layers, 2, kv_heads, max_ctx, head_dim], allocated

@@ -132,20 +132,6 @@ def _token_text(v: Any) -> str | None:
     return None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    from node.errors import CheckpointError
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist", path=str(path)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} cannot be read: {type(e).__name__}: {e}", path=str(path)) from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object", path=str(path))
-    return data
-
-
 class HFTokenizer:
     """A Hugging Face tokenizer (`tokenizers`) with the checkpoint's chat template (jinja2).
 
@@ -199,6 +185,7 @@ class HFTokenizer:
         generation_config.json (optional) of a checkpoint directory."""
         from tokenizers import Tokenizer as _Tok
 
+        from node.engine.hf import read_json as _read_json
         from node.errors import CheckpointError
 
         d = Path(path)
