@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tokens", type=int, default=16384)
     t.add_argument("--engine", choices=["tiny", "sim"], default="tiny")
     t.add_argument("--store-dir", type=Path, help="where the replica file goes (default: a temp dir)")
+    t.add_argument("--model", type=Path, help="a local Hugging Face checkpoint directory: run the torch engine on it")
     h = bsub.add_parser("handoff", help="two sim nodes, 16 agent sessions: warm/partial/cold handoffs")
     h.add_argument("--json", action="store_true")
     h.add_argument("--duration", type=float, default=120.0)

@@ -12,8 +12,8 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import Any, cast
 
 import numpy as np
 import psutil
@@ -73,7 +73,7 @@ class TurnRun:
     def __init__(self, node: Node, req: GenerateRequest, prev_host: str | None, predicted: int | None,
                  messages: list[dict[str, Any]]):
         self.node, self.req, self.prev_host, self.predicted, self.messages = node, req, prev_host, predicted, messages
-        self.events = node.engine.generate(req)
+        self.events = cast(AsyncGenerator[TurnBegin | TextDelta | TurnDone, None], node.engine.generate(req))
         self.begin: TurnStats | None = None
         self.handoff_class: str | None = None
 
@@ -88,7 +88,7 @@ class TurnRun:
         if self.prev_host and self.prev_host != n.name:
             self.handoff_class = classify(ev.stats.cached_tokens / max(1, ev.stats.prompt_tokens))
 
-    async def stream(self) -> AsyncIterator[TextDelta | TurnDone]:
+    async def stream(self) -> AsyncGenerator[TextDelta | TurnDone, None]:
         ok = False
         try:
             async for ev in self.events:
@@ -122,7 +122,7 @@ class Node:
         self.kvshare = KVShare(self)
         self.mesh = Mesh(self)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.engine.on_evict = lambda s: self.hub.publish(ReplicaEvicted(session=s, host=self.name, where="engine"))
+        self.engine.on_evict = self._engine_evicted
         log.info(
             "node %s: engine %s, %d slots, %d KV blocks of %d tokens (%.2f MiB each), fingerprint %s",
             self.name, cfg.engine.kind, cfg.engine.slots, self.engine.pool.num_blocks, self.engine.block_size,
@@ -132,10 +132,16 @@ class Node:
     async def start(self) -> None:
         await self.kvshare.start()
         loop = asyncio.get_running_loop()
-        self.kvshare.store.on_evict = lambda s: loop.call_soon_threadsafe(
-            self.hub.publish, ReplicaEvicted(session=s, host=self.name, where="store"))
+
+        def store_evicted(session: str) -> None:  # called on the store's thread
+            loop.call_soon_threadsafe(self.hub.publish, ReplicaEvicted(session=session, host=self.name, where="store"))
+
+        self.kvshare.store.on_evict = store_evicted
         await self.mesh.start()
         self._spawn(self._status_loop())
+
+    def _engine_evicted(self, session: str) -> None:
+        self.hub.publish(ReplicaEvicted(session=session, host=self.name, where="engine"))
 
     async def _status_loop(self, every_s: float = 1.0) -> None:
         """Periodic host status: one coalesced event a second (not kept in the replay ring)."""

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import logging
-import signal
 import sys
 from pathlib import Path
 
@@ -32,10 +31,6 @@ async def serve(cfg: NodeConfig, *, ready_file: Path | None = None) -> None:
                        ssl_certfile=cfg.api.tls.cert_file if cfg.api.tls else None,
                        ssl_keyfile=cfg.api.tls.key_file if cfg.api.tls else None)
     )
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.02)

@@ -98,14 +98,14 @@ def router(node: Node) -> APIRouter:
         try:
             snap = node.hub.stamp(SnapshotEvent(cluster=node.mesh.cluster()))
             await ws.send_text(snap.model_dump_json())
-            for ev in replay:
-                await ws.send_text(ev.model_dump_json())
+            for old in replay:
+                await ws.send_text(old.model_dump_json())
             while True:
-                ev = await sub.get()
-                if ev is None:
+                live = await sub.get()
+                if live is None:
                     await ws.close(code=1013, reason="consumer too slow; reconnect for a fresh snapshot")
                     return
-                await ws.send_text(ev.model_dump_json())
+                await ws.send_text(live.model_dump_json())
         except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
             return
         finally:

@@ -23,7 +23,7 @@ SOCK_BUF = 4 << 20
 
 def recv(host: str, port: int, nbytes: int, ready: "callable | None" = None) -> float:  # type: ignore[valid-type]
     buf = np.ones(CHUNK, dtype=np.uint8)  # pre-touched
-    view = memoryview(buf)
+    view = memoryview(buf)  # type: ignore[arg-type]  # ndarrays are buffers; numpy's stubs disagree
     with socket.create_server((host, port)) as srv:
         srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
         if ready is not None:
@@ -47,7 +47,7 @@ def recv(host: str, port: int, nbytes: int, ready: "callable | None" = None) -> 
 
 def send(host: str, port: int, nbytes: int) -> float:
     buf = np.ones(CHUNK, dtype=np.uint8)
-    view = memoryview(buf)
+    view = memoryview(buf)  # type: ignore[arg-type]  # ndarrays are buffers; numpy's stubs disagree
     deadline = time.monotonic() + 10
     while True:
         try:

@@ -4,6 +4,8 @@ Cold: a fresh engine prefills the whole conversation. Warm: the same
 conversation's cache is exported to a replica file, a *fresh* engine imports
 it, and the conversation continues with one more ~256-token user message.
 TTFT is from request to first token; the warm figure includes the import.
+With `--model DIR` both engines run a local Hugging Face checkpoint (kind "torch"),
+and the conversation is grown until the checkpoint's tokenizer counts ~--tokens.
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from node.bench import emit
 from node.bench.workload import grow_conversation, text
 from node.config import EngineConfig, SimConfig
 from node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
 from node.engine.hashing import payload_digest
+from node.engine.hf import open_checkpoint
+from node.engine.tokenizer import HFTokenizer
 from node.kvshare.store import ReplicaStore
 
 SESSION = "bench-ttft"
@@ -37,16 +43,37 @@ async def _ttft(engine: Engine, prompt: list[int], max_tokens: int = 1) -> tuple
     return ttft, "".join(out)
 
 
-def _engine_cfg(kind: str, tokens: int) -> EngineConfig:
+def _engine_cfg(kind: str, tokens: int, model: Path | None = None) -> EngineConfig:
     ctx = max(4096, tokens + 2048)
+    if model is not None:
+        # KV bytes per token at fp32 bound the bf16 a GPU would use; the context is capped
+        # by the checkpoint's max_position_embeddings.
+        m = open_checkpoint(model, max_context=ctx).config
+        return EngineConfig(kind="torch", model=str(model), slots=1, max_context=m.max_context,
+                            cache_bytes=(m.max_context + 1024) * m.kv_bytes_per_token(torch.float32))
     kv = 8192 if kind == "tiny" else SimConfig().scaled_kv_bytes_per_token()
     return EngineConfig(kind=kind, slots=1, max_context=ctx, cache_bytes=(ctx + 1024) * kv,  # type: ignore[arg-type]
                         sim=SimConfig(max_context=ctx))
 
+
+def _conversation(tokens: int, model: Path | None) -> tuple[list[dict[str, str]], random.Random]:
+    """The workload's conversation, sized in the model's tokens (the byte tokenizer: 1 char ~ 1 token)."""
+    target = tokens
+    for _ in range(4):
+        rng = random.Random(7)
+        msgs = grow_conversation(rng, target)
+        if model is None:
+            break
+        n = len(HFTokenizer.from_dir(model).apply_chat_template(msgs))
+        if abs(n - tokens) <= 0.05 * tokens:
+            break
+        target = max(64, int(target * tokens / max(1, n)))
+    return msgs, rng
+
 def run_ttft(args: argparse.Namespace) -> int:
-    rng = random.Random(7)
-    msgs = grow_conversation(rng, args.tokens)
-    cfg = _engine_cfg(args.engine, args.tokens)
+    model = getattr(args, "model", None)
+    msgs, rng = _conversation(args.tokens, model)
+    cfg = _engine_cfg(args.engine, args.tokens, model)
     with tempfile.TemporaryDirectory(prefix="kvmesh-ttft-") as tmp:
         root = Path(args.store_dir or tmp)
         store = ReplicaStore(root, budget_bytes=1 << 40)
@@ -87,7 +114,9 @@ def run_ttft(args: argparse.Namespace) -> int:
                 "ratio": round(warm_s / cold_s, 4),
                 "warm_prompt_tokens": len(prompt2),
                 "warm_cached_tokens": cached,
-                "engine": args.engine,
+                "engine": cfg.kind,
+                **({"model": cfg.served_model, "device": str(away.device), "dtype": str(away.dtype).removeprefix("torch.")}
+                   if model is not None else {}),
             }
 
         result = asyncio.run(scenario())

@@ -39,7 +39,7 @@ class BlockPool:
         if self.device.type != "cpu":
             raise RuntimeError("bytes_view needs a CPU pool; use write_bytes on accelerators")
         lo = block_id * self.block_bytes
-        return memoryview(self.raw[lo : lo + self.block_bytes].numpy())
+        return memoryview(self.raw[lo : lo + self.block_bytes].numpy())  # type: ignore[arg-type]  # ndarrays are buffers; numpy's stubs disagree
 
     def write_bytes(self, block_id: int, data: memoryview | bytes | np.ndarray) -> None:
         """Copy one block's bytes in (host -> device when the pool is on an accelerator)."""
@@ -56,7 +56,7 @@ class BlockPool:
         chunk = self.raw[lo : lo + self.block_bytes]
         if self.device.type != "cpu":
             chunk = chunk.cpu()
-        return memoryview(chunk.numpy())
+        return memoryview(chunk.numpy())  # type: ignore[arg-type]  # ndarrays are buffers; numpy's stubs disagree
 
 
 @dataclass

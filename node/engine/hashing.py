@@ -46,4 +46,4 @@ def block_hashes(
 
 def payload_digest(data: memoryview | bytes | np.ndarray) -> bytes:
     """Integrity digest of a block's KV bytes (what kv_share verifies in flight)."""
-    return xxhash.xxh3_128_digest(data)
+    return xxhash.xxh3_128_digest(data)  # type: ignore[arg-type]  # ndarrays are buffers; numpy's stubs disagree

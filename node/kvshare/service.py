@@ -30,7 +30,7 @@ from node.engine.engine import ExportedBlock, ImportTxn
 from node.engine.hashing import payload_digest
 from node.errors import ImportRefused, KVMeshError
 from node.kvshare import wire
-from node.kvshare.store import ReplicaStore
+from node.kvshare.store import ReplicaStore, SegmentWriter
 from node.tls import client_context, server_context
 from node.protocol import LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaSuperseded
 
@@ -101,6 +101,20 @@ class _Inbound:
 
 class _Superseded(Exception):
     pass
+
+
+@dataclass
+class _Plan:
+    """The receiver's decision on an offer, made on the event loop."""
+
+    refuse: tuple[str, str] | None = None
+    first_missing: int = 0
+    txn: ImportTxn | None = None  # payloads land in the engine's pool...
+    writer: SegmentWriter | None = None  # ...or, when the engine has no room, in the store
+    engine_held: int = 0
+    store_held: int = 0
+    tokens: np.ndarray | None = None
+    hashes: list[bytes] = field(default_factory=list)
 
 
 class KVShare:
@@ -508,10 +522,10 @@ class KVShare:
     def _serve_conn(self, conn: socket.socket) -> None:
         rx = wire.Receiver(self.secret, self.previous_secret)
         txn: ImportTxn | None = None
-        writer: object | None = None
+        writer: SegmentWriter | None = None
         offer: wire.Offer | None = None
         src = "?"
-        plan: dict[str, object] = {}
+        plan = _Plan()
         try:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.cfg.socket_buffer_bytes)
             conn = self._wrap(conn)
@@ -538,21 +552,20 @@ class KVShare:
                     if isinstance(ev, wire.OfferReceived):
                         offer, src = ev.offer, ev.offer.sender
                         plan = self._call(self._on_offer, ev)
-                        if "refuse" in plan:
-                            reason, message = plan["refuse"]  # type: ignore[misc]
+                        if plan.refuse is not None:
+                            reason, message = plan.refuse
                             conn.sendall(rx.refuse(reason, message))
                             self._call(self._refused, offer, src, reason, message)
                             return
-                        txn = plan.get("txn")  # type: ignore[assignment]
-                        writer = plan.get("writer")
+                        txn, writer = plan.txn, plan.writer
                         target = (lambda h, t=txn: t.buffer(h.index)) if txn is not None else None
-                        conn.sendall(rx.accept(int(plan["first_missing"]), payload_target=target))  # type: ignore[call-overload]
+                        conn.sendall(rx.accept(plan.first_missing, payload_target=target))
                         t_first = time.monotonic()
                     elif isinstance(ev, wire.BlockHeader) and not first_block_seen:
                         # Transfer time counts from the first block's first byte, as raw TCP's does.
                         first_block_seen, t_first = True, time.monotonic()
                     elif isinstance(ev, wire.BlockReceived) and writer is not None:
-                        writer.write_block(ev.index, ev.data, ev.digest)  # type: ignore[attr-defined]
+                        writer.write_block(ev.index, ev.data, ev.digest)
                     elif isinstance(ev, wire.EndReceived):
                         last_byte = time.monotonic()
                         tokens = self._call(self._on_complete, offer, plan, received, last_byte, t_first)
@@ -566,23 +579,23 @@ class KVShare:
             if txn is not None and not self._closing.is_set():
                 self._call(self._abort, offer, txn)
             if writer is not None:
-                writer.abort()  # type: ignore[attr-defined]
+                writer.abort()
             conn.close()
 
-    def _on_offer(self, ev: wire.OfferReceived) -> dict[str, object]:
+    def _on_offer(self, ev: wire.OfferReceived) -> _Plan:
         """Decide on the loop: refuse, or the first block to send and where payloads land."""
         e, offer = self.node.engine, ev.offer
         if offer.fingerprint != e.fingerprint:
-            return {"refuse": ("fingerprint", "model fingerprint differs from this engine's")}
+            return _Plan(refuse=("fingerprint", "model fingerprint differs from this engine's"))
         if offer.block_size != e.block_size or offer.block_bytes != e.block_bytes:
-            return {"refuse": ("shape", f"blocks of {offer.block_size} tokens/{offer.block_bytes} bytes; "
-                                        f"this engine uses {e.block_size}/{e.block_bytes}")}
+            return _Plan(refuse=("shape", f"blocks of {offer.block_size} tokens/{offer.block_bytes} bytes; "
+                                          f"this engine uses {e.block_size}/{e.block_bytes}"))
         store_held = self.store.held_prefix_blocks(offer.session, offer.fingerprint, ev.hashes)
         try:
             txn = e.begin_import(offer.session, offer.fingerprint, ev.tokens, ev.hashes)
         except ImportRefused as err:
             if err.reason != "no_room":
-                return {"refuse": (err.reason, str(err))}
+                return _Plan(refuse=(err.reason, str(err)))
             # Every KV block is held by a running turn: the replica goes to the store only
             # (the slow path: disk on the critical path), to be imported before its next turn.
             try:
@@ -590,14 +603,14 @@ class KVShare:
                                                 block_bytes=offer.block_bytes, tokens=ev.tokens, hashes=ev.hashes,
                                                 first_block=store_held, generation=offer.generation)
             except KVMeshError as werr:
-                return {"refuse": (getattr(werr, "reason", "store"), str(werr))}
+                return _Plan(refuse=(getattr(werr, "reason", "store"), str(werr)))
             self._track_inbound(offer, store_held)
-            return {"writer": writer, "first_missing": store_held}
+            return _Plan(writer=writer, first_missing=store_held, store_held=store_held)
         engine_held = txn.missing[0] if txn.missing else offer.n_blocks
         first = max(engine_held, store_held)
         self._track_inbound(offer, first)
-        return {"txn": txn, "first_missing": first, "engine_held": engine_held, "store_held": store_held,
-                "tokens": ev.tokens, "hashes": ev.hashes}
+        return _Plan(txn=txn, first_missing=first, engine_held=engine_held, store_held=store_held, tokens=ev.tokens,
+                     hashes=ev.hashes)
 
     def _track_inbound(self, offer: wire.Offer, first: int) -> None:
         st = self.inn.get(offer.sender)
@@ -605,18 +618,17 @@ class KVShare:
         self._inbound[offer.session] = _Inbound(offer.sender, offer.num_tokens, time.monotonic(),
                                                  eta_s=(offer.n_blocks - first) * offer.block_bytes / rate)
 
-    def _on_complete(self, offer: wire.Offer, plan: dict[str, object], received: int, last_byte: float,
+    def _on_complete(self, offer: wire.Offer, plan: _Plan, received: int, last_byte: float,
                      t_first: float) -> int:
         """END verified: fill from the store what it had, commit the import: the replica is ready."""
-        txn: ImportTxn | None = plan.get("txn")  # type: ignore[assignment]
-        writer = plan.get("writer")
+        txn, writer = plan.txn, plan.writer
         if txn is not None:
-            engine_held, store_held = int(plan["engine_held"]), int(plan["store_held"])  # type: ignore[call-overload]
-            for i in range(engine_held, store_held):
+            for i in range(plan.engine_held, plan.store_held):
                 txn.write(i, self.store.block_view(offer.session, i, verify=True))
             tokens = txn.commit()
         else:
-            writer.commit()  # type: ignore[union-attr]
+            assert writer is not None
+            writer.commit()
             tokens = 0
         ready = time.monotonic()
         lag = ready - last_byte
@@ -632,9 +644,9 @@ class KVShare:
         self.node.hub.publish(ReplicaReady(session=offer.session, src=offer.sender, dst=self.node.name, tokens=tokens,
                                            bytes=received, lag_s=round(lag, 5), imported=txn is not None,
                                            recv_s=round(last_byte - t_first, 5),
-                                           blocks=offer.n_blocks - int(plan["first_missing"])))  # type: ignore[call-overload]
-        if txn is not None:
-            self._write_behind(offer.session, plan["tokens"], plan["hashes"], store_held)  # type: ignore[arg-type]
+                                           blocks=offer.n_blocks - plan.first_missing))
+        if txn is not None and plan.tokens is not None:
+            self._write_behind(offer.session, plan.tokens, plan.hashes, plan.store_held)
         return tokens
 
     def _abort(self, offer: wire.Offer | None, txn: ImportTxn) -> None:

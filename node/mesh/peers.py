@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from node.config import PeerConfig
 from node.mesh.auth import PEER_HEADER
-from node.protocol import PeerDown, PeerStatus, PeerUp, SessionHolding
+from node.protocol import Event, PeerDown, PeerStatus, PeerUp, SessionHolding
 
 log = logging.getLogger("kvmesh.mesh.peers")
 
@@ -41,7 +41,7 @@ class Peer:
 
 class PeerTable:
     def __init__(self, peers: list[PeerConfig], *, token: str | None, poll_interval_s: float, stale_after_s: float,
-                 publish: Callable[[object], object], verify: ssl.SSLContext | bool = True):
+                 publish: Callable[[Event], object], verify: ssl.SSLContext | bool = True):
         self.peers = {p.name: Peer(p) for p in peers}
         self.poll_interval_s = poll_interval_s
         self.stale_after_s = stale_after_s

@@ -34,7 +34,7 @@ from node.netlab.mesh import lab_api, lab_nodes
 from node.netlab.netns import TwoHostLab, can_use_netns
 
 # The field report's 16-session table (see shared/reference/field-report.md).
-REPORT = {
+REPORT: dict[str, dict[str, Any]] = {
     "1gbit": {"label": "1 GbE via switch", "delta_mib": 247, "transfer_s": 3.24, "warm_pct": 93.8, "partial_pct": 5.4,
               "import_s": 2.8},
     "10gbit": {"label": "10 GbE direct (VPN bypass)", "delta_mib": 247, "transfer_s": 0.55, "warm_pct": 96.2,
