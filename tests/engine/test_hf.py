@@ -26,7 +26,7 @@ from node.config import EngineConfig
 from node.engine import hf
 from node.engine.engine import Engine
 from node.engine.hf import hf_name, open_checkpoint
-from node.engine.model import Decoder, fingerprint, preset
+from node.engine.model import fingerprint, preset
 from node.engine.tokenizer import HFTokenizer
 from node.errors import CheckpointError, ConfigError, ImportRefused
 
@@ -109,30 +109,7 @@ def write_checkpoint(d: Path, variant: str, *, seed: int = 0, shards: int = 1, t
     cfg = {**BASE, **VARIANTS[variant], "vocab_size": n_vocab + vocab_pad,  # padded, like real checkpoints
            "bos_token_id": ids["<|begin_of_text|>"] if llama else None,
            "eos_token_id": [ids["<|eot_id|>"], ids["<|endoftext|>"]] if llama else ids["<|im_end|>"]}
-    (d / "config.json").write_text(json.dumps(cfg, indent=1))
-    mc = hf.config_from_hf(cfg, source=d / "config.json", max_context=4096)
-    # Random weights (norms too, so QK-norm and the norms are exercised), HF names.
-    gen = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        names = [(n, tuple(p.shape)) for n, p in Decoder(mc).named_parameters()]
-    tensors: dict[str, torch.Tensor] = {}
-    for n, shape in names:
-        scale = 0.2 if n.endswith("bias") else 1.0 / shape[-1] ** 0.5
-        t = torch.randn(shape, generator=gen) * scale
-        if "norm" in n:
-            t = 1.0 + 0.2 * torch.randn(shape, generator=gen)
-        tensors[hf_name(n)] = t.contiguous()
-    if shards == 1:
-        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        keys = sorted(tensors)
-        wmap = {}
-        for i in range(shards):
-            fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-            part = {k: tensors[k] for k in keys[i::shards]}
-            save_file(part, str(d / fname), metadata={"format": "pt"})
-            wmap.update({k: fname for k in part})
-        (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+    hf.write_random_checkpoint(d, cfg, seed=seed, shards=shards)
     return d
 
 
