@@ -83,7 +83,9 @@ class AdminClient:
         return await self._post(f"/v1/admin/hosts/{quote(host, safe='')}/undrain")
 
     async def migrate(self, session: str, target: str) -> ActionResult:
-        return await self._post(f"/v1/admin/sessions/{quote(session, safe='')}/migrate", {"target": target})
+        # "session" is redundant with the path but makes the body a valid MigrateCommand.
+        body = {"target": target, "session": session}
+        return await self._post(f"/v1/admin/sessions/{quote(session, safe='')}/migrate", body)
 
     async def replicate(self, session: str) -> ActionResult:
         return await self._post(f"/v1/admin/sessions/{quote(session, safe='')}/replicate")

@@ -18,6 +18,7 @@ from collections import deque
 from typing import Awaitable, Callable, Iterable
 
 from textual.app import App
+from textual.css.query import NoMatches
 from textual.command import Provider
 
 from console.actions import MeshAction
@@ -36,6 +37,8 @@ from console.widgets.sessions import SessionsTable
 from node.protocol import ActionResult
 
 Source = Callable[[ConsoleState], Awaitable[None]]
+# Below this many sessions a full collection is quick and freezing is not worth its one-off cost.
+GC_FREEZE_MIN_SESSIONS = 500
 PaletteCommand = tuple[str, str, Callable[[], object]]
 
 
@@ -168,14 +171,17 @@ class KvmeshConsole(App[None]):
 
     def refresh_view(self) -> None:
         self._refresh_pending = False
-        if self._main is None or not self._main.is_mounted:
+        if self._main is None or not self._main.ready:
             return
         t0 = time.perf_counter()
         self.state.tick()
         self._discover()
         changes = self.state.take_changes()
-        with self.batch_update():
-            self._main.patch(self.state, changes, self.palette, self.glyphs)
+        try:
+            with self.batch_update():
+                self._main.patch(self.state, changes, self.palette, self.glyphs)
+        except NoMatches:
+            return  # the screen is being torn down (quitting): nothing left to patch
         self.patch_ms.append((time.perf_counter() - t0) * 1000)
         self.call_after_refresh(self._painted, t0)
         if changes.full:
@@ -193,7 +199,7 @@ class KvmeshConsole(App[None]):
         so a flapping node cannot turn this into the stall it removes.
         """
         now = time.monotonic()
-        if now - self._gc_frozen_at < 60:
+        if now - self._gc_frozen_at < 60 or len(self.state.sessions) < GC_FREEZE_MIN_SESSIONS:
             return
         self._gc_frozen_at = now
         gc.unfreeze()

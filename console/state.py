@@ -76,9 +76,9 @@ Freshness = Literal["fresh", "behind", "stale", "none"]
 # A replica older than this is shown as stale whatever its lag: a turn landing on
 # it would likely find the conversation moved on.
 REPLICA_STALE_AFTER_S = 300.0
-# How many (node, seq) pairs per node the dedupe remembers; a replay ring is far
-# smaller than this, so anything older is certainly a duplicate.
-DEDUPE_WINDOW = 50_000
+# How many seqs per node the dedupe remembers; a node's replay ring is far
+# smaller (2,000), so a seq older than this is not a replay but a restarted node.
+DEDUPE_WINDOW = 20_000
 # Per-second throughput buckets kept per link (the sparkline's history).
 LINK_HISTORY_S = 120
 # Event types too frequent for the main log: they go to their own, smaller ring
@@ -256,27 +256,47 @@ class Changes:
 
 
 class _Dedupe:
-    """Remembers which (node, seq) pairs were seen, in a bounded window per node."""
+    """Remembers which events were seen, per node, in a bounded window of seqs.
+
+    An event is identified by (node, seq), and its `ts` (stamped once, when the
+    node published it) tells a replayed copy from a different event that reuses
+    the seq: a node that restarts counts from 1 again. Same seq with another ts,
+    or a seq far below anything a replay ring could hold, means a new process:
+    forget that node's history rather than drop its new events as duplicates.
+    """
 
     def __init__(self, window: int = DEDUPE_WINDOW) -> None:
         self.window = window
-        self._seen: dict[str, set[int]] = {}
+        self._seen: dict[str, dict[int, float]] = {}
         self._max: dict[str, int] = {}
+        self.restarts = 0
 
-    def first_time(self, node: str, seq: int) -> bool:
+    def first_time(self, node: str, seq: int, ts: float) -> bool:
         if seq <= 0:
             return True  # no identity to dedupe on
-        seen = self._seen.setdefault(node, set())
+        seen = self._seen.get(node)
+        if seen is None:
+            seen = self._seen[node] = {}
         top = self._max.get(node, 0)
-        if seq in seen or seq <= top - self.window:
-            return False
-        seen.add(seq)
-        if seq > top:
+        if seq in seen:
+            if seen[seq] == ts:
+                return False
+            seen = self._reset(node)
+        elif seq <= top - self.window:
+            seen = self._reset(node)
+        seen[seq] = ts
+        if seq > self._max.get(node, 0):
             self._max[node] = seq
             if len(seen) > 2 * self.window:
                 cutoff = seq - self.window
-                self._seen[node] = {s for s in seen if s > cutoff}
+                self._seen[node] = {k: v for k, v in seen.items() if k > cutoff}
         return True
+
+    def _reset(self, node: str) -> dict[int, float]:
+        self.restarts += 1
+        self._max[node] = 0
+        seen = self._seen[node] = {}
+        return seen
 
 
 class ConsoleState:
@@ -392,7 +412,7 @@ class ConsoleState:
     def feed(self, url: str, event: Event) -> bool:
         """Accept one parsed event from `url`. Returns False for a duplicate."""
         if not isinstance(event, SnapshotEvent):
-            if not self._dedupe.first_time(event.node, event.seq):
+            if not self._dedupe.first_time(event.node, event.seq, event.ts):
                 self.duplicates += 1
                 return False
         if event.v > PROTOCOL_VERSION and not self.newer_protocol_seen:

@@ -20,12 +20,15 @@ def help_lines(bindings: list[Binding], readonly: bool) -> list[str]:
     lines = []
     for b in bindings:
         desc = b.description or b.action
+        if b.tooltip:
+            desc = f"{desc}: {b.tooltip}"
         if b.action in MESH_ACTIONS and readonly:
             desc += "  (disabled: read-only)"
-        lines.append(f"  {format_key(b.key):<12} {desc}")
-    lines.append(f"  {'ctrl+p':<12} command palette: the same actions by name (\"drain node-2\")")
-    lines.append(f"  {'up/down':<12} move the cursor; pgup/pgdn, home/end scroll")
-    lines.append(f"  {'enter':<12} in a modal: press the focused button (Cancel first)")
+        lines.append(f"  {format_key(b.key):<7} {desc}")
+    lines.append(f"  {'ctrl+p':<7} Palette: the same actions by name (\"drain node-2\")")
+    lines.append(f"  {'tab':<7} Focus: next panel (hosts, sessions, links, events)")
+    lines.append(f"  {'up/down':<7} Cursor: move; pgup/pgdn and home/end scroll")
+    lines.append(f"  {'enter':<7} In a modal: press the focused button (Cancel is first)")
     return lines
 
 

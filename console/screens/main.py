@@ -43,25 +43,26 @@ COMPACT_HEIGHT = 32
 
 
 class MainScreen(Screen[None]):
+    # description: the footer's short label; tooltip: the help screen's explanation.
     BINDINGS = [
-        Binding("q", "quit", "Quit"),
-        Binding("question_mark", "help", "Help"),
-        Binding("slash", "filter", "Filter"),
-        Binding("escape", "clear_filter", "Clear filter", show=False),
-        Binding("p", "pause", "Pause"),
-        Binding("d", "drain", "Drain host"),
-        Binding("u", "undrain", "Undrain host"),
-        Binding("m", "migrate", "Migrate"),
-        Binding("r", "replicate", "Replicate"),
-        Binding("space", "mark", "Mark row for a batch action", show=False),
-        Binding("t", "cycle_theme", "Theme"),
-        Binding("s", "sort", "Sort sessions (cycle column)", show=False),
-        Binding("e", "log_scope", "Event log scope: mesh / all / actions", show=False),
-        Binding("o", "log_order", "Event log order: newest first / tail", show=False),
-        Binding("1", "view('sessions')", "Sessions view", show=False),
-        Binding("2", "view('links')", "Links view", show=False),
-        Binding("3", "view('events')", "Events view", show=False),
-        Binding("h", "focus_hosts", "Hosts (select a host)", show=False),
+        Binding("q", "quit", "Quit", tooltip="quit the console (the mesh is not touched)"),
+        Binding("question_mark", "help", "Help", tooltip="this list of keys"),
+        Binding("slash", "filter", "Filter", tooltip="filter sessions and the event log by text (id, host, WARM/PART/COLD, event type)"),
+        Binding("escape", "clear_filter", "Clear filter", show=False, tooltip="clear the filter"),
+        Binding("p", "pause", "Pause", tooltip="freeze the view; updates queue (N pending) and apply in order on resume"),
+        Binding("d", "drain", "Drain", tooltip="drain the selected host, or every marked host (confirm first)"),
+        Binding("u", "undrain", "Undrain", tooltip="undrain the selected host, or every marked host (confirm first)"),
+        Binding("m", "migrate", "Migrate", tooltip="move the selected (or marked) sessions: pick a target host, then confirm"),
+        Binding("r", "replicate", "Replicate", tooltip="ship a replica of the selected (or marked) sessions now (confirm first)"),
+        Binding("space", "mark", "Mark", show=False, tooltip="mark the row under the cursor for a batch action"),
+        Binding("t", "cycle_theme", "Theme", tooltip="cycle themes: dark, light, colour-blind safe"),
+        Binding("s", "sort", "Sort", show=False, tooltip="sort sessions by the next column (or click a header)"),
+        Binding("e", "log_scope", "Log scope", show=False, tooltip="event log: mesh events / all incl. turns / actions only"),
+        Binding("o", "log_order", "Log order", show=False, tooltip="event log: newest first or tail"),
+        Binding("1", "view('sessions')", "Sessions", show=False, tooltip="sessions panel (the compact layout shows one panel)"),
+        Binding("2", "view('links')", "Links", show=False, tooltip="links panel"),
+        Binding("3", "view('events')", "Events", show=False, tooltip="event log panel"),
+        Binding("h", "focus_hosts", "Hosts", show=False, tooltip="move to the hosts table to select a host"),
     ]
 
     def __init__(self, *, readonly: bool, ascii_only: bool) -> None:
@@ -70,6 +71,7 @@ class MainScreen(Screen[None]):
         self.ascii_only = ascii_only
         self.view = "sessions"
         self.compact = False
+        self.ready = False  # set once the panels are mounted; the refresh timer waits for it
         self._viewbar_last: Text | None = None
 
     @property
@@ -100,6 +102,7 @@ class MainScreen(Screen[None]):
             self.add_class("-ascii")
         self.query_one(SessionsTable).focus()
         self._apply_size(self.size.width, self.size.height)
+        self.ready = True
 
     def on_resize(self, event: events.Resize) -> None:
         self._apply_size(event.size.width, event.size.height)
@@ -111,6 +114,7 @@ class MainScreen(Screen[None]):
             self.compact = compact
             self.set_class(compact, "-compact")
             self.set_class(not compact, "-large")
+            self.query_one(Footer).compact = compact
             self.console_app.state.mark_all_dirty()  # the counters widget in use changed
 
     # ---- patching from the state (called inside App.batch_update) -----------------------------

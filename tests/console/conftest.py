@@ -16,3 +16,9 @@ def clock() -> Clock:
 @pytest.fixture
 def state(clock: Clock) -> ConsoleState:
     return ConsoleState(clock=clock)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests here run on asyncio (Textual's loop), via anyio's pytest plugin."""
+    return "asyncio"

@@ -240,3 +240,15 @@ def test_log_is_capped(clock: Clock) -> None:
         state.feed(NODE1, handoff(seq=i, ts=T0 + i))
     entries = state.log_entries()
     assert len(entries) == 50 and entries[-1].seq == 199
+
+
+def test_restarted_node_reusing_seqs_is_not_deduped(state: ConsoleState) -> None:
+    """A node that restarts counts seq from 1 again: same seq with a new ts is a new event, not a duplicate."""
+    state.node_connected(NODE1)
+    state.feed(NODE1, make_snapshot())
+    assert state.feed(NODE1, handoff(seq=1, ts=T0 + 1))
+    assert state.feed(NODE1, handoff(seq=2, ts=T0 + 2))
+    assert not state.feed(NODE1, handoff(seq=2, ts=T0 + 2, replay=True)), "a true replay is still a duplicate"
+    assert state.feed(NODE1, handoff(seq=1, ts=T0 + 100, cls="cold")), "restarted node: new event"
+    assert state.feed(NODE1, handoff(seq=2, ts=T0 + 101, cls="cold"))
+    assert state.counters.cold == 3

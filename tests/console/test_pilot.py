@@ -1,0 +1,336 @@
+"""Pilot tests: the running app, driven by keys, fed by a fake event source, with a fake admin client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from kvm_helpers import NODE1, T0, Clock, FakeAdmin, FakeSource, make_app, make_snapshot
+from textual.widgets import Button, Input
+
+from console.screens.confirm import ConfirmScreen
+from console.screens.help import HelpScreen
+from console.screens.main import MainScreen
+from console.screens.picker import TargetPicker
+from console.widgets.eventlog import EventLog
+from console.widgets.hosts import HostsTable
+from console.widgets.sessions import SessionsTable
+from console.widgets.topbar import TopBar
+from node.protocol import ActionResult, DrainStarted, Handoff, MigrateCompleted, MigrateStarted, TurnFinished
+
+
+pytestmark = pytest.mark.anyio
+
+
+def cell(table: HostsTable | SessionsTable, row: str, col: str) -> str:
+    return table.get_cell(row, col).plain
+
+
+def log_texts(app) -> list[str]:  # type: ignore[no-untyped-def]
+    return [e.text for e in app.state.log]
+
+
+async def settle(pilot, seconds: float = 0.25) -> None:  # type: ignore[no-untyped-def]
+    await pilot.pause(seconds)
+    await pilot.pause()
+
+
+async def test_drain_confirm_cancel_makes_no_call(clock: Clock) -> None:
+    """d opens the confirm modal naming the host with Cancel focused; Enter cancels and nothing is sent."""
+    admin = FakeAdmin()
+    app, state = make_app(clock, admin=admin, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        await pilot.press("h", "down", "d")
+        await settle(pilot, 0.05)
+        assert isinstance(app.screen, ConfirmScreen)
+        assert app.screen.action_spec.targets == ("node-2",)
+        assert "Drain node-2?" in str(app.screen.query_one("#confirm-title").render())
+        assert isinstance(app.focused, Button) and app.focused.id == "cancel"
+        await pilot.press("enter")
+        await settle(pilot, 0.05)
+        assert isinstance(app.screen, MainScreen)
+        assert admin.calls == []
+        assert any("cancelled drain node-2" in t for t in log_texts(app))
+
+
+async def test_drain_confirm_sends_and_progress_lands_in_log(clock: Clock) -> None:
+    """Confirming calls the admin API once; the node's drain events then show in hosts and the event log."""
+    admin = FakeAdmin()
+    source = FakeSource()
+    app, state = make_app(clock, admin=admin, source=source, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        await pilot.press("h", "down", "d")
+        await settle(pilot, 0.05)
+        await pilot.press("right", "enter")
+        await settle(pilot)
+        assert admin.calls == [("drain", "node-2")]
+        texts = log_texts(app)
+        assert any("requested drain node-2" in t for t in texts)
+        assert any("drain node-2: accepted" in t for t in texts)
+        source.push(DrainStarted(ts=T0 + 20, node="node-2", seq=1, host="node-2", sessions=3))
+        await source.drained()
+        await settle(pilot)
+        hosts = app.main.query_one(HostsTable)
+        assert cell(hosts, "node-2", "state") == "DRAIN 0/3"
+        log = app.main.query_one(EventLog)
+        assert any(e.kind == "drain_started" for e in log.entries)
+
+
+async def test_failed_action_result_is_logged_as_failed(clock: Clock) -> None:
+    """A refused admin call (401/409...) is logged as FAILED with the node's message."""
+    admin = FakeAdmin(result=ActionResult(ok=False, message="unauthorized (admin token missing or wrong)"))
+    app, state = make_app(clock, admin=admin, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        await pilot.press("h", "d", "right", "enter")
+        await settle(pilot)
+        assert admin.calls == [("drain", "node-1")]
+        assert any("drain node-1: FAILED: unauthorized" in t for t in log_texts(app))
+
+
+async def test_migrate_picker_then_confirm(clock: Clock) -> None:
+    """m opens the target picker (home disabled), the pick goes to the confirm modal, then one migrate call."""
+    admin = FakeAdmin()
+    source = FakeSource()
+    app, state = make_app(clock, admin=admin, source=source, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        # s-001 is homed on node-2
+        await pilot.press("down", "m")
+        await settle(pilot, 0.05)
+        picker = app.screen
+        assert isinstance(picker, TargetPicker)
+        assert picker.sessions == ["s-001"]
+        options = {name: ok for name, _, ok in picker.hosts}
+        assert options == {"node-1": True, "node-2": False, "node-3": True}
+        await pilot.press("down", "enter")  # node-1 highlighted first; down skips disabled node-2
+        await settle(pilot, 0.05)
+        assert isinstance(app.screen, ConfirmScreen)
+        assert app.screen.action_spec.target_host == "node-3"
+        assert app.focused is not None and app.focused.id == "cancel"
+        await pilot.press("tab", "enter")
+        await settle(pilot)
+        assert admin.calls == [("migrate", "s-001", "node-3")]
+        source.push(
+            MigrateStarted(ts=T0 + 20, node="node-2", seq=5, session="s-001", src="node-2", dst="node-3"),
+            MigrateCompleted(ts=T0 + 21, node="node-2", seq=6, session="s-001", src="node-2", dst="node-3", ok=True),
+        )
+        await source.drained()
+        await settle(pilot)
+        sessions = app.main.query_one(SessionsTable)
+        assert cell(sessions, "s-001", "home") == "node-3"
+        assert any("migrate s-001 node-2→node-3 completed" in t for t in log_texts(app))
+
+
+async def test_migrate_picker_escape_cancels(clock: Clock) -> None:
+    """Esc in the picker cancels: no confirm, no call."""
+    admin = FakeAdmin()
+    app, state = make_app(clock, admin=admin, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        await pilot.press("m")
+        await settle(pilot, 0.05)
+        await pilot.press("escape")
+        await settle(pilot, 0.05)
+        assert isinstance(app.screen, MainScreen)
+        assert admin.calls == []
+
+
+async def test_readonly_hides_and_refuses_actions(clock: Clock) -> None:
+    """--readonly: RO in the header, no action keys or palette commands, and invoking one anyway is refused."""
+    app, state = make_app(clock, readonly=True, admin=FakeAdmin(), snapshot=make_snapshot())
+    assert app.admin is None, "a read-only console holds no admin client"
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        assert " RO " in str(app.main.query_one(TopBar).render())
+        for key in ("d", "u", "m", "r"):
+            await pilot.press("h" if key in "du" else "1", key)
+            await settle(pilot, 0.05)
+            assert isinstance(app.screen, MainScreen), f"{key} must not open anything in read-only mode"
+        shown = {ab.binding.action for ab in app.screen.active_bindings.values() if ab.binding.show}
+        assert not shown & {"drain", "undrain", "migrate", "replicate"}
+        names = [name for name, _, _ in app.palette_commands(include_sessions=True)]
+        assert not any(n.split()[0] in ("drain", "undrain", "migrate", "replicate") for n in names)
+        app.request_action("drain", ["node-1"])
+        await settle(pilot, 0.05)
+        assert isinstance(app.screen, MainScreen)
+        assert any("refused drain" in t for t in log_texts(app))
+
+
+async def test_filter_narrows_sessions_and_escape_clears(clock: Clock) -> None:
+    """/ then text keeps only matching sessions (id, hosts, class word); Esc restores all rows."""
+    app, state = make_app(clock, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        sessions = app.main.query_one(SessionsTable)
+        assert sessions.row_count == 6
+        await pilot.press("slash")
+        assert isinstance(app.focused, Input)
+        await pilot.press(*"cold")
+        await settle(pilot)
+        assert set(sessions.shown_keys()) == {"s-003"}
+        await pilot.press("escape")
+        await settle(pilot)
+        assert sessions.row_count == 6
+        assert isinstance(app.focused, SessionsTable)
+
+
+async def test_pause_queues_updates_and_resume_applies_them(clock: Clock) -> None:
+    """p freezes the view and shows "N updates pending"; p again applies them in order."""
+    source = FakeSource()
+    app, state = make_app(clock, source=source, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        await pilot.press("p")
+        for i in range(3):
+            source.push(Handoff(ts=T0 + 20 + i, node="node-3", seq=10 + i, session="s-000", src="node-1",
+                                dst="node-3", cls="cold", prompt_tokens=100, reused_tokens=0))
+        await source.drained()
+        await settle(pilot)
+        top = str(app.main.query_one(TopBar).render())
+        assert "PAUSED" in top and "3 updates pending" in top
+        assert state.counters.cold == 1
+        await pilot.press("p")
+        await settle(pilot)
+        assert state.counters.cold == 4
+        assert "PAUSED" not in str(app.main.query_one(TopBar).render())
+        assert any("applied 3 queued updates" in t for t in log_texts(app))
+
+
+async def test_cursor_stays_on_session_across_updates(clock: Clock) -> None:
+    """The cursor follows its session id when rows are added above it and when the sort order changes."""
+    source = FakeSource()
+    app, state = make_app(clock, source=source, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        sessions = app.main.query_one(SessionsTable)
+        await pilot.press("down", "down", "down")
+        assert sessions.cursor_key == "s-003"
+        source.push(TurnFinished(ts=T0 + 20, node="node-1", seq=1, session="a-new", host="node-1",
+                                 prompt_tokens=10, cached_tokens=0, completion_tokens=5, ttft_s=0.1, total_s=1))
+        await source.drained()
+        await settle(pilot)
+        assert sessions.row_count == 7 and sessions.get_row_index("a-new") == 0
+        assert sessions.cursor_key == "s-003"
+        await pilot.press("s", "s")  # sort by tokens, largest first
+        await settle(pilot)
+        assert sessions.sort_by == "tokens"
+        assert sessions.cursor_key == "s-003"
+
+
+async def test_space_marks_rows_for_a_batch_action(clock: Clock) -> None:
+    """space marks sessions; r then confirms all marked ones in one modal and replicates each."""
+    admin = FakeAdmin()
+    app, state = make_app(clock, admin=admin, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        await pilot.press("space", "down", "space", "r")
+        await settle(pilot, 0.05)
+        assert isinstance(app.screen, ConfirmScreen)
+        assert app.screen.action_spec.targets == ("s-000", "s-002")
+        await pilot.press("right", "enter")
+        await settle(pilot)
+        assert admin.calls == [("replicate", "s-000"), ("replicate", "s-002")]
+        assert not app.main.query_one(SessionsTable).marked, "marks are cleared after the action"
+
+
+async def test_help_lists_every_key(clock: Clock) -> None:
+    """? opens help listing every binding of the main screen plus ctrl+p; Esc closes it."""
+    app, state = make_app(clock, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("question_mark")
+        await settle(pilot, 0.05)
+        assert isinstance(app.screen, HelpScreen)
+        text = "\n".join(app.screen.lines)
+        for binding in MainScreen.BINDINGS:
+            assert binding.description in text  # type: ignore[union-attr]
+        for key in ("q", "?", "/", "p", "d", "u", "m", "r", "t", "space", "ctrl+p"):
+            assert f"  {key} " in text, key
+        await pilot.press("escape")
+        assert isinstance(app.screen, MainScreen)
+
+
+async def test_theme_cycles_through_console_themes(clock: Clock) -> None:
+    """t cycles dark -> light -> colour-blind-safe -> dark."""
+    app, state = make_app(clock, snapshot=make_snapshot())
+    async with app.run_test(size=(80, 24)) as pilot:
+        seen = [app.theme]
+        for _ in range(3):
+            await pilot.press("t")
+            await settle(pilot, 0.05)
+            seen.append(app.theme)
+        assert seen == ["kvmesh-dark", "kvmesh-light", "kvmesh-cb", "kvmesh-dark"]
+
+
+async def test_command_palette_drain_by_name_goes_through_confirm(clock: Clock) -> None:
+    """ctrl+p, "drain node-3", Enter: the same confirm modal as the d key."""
+    admin = FakeAdmin()
+    app, state = make_app(clock, admin=admin, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+p")
+        await settle(pilot, 0.05)
+        await pilot.press(*"drain node-3")
+        await settle(pilot, 0.5)
+        await pilot.press("enter")
+        await settle(pilot, 0.2)
+        assert isinstance(app.screen, ConfirmScreen)
+        assert app.screen.action_spec.kind == "drain" and app.screen.action_spec.targets == ("node-3",)
+        await pilot.press("escape")
+        await settle(pilot, 0.05)
+        assert admin.calls == []
+
+
+async def test_disconnected_node_dimmed_with_stale_since(clock: Clock) -> None:
+    """A lost node stays in the hosts table as DISCONNECTED with its stale-since time; the app keeps running."""
+    source = FakeSource()
+    app, state = make_app(clock, source=source, snapshot=make_snapshot())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        source.queue.put_nowait(None)  # the fake socket closes
+        await source.drained()
+        await settle(pilot)
+        hosts = app.main.query_one(HostsTable)
+        assert cell(hosts, "node-1", "state") == "DISCONNECTED"
+        assert cell(hosts, "node-1", "since") == "22:13:30"
+        viewbar = str(app.main.query_one("#viewbar").render())
+        assert "node-1 DISCONNECTED, stale since 22:13:30" in viewbar
+        assert app.is_running
+
+
+async def test_compact_and_large_layouts(clock: Clock) -> None:
+    """80x24 gets the compact layout with view keys 1-3; 120x40 shows every panel at once."""
+    app, state = make_app(clock, snapshot=make_snapshot())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        main = app.main
+        assert main.has_class("-compact")
+        assert main.query_one("#sessions").display and not main.query_one("#counters").display
+        await pilot.press("2")
+        await settle(pilot, 0.05)
+        assert main.query_one("#links").region.height > 0 and main.query_one("#sessions").region.height == 0
+        await pilot.press("3")
+        await settle(pilot, 0.05)
+        assert main.query_one("#events").region.height > 0
+        await pilot.resize_terminal(120, 40)  # type: ignore[attr-defined]
+        await settle(pilot)
+        assert main.has_class("-large")
+        for wid in ("#hosts", "#sessions", "#counters", "#links", "#events"):
+            assert main.query_one(wid).region.height > 0, wid
+
+
+async def test_ingest_worker_survives_bad_frames(clock: Clock) -> None:
+    """Garbage on the stream is counted and skipped; the worker keeps feeding the state."""
+    source = FakeSource()
+    app, state = make_app(clock, source=source, snapshot=make_snapshot())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        state.feed_frame(NODE1, "garbage")
+        source.push(Handoff(ts=T0 + 30, node="node-2", seq=99, session="s-004", src="node-1", dst="node-2",
+                            cls="warm", prompt_tokens=10, reused_tokens=10))
+        await source.drained()
+        await asyncio.sleep(0.1)
+        await settle(pilot)
+        assert state.bad_frames == 1 and state.counters.warm == 51
