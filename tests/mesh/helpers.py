@@ -1,0 +1,394 @@
+"""Helpers for the mesh integration tests: real `kvmesh node` processes on loopback.
+
+Every mesh here is three sim-engine nodes (`a`, `b`, `c`) started with
+`node.launcher` (one TOML per node, free ports, a full mesh of static peers).
+Clients are the official `openai` package for turns and `httpx` for the admin,
+cluster, stats and metrics endpoints.
+
+Nodes learn of each other's turns by polling (every `poll_interval_s`, 0.2 s
+here), so a test that changes entry node first waits until every entry has heard
+(`Mesh.settle`), and waits for replicas to land (`Mesh.wait_replica`) instead of
+sleeping: `wait_for` polls a predicate with a deadline and says what it was
+waiting for when it gives up. The fixtures are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from node.bench.workload import grow_conversation, text
+from node.launcher import NodeProcess, mesh_configs
+from node.protocol import parse_event
+
+NAMES = ("a", "b", "c")
+MODEL = "kvmesh-sim"
+SIM = {"kv_scale": 0.02, "decode_tps": 200.0, "prefill_tps": 20000.0}
+POLL_S = 0.2
+STALE_S = 1.5
+CONV_TOKENS = 8000  # prompt of a "long" conversation (byte tokenizer: ~1 token per character)
+TOOL_CHARS = 300  # appended per turn: well under 10% of the prompt, so a move with the replica is warm
+WAIT_S = 10.0  # bound for every poll loop
+BLOCK = 256  # the engine's block size (default): replicas and reuse come in whole blocks
+HOG_TOKENS = 120_000  # a hog turn's prefill: 6 s at the sim's 20k tokens/s
+
+
+def whole_blocks(tokens: int) -> int:
+    return tokens // BLOCK * BLOCK
+
+
+def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT_S, interval: float = 0.05) -> Any:
+    """Poll `pred` until it returns something truthy; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            v = pred()
+            if v:
+                return v
+        except (httpx.HTTPError, KeyError, ValueError) as e:  # a node answering late or not yet
+            last_exc = e
+        if time.monotonic() > deadline:
+            extra = f" (last error: {last_exc!r})" if last_exc else ""
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}{extra}")
+        time.sleep(interval)
+
+
+@dataclass
+class Turn:
+    host: str
+    handoff: str
+    cached: int  # X-Kvmesh-Cached-Tokens
+    prompt_tokens: int
+    cached_usage: int  # usage.prompt_tokens_details.cached_tokens
+    text: str
+    status: int
+    session: str
+
+    @property
+    def reused(self) -> float:
+        return self.cached / max(1, self.prompt_tokens)
+
+
+class Conversation:
+    """A long coding-agent conversation that grows by an assistant reply and a tool output per turn."""
+
+    def __init__(self, session: str, seed: int, tokens: int = CONV_TOKENS):
+        self.session = session
+        self.rng = random.Random(seed)
+        self.messages: list[dict[str, Any]] = grow_conversation(self.rng, tokens)
+        self.turns: list[Turn] = []
+
+    def grow(self, reply: str, tool_chars: int = TOOL_CHARS) -> None:
+        self.messages.append({"role": "assistant", "content": reply})
+        self.messages.append({"role": "tool", "content": text(self.rng, tool_chars)})
+
+
+@dataclass
+class Mesh:
+    workdir: Path
+    nodes: dict[str, NodeProcess]
+    admin_token: str
+    secret: str | None
+    poll_s: float = POLL_S
+    stale_s: float = STALE_S
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=60.0))
+    _clients: dict[str, openai.OpenAI] = field(default_factory=dict)
+
+    # ---- addresses and clients -------------------------------------------------
+
+    def api(self, name: str) -> str:
+        return self.nodes[name].api
+
+    def client(self, name: str) -> openai.OpenAI:
+        if name not in self._clients:
+            self._clients[name] = openai.OpenAI(base_url=self.api(name) + "/v1", api_key="unused", max_retries=0,
+                                                timeout=60.0)
+        return self._clients[name]
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.nodes)
+
+    def others(self, *exclude: str) -> list[str]:
+        return [n for n in self.nodes if n not in exclude]
+
+    # ---- turns -------------------------------------------------------------------
+
+    def turn(self, conv: Conversation, entry: str, *, max_tokens: int = 8, grow: bool = True) -> Turn:
+        """One non-streaming turn of `conv` through `entry`'s OpenAI API; the reply and a tool output are appended."""
+        raw = self.client(entry).chat.completions.with_raw_response.create(
+            model=MODEL, messages=conv.messages, max_tokens=max_tokens, temperature=0,  # type: ignore[arg-type]
+            extra_headers={"X-Session-Id": conv.session},
+        )
+        c = raw.parse()
+        reply = c.choices[0].message.content or ""
+        assert c.usage is not None
+        details = c.usage.prompt_tokens_details
+        t = Turn(host=raw.headers["x-kvmesh-host"], handoff=raw.headers["x-kvmesh-handoff"],
+                 cached=int(raw.headers["x-kvmesh-cached-tokens"]), prompt_tokens=c.usage.prompt_tokens,
+                 cached_usage=(details.cached_tokens or 0) if details else 0, text=reply, status=raw.http_response.status_code,
+                 session=conv.session)
+        conv.turns.append(t)
+        if grow:
+            conv.grow(reply)
+        return t
+
+    def stream_turn(self, conv: Conversation, entry: str, *, max_tokens: int = 8, grow: bool = True) -> tuple[Turn, str | None]:
+        """One streaming turn (SSE) of `conv` through `entry`; returns the turn and its finish_reason."""
+        raw = self.client(entry).chat.completions.with_raw_response.create(
+            model=MODEL, messages=conv.messages, max_tokens=max_tokens, temperature=0, stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True}, extra_headers={"X-Session-Id": conv.session},
+        )
+        parts: list[str] = []
+        finish = usage = None
+        for chunk in raw.parse():
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for ch in chunk.choices:
+                parts.append(ch.delta.content or "")
+                finish = ch.finish_reason or finish
+        assert usage is not None, "no usage chunk although stream_options.include_usage was set"
+        reply = "".join(parts)
+        details = usage.prompt_tokens_details
+        t = Turn(host=raw.headers["x-kvmesh-host"], handoff=raw.headers["x-kvmesh-handoff"],
+                 cached=int(raw.headers["x-kvmesh-cached-tokens"]), prompt_tokens=usage.prompt_tokens,
+                 cached_usage=(details.cached_tokens or 0) if details else 0, text=reply,
+                 status=raw.http_response.status_code, session=conv.session)
+        conv.turns.append(t)
+        if grow:
+            conv.grow(reply)
+        return t, finish
+
+    @contextmanager
+    def hold_slot(self, session: str, host: str, *, prefill_tokens: int = HOG_TOKENS) -> Iterator[str]:
+        """Keep one slot of `host` busy with a long streaming turn of another session homed there.
+
+        The hog session gets a short first turn (wherever placement puts a new session) and is migrated
+        to `host` if it landed elsewhere; then a turn that appends `prefill_tokens` of tool output runs on
+        its home: the sim engine spends prefill_tokens / prefill_tps seconds on it (a long decode would
+        not do: the sim samples END about once per 97 tokens). Yields the host it runs on (checked ==
+        host) once every node sees the host's slots busy; the stream is closed on exit."""
+        rng = random.Random(session)
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": text(rng, 700)},
+                                      {"role": "user", "content": "read this"}]
+        first = self.client(host).chat.completions.with_raw_response.create(
+            model=MODEL, messages=msgs, max_tokens=1, temperature=0, extra_headers={"X-Session-Id": session})  # type: ignore[arg-type]
+        landed = first.headers["x-kvmesh-host"]
+        if landed != host:
+            r = self.admin(host, f"/v1/admin/sessions/{session}/migrate", {"target": host})
+            assert r.status_code == 200 and r.json()["ok"], f"could not pin the hog on {host}: {r.text}"
+            self.wait_home(session, host)
+        msgs += [{"role": "assistant", "content": first.parse().choices[0].message.content or ""},
+                 {"role": "tool", "content": text(rng, prefill_tokens)}]
+        stream = self.client(host).chat.completions.with_streaming_response.create(
+            model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,  # type: ignore[arg-type]
+            extra_headers={"X-Session-Id": session})
+        with stream as resp:
+            served = resp.headers["x-kvmesh-host"]
+            assert served == host, f"the hog turn ran on {served}, not on {host}"
+            # The turn started: every node must see the host's slots busy before a test relies on it.
+            for n in self.names:
+                wait_for(lambda n=n: (h := self.host_info(n, host))["busy"] >= h["slots"],
+                         f"{n} to see every slot of {host} busy")
+            yield served
+            assert self.host_info(host, host)["busy"] >= 1, "the hog turn ended before the test was done with it"
+
+    # ---- views -------------------------------------------------------------------
+
+    def cluster(self, entry: str) -> dict[str, Any]:
+        r = self.http.get(self.api(entry) + "/v1/cluster")
+        r.raise_for_status()
+        return r.json()
+
+    def stats(self, entry: str) -> dict[str, Any]:
+        r = self.http.get(self.api(entry) + "/v1/stats")
+        r.raise_for_status()
+        return r.json()
+
+    def host_info(self, entry: str, host: str) -> dict[str, Any]:
+        return next(h for h in self.cluster(entry)["hosts"] if h["name"] == host)
+
+    def session_info(self, entry: str, session: str) -> dict[str, Any] | None:
+        return next((s for s in self.cluster(entry)["sessions"] if s["session"] == session), None)
+
+    def transfers_in(self, host: str, src: str) -> int:
+        return int(self.stats(host)["kvshare"]["in"].get(src, {}).get("transfers", 0))
+
+    def wait_replica(self, session: str, home: str, min_tokens: int, *, entries: list[str] | None = None) -> str:
+        """Wait until every entry (default: all) sees a replica of `session` of >= min_tokens on a host
+        other than `home`; returns that host."""
+        hosts = set()
+        for e in entries or self.names:
+            def ok(e: str = e) -> str | None:
+                s = self.session_info(e, session)
+                if s and s["home"] == home and s["replica_host"] and s["replica_host"] != home \
+                        and s["replica_tokens"] >= min_tokens:
+                    return s["replica_host"]
+                return None
+            hosts.add(wait_for(ok, f"{e} to see a replica of {session} (>= {min_tokens} tokens) off {home}"))
+        assert len(hosts) == 1, f"nodes disagree on the replica holder of {session}: {hosts}"
+        return hosts.pop()
+
+    def settle(self, conv: Conversation, *, entries: list[str] | None = None) -> None:
+        """Wait until every entry has heard of the conversation's last turn (its host is the home and
+        every turn is counted). Peers learn of each other's turns by polling, every poll_interval_s."""
+        last = conv.turns[-1].host
+        for e in entries or self.names:
+            wait_for(lambda e=e: (s := self.session_info(e, conv.session)) is not None and s["home"] == last
+                     and s["turns"] == len(conv.turns), f"{e} to see turn {len(conv.turns)} of {conv.session} on {last}")
+
+    def wait_home(self, session: str, home: str, *, entries: list[str] | None = None) -> None:
+        for e in entries or self.names:
+            wait_for(lambda e=e: (self.session_info(e, session) or {}).get("home") == home,
+                     f"{e} to see {home} as the home of {session}")
+
+    def wait_all_reachable(self) -> None:
+        for e in self.names:
+            wait_for(lambda e=e: all(h["reachable"] for h in self.cluster(e)["hosts"]) and
+                     len(self.cluster(e)["hosts"]) == len(self.nodes), f"{e} to see every peer reachable")
+
+    # ---- admin ---------------------------------------------------------------------
+
+    def admin(self, entry: str, path: str, body: dict[str, Any] | None = None, *, token: str | None = "",
+              authorization: str | None = None, timeout: float = 60.0) -> httpx.Response:
+        """POST an admin call; token "" means the right one, None means no Authorization header;
+        `authorization` sends that header value verbatim instead."""
+        tok = self.admin_token if token == "" else token
+        headers = {"Authorization": f"Bearer {tok}"} if tok is not None else {}
+        if authorization is not None:
+            headers = {"Authorization": authorization}
+        return self.http.post(self.api(entry) + path, json=body, headers=headers, timeout=timeout)
+
+    def set_draining(self, entry: str, host: str, draining: bool) -> dict[str, Any]:
+        r = self.admin(entry, f"/v1/admin/hosts/{host}/{'drain' if draining else 'undrain'}")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["ok"], body
+        return body
+
+    def wait_draining(self, host: str, draining: bool) -> None:
+        for e in self.names:
+            if self.nodes[e].proc is not None and self.nodes[e].proc.poll() is None:
+                wait_for(lambda e=e: self.host_info(e, host)["draining"] is draining,
+                         f"{e} to see {host} {'draining' if draining else 'undrained'}")
+
+    def peer_headers(self) -> dict[str, str]:
+        from node.mesh.auth import PEER_HEADER, peer_token
+
+        return {PEER_HEADER: peer_token(self.secret.encode())} if self.secret else {}
+
+    def peer_status(self, host: str) -> dict[str, Any]:
+        r = self.http.get(self.api(host) + "/v1/peer/status", headers=self.peer_headers())
+        r.raise_for_status()
+        return r.json()
+
+    def holding(self, host: str, session: str) -> dict[str, Any]:
+        """What `host` itself reports holding of `session` (engine-resident and stored tokens)."""
+        return next((s for s in self.peer_status(host)["sessions"] if s["session"] == session),
+                    {"resident_tokens": 0, "store_tokens": 0})
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n} ---\n{p.tail(30)}" for n, p in self.nodes.items())
+
+    def stop(self) -> None:
+        for c in self._clients.values():  # idle keep-alive connections first: nothing left for a node to wait on
+            c.close()
+        self.http.close()
+        for p in self.nodes.values():
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.terminate()  # all at once (each by its own PID), then wait for each
+        for p in self.nodes.values():
+            try:
+                p.stop()
+            except Exception:  # noqa: BLE001 - stop the others whatever happens
+                p.kill()
+
+
+def start_mesh(workdir: Path, *, slots: int = 2, cache_bytes: int = 64 << 20, secret: bool = True,
+               mesh: dict[str, Any] | None = None, kvshare: dict[str, Any] | None = None) -> Mesh:
+    workdir.mkdir(parents=True, exist_ok=True)
+    admin_token = "adm-" + secrets.token_hex(12)
+    mesh_secret = "msk-" + secrets.token_hex(16) if secret else None
+    mesh_cfg: dict[str, Any] = {"poll_interval_s": POLL_S, "stale_after_s": STALE_S, "cold_move_after_s": 30.0}
+    if mesh_secret:
+        mesh_cfg["secret"] = mesh_secret
+    mesh_cfg.update(mesh or {})
+    engine = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_max": 8, "sim": dict(SIM)}
+    extra = {"kvshare": {"replicate_min_tokens": 1024, "fsync": "never", **(kvshare or {})},
+             "mesh": mesh_cfg, "admin_token": admin_token}
+    cfgs = mesh_configs(workdir, list(NAMES), engine=engine, extra=extra)
+    nodes = {n: NodeProcess(n, p, workdir) for n, p in cfgs.items()}
+    m = Mesh(workdir, nodes, admin_token, mesh_secret, poll_s=float(mesh_cfg["poll_interval_s"]),
+             stale_s=float(mesh_cfg["stale_after_s"]))
+    try:
+        for p in nodes.values():
+            p.start()
+        for p in nodes.values():
+            p.wait_ready()
+        m.wait_all_reachable()
+    except BaseException:
+        m.stop()
+        raise
+    return m
+
+
+class EventStream:
+    """A background websocket reader of one node's /v1/events: every message, parsed, in order."""
+
+    def __init__(self, url: str):
+        from websockets.sync.client import connect
+
+        self.url = url
+        self.events: list[Any] = []
+        self.raw: list[str] = []
+        self.error: BaseException | None = None
+        self._ws = connect(url, open_timeout=10, max_size=None).__enter__()  # closed by close()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            while True:
+                try:
+                    msg = self._ws.recv()
+                except ConnectionClosed:
+                    return
+                ev = parse_event(msg)
+                with self._lock:
+                    self.raw.append(msg if isinstance(msg, str) else msg.decode())
+                    self.events.append(ev)
+        except BaseException as e:  # noqa: BLE001 - reported by the test that reads it
+            self.error = e
+
+    def snapshot(self) -> list[Any]:
+        with self._lock:
+            return list(self.events)
+
+    def wait(self, pred: Callable[[Any], bool], what: str, timeout: float = WAIT_S) -> Any:
+        def find() -> Any:
+            return next((e for e in self.snapshot() if pred(e)), None)
+
+        return wait_for(find, what, timeout)
+
+    def close(self) -> None:
+        try:
+            self._ws.close()
+        finally:
+            self._thread.join(5)

@@ -1,0 +1,54 @@
+"""A peer that dies (SIGKILL) is routed around: nothing a client sent is lost, and the mesh shows it unreachable."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+from node.engine.tokenizer import ByteTokenizer
+
+from .helpers import Conversation, Mesh, wait_for, whole_blocks
+
+
+def test_killed_home_is_routed_around_and_shown_unreachable(make_mesh, events) -> None:  # type: ignore[no-untyped-def]
+    """Kill a session's home: its next turns succeed on the survivors, whole; the dead peer shows unreachable."""
+    m: Mesh = make_mesh(slots=2)
+    conv = Conversation("kill-1", seed=901)
+    t1 = m.turn(conv, "a")
+    home = t1.host
+    m.settle(conv)
+    holder = m.wait_replica(conv.session, home, whole_blocks(t1.prompt_tokens))
+    entry = next(n for n in m.names if n not in (home, holder))  # forwards, finds the home dead, places again
+    watch = {n: events(m.api(n)) for n in (entry, holder)}
+    tok = ByteTokenizer()
+
+    m.nodes[home].kill()
+    killed_at = time.monotonic()
+    sent = copy.deepcopy(conv.messages)
+    t2 = m.turn(conv, entry)  # at once: the entry still believes the home is up
+    assert t2.status == 200 and t2.text, t2
+    assert t2.host != home
+    assert t2.prompt_tokens == len(tok.apply_chat_template(sent)), "the serving host did not get the whole prompt"
+    assert t2.host == holder and t2.handoff == "warm" and t2.reused >= 0.9, t2
+
+    # Streaming, through the other survivor: the whole answer, then [DONE].
+    sent = copy.deepcopy(conv.messages)
+    t3, finish = m.stream_turn(conv, holder)
+    assert t3.status == 200 and finish in ("stop", "length"), (t3, finish)
+    assert t3.host == holder and t3.prompt_tokens == len(tok.apply_chat_template(sent))
+
+    # A new session through either survivor never goes to the dead host.
+    for n in (entry, holder):
+        fresh = Conversation(f"kill-new-{n}", seed=950 + ord(n))
+        t = m.turn(fresh, n)
+        assert t.status == 200 and t.host in (entry, holder), t
+
+    # Within stale_after (plus one poll), every survivor shows the dead peer unreachable, still listed.
+    bound = m.stale_s + m.poll_s + 1.0
+    for n in (entry, holder):
+        wait_for(lambda n=n: m.host_info(n, home)["reachable"] is False, f"{n} to show {home} unreachable",
+                 timeout=max(0.1, bound - (time.monotonic() - killed_at)))
+        hosts = m.cluster(n)["hosts"]
+        assert sorted(h["name"] for h in hosts) == sorted(m.names), "a dead peer must be shown, not hidden"
+        assert all(h["reachable"] for h in hosts if h["name"] != home)
+        watch[n].wait(lambda e: e.type == "peer_down" and e.peer == home, f"a peer_down event for {home} on {n}")
