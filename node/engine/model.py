@@ -138,8 +138,12 @@ def rope_tables(cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, t
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [1, heads, q, head_dim]; cos/sin: [q, head_dim // 2] (rotate-half layout)
+    return _rotate(x, cos[None, None], sin[None, None])
+
+
+def _rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, q, head_dim]; c/s broadcast to [B, heads, q, head_dim // 2]
     x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos[None, None], sin[None, None]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).type_as(x)
 
 
@@ -178,35 +182,48 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, kv: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [1, q, d_model]; kv: [2, kv_heads, max_ctx, head_dim] (this layer's workspace)
+    def forward(
+        self, x: torch.Tensor, kvs: list[torch.Tensor], starts: list[int], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        # x: [B, q, d_model]: row b is one slot's tokens at starts[b]..; kvs[b]: [2, kv_heads,
+        # max_ctx, head_dim] (that slot's workspace for this layer); cos/sin broadcast to
+        # [B, heads, q, head_dim // 2]. Projections run batched; the cache write and the
+        # attention run per row (each row has its own cache length).
         c = self.cfg
-        q_len = x.shape[1]
-        q = self.wq(x).view(1, q_len, c.n_heads, c.head_dim)
-        k = self.wk(x).view(1, q_len, c.n_kv_heads, c.head_dim)
+        batch, q_len = x.shape[0], x.shape[1]
+        q = self.wq(x).view(batch, q_len, c.n_heads, c.head_dim)
+        k = self.wk(x).view(batch, q_len, c.n_kv_heads, c.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over head_dim, before RoPE
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.wv(x).view(1, q_len, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v = self.wv(x).view(batch, q_len, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        outs = [self._attend(q[b : b + 1], k[b], v[b], kvs[b], starts[b]) for b in range(batch)]
+        out = outs[0] if batch == 1 else torch.cat(outs, dim=0)
+        return self.wo(out.transpose(1, 2).reshape(batch, q_len, c.n_heads * c.head_dim))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, start: int) -> torch.Tensor:
+        """Write one row's k/v at start.. and attend over the cache: q [1, heads, q, hd]; k, v [kv_heads, q, hd]."""
+        c = self.cfg
+        q_len = q.shape[2]
         end = start + q_len
-        kv[0, :, start:end] = k[0]
-        kv[1, :, start:end] = v[0]
+        kv[0, :, start:end] = k
+        kv[1, :, start:end] = v
         keys, values = kv[0, :, :end][None], kv[1, :, :end][None]
         gqa = c.n_heads != c.n_kv_heads
         if start == 0:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
         elif q_len == 1:
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
-        elif x.device.type == "cpu" and not gqa:
+        elif q.device.type == "cpu" and not gqa:
             out = _attend_after_cache(q, keys, values, start)
         else:
             # A chunk after the first: query i sits at absolute position start+i and
             # may see keys 0..start+i. This is the lower-right-aligned causal mask;
             # is_causal=True would align top-left and hide most of the cache.
-            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start, end, device=x.device)[:, None]
+            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(1, q_len, c.n_heads * c.head_dim))
+        return out
 
 
 class FeedForward(nn.Module):
@@ -229,8 +246,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, kv: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), kv, start, cos, sin)
+    def forward(
+        self, x: torch.Tensor, kvs: list[torch.Tensor], starts: list[int], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), kvs, starts, cos, sin)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -295,7 +314,21 @@ class Decoder(nn.Module):
         """
         q_len = tokens.shape[0]
         cos, sin = self.rope_cos[start : start + q_len], self.rope_sin[start : start + q_len]
-        x = self.embed(tokens)[None]
+        return self._run(tokens[None], [ws], [start], cos[None, None], sin[None, None])[0]
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, wss: list[torch.Tensor], positions: list[int]) -> torch.Tensor:
+        """One decode step for B slots at once: tokens [B], token b at positions[b] of the slot
+        whose workspace is wss[b] ([layers, 2, kv_heads, max_ctx, head_dim]).
+
+        Returns logits: [B, vocab], fp32. The weights are read once for the whole batch."""
+        idx = torch.tensor(positions, device=self.rope_cos.device)
+        cos, sin = self.rope_cos[idx][:, None, None], self.rope_sin[idx][:, None, None]  # [B, 1, 1, hd/2]
+        return self._run(tokens[:, None], wss, positions, cos, sin)
+
+    def _run(self, tokens: torch.Tensor, wss: list[torch.Tensor], starts: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # tokens: [B, q]; cos/sin broadcast to [B, heads, q, hd/2] -> logits of each row's last position [B, vocab]
+        x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            x = layer(x, ws[i], start, cos, sin)
-        return self.lm_head(self.norm(x[:, -1]))[0].float()
+            x = layer(x, [ws[i] for ws in wss], starts, cos, sin)
+        return self.lm_head(self.norm(x[:, -1])).float()
