@@ -19,6 +19,7 @@ from typing import Awaitable, Callable, Iterable
 
 from textual.app import App
 from textual.css.query import NoMatches
+from textual.screen import ModalScreen
 from textual.command import Provider
 
 from console.actions import MeshAction
@@ -276,7 +277,7 @@ class KvmeshConsole(App[None]):
                 self.state.log_console("migrate cancelled (no target picked)", kind="action")
                 self.schedule_refresh()
 
-        self.push_screen(TargetPicker(sessions, homes, hosts), callback=picked)
+        self.push_modal(TargetPicker(sessions, homes, hosts), callback=picked)
 
     def confirm(self, action: MeshAction) -> None:
         """The one confirm modal; on yes the action runs, on no it is logged as cancelled."""
@@ -291,7 +292,13 @@ class KvmeshConsole(App[None]):
                 self.state.log_console(f"cancelled {action.describe()}", kind="action")
                 self.schedule_refresh()
 
-        self.push_screen(ConfirmScreen(action), callback=decided)
+        self.push_modal(ConfirmScreen(action), callback=decided)
+
+    def push_modal(self, screen: ModalScreen, callback: Callable[[object], object] | None = None) -> None:
+        """Push a modal, carrying the ASCII class so its borders and buttons stay ASCII too."""
+        if self.config.ascii:
+            screen.add_class("-ascii")
+        self.push_screen(screen, callback=callback)  # type: ignore[arg-type]
 
     async def execute(self, action: MeshAction) -> list[ActionResult]:
         if self.config.readonly or self.admin is None:

@@ -37,6 +37,8 @@ class Glyphs:
     down: str  # bytes in
     up: str  # bytes out
     ellipsis: str
+    dot: str  # separator in titles
+    overflow: str  # Rich overflow for lines too long: "ellipsis" draws U+2026, so ASCII crops
 
     def handoff(self, cls: str | None) -> str:
         if cls == "warm":
@@ -51,12 +53,12 @@ class Glyphs:
 UNICODE = Glyphs(
     warm="●", partial="◐", cold="○", fresh="●", behind="◐", stale="○", none="—",
     bar_full="█", bar_empty="░", spark="▁▂▃▄▅▆▇█", arrow="→", mark="✓", cursor="▸",
-    down="↓", up="↑", ellipsis="…",
+    down="↓", up="↑", ellipsis="…", dot="·", overflow="ellipsis",
 )
 ASCII = Glyphs(
     warm="#", partial="~", cold=".", fresh="#", behind="~", stale=".", none="-",
     bar_full="#", bar_empty=".", spark="_.-=+*#@", arrow=">", mark="*", cursor=">",
-    down="v", up="^", ellipsis="~",
+    down="v", up="^", ellipsis="~", dot="|", overflow="crop",
 )
 
 
@@ -140,7 +142,9 @@ def fmt_age(seconds: float | None) -> str:
         return f"{s / 60:.0f}m"
     if s < 86400:
         return f"{s / 3600:.0f}h"
-    return f"{s / 86400:.0f}d"
+    if s < 100 * 86400:
+        return f"{s / 86400:.0f}d"
+    return ">99d"  # the column is four wide; anything this old is simply old
 
 
 def fmt_seconds(seconds: float | None) -> str:

@@ -79,15 +79,16 @@ async def stream_node(
         reason = ""
         try:
             async with connect(target, **kwargs) as ws:
-                sink.node_connected(url)
                 first = True
                 async for frame in ws:
-                    sink.feed_frame(url, frame)
                     if first:
-                        # Only a stream that delivered its snapshot counts as healthy;
-                        # a server that accepts and drops at once keeps backing off.
+                        # Only a stream that delivers (its snapshot first) counts as
+                        # connected: a server that accepts and drops at once keeps the
+                        # node stale since its first loss, and keeps backing off.
+                        sink.node_connected(url)
                         backoff.reset()
                         first = False
+                    sink.feed_frame(url, frame)
                 reason = "closed by node"
         except asyncio.CancelledError:
             sink.node_disconnected(url, "console stopping")

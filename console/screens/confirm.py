@@ -41,8 +41,10 @@ class ConfirmScreen(ModalScreen[bool]):
                 yield Static(f"Target host: {a.target_host}", id="confirm-dest")
             yield Static(a.consequence(), id="confirm-consequence", classes="dialog-note")
             with Horizontal(classes="dialog-buttons"):
-                yield Button("Cancel", id="cancel", variant="primary")
-                yield Button(a.title().rstrip("?"), id="confirm", variant="error")
+                # compact buttons in ASCII mode: the default ones are drawn with half blocks
+                compact = self.has_class("-ascii")
+                yield Button("Cancel", id="cancel", variant="primary", compact=compact)
+                yield Button(a.title().rstrip("?"), id="confirm", variant="error", compact=compact)
 
     def on_mount(self) -> None:
         self.query_one("#cancel", Button).focus()

@@ -9,6 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from console.actions import MESH_ACTIONS
+from console.screens.ascii import use_ascii_scrollbars
 
 
 def format_key(key: str) -> str:
@@ -53,6 +54,10 @@ class HelpScreen(ModalScreen[None]):
                 "Esc closes.",
                 classes="dialog-note",
             )
+
+    def on_mount(self) -> None:
+        if self.has_class("-ascii"):
+            use_ascii_scrollbars(self.query_one("#help-dialog"))
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -24,7 +24,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, Input, Static
 
 from console.actions import MESH_ACTIONS
-from console.format import Glyphs
+from console.screens.ascii import use_ascii_scrollbars
+from console.format import Glyphs, fmt_clock
 from console.state import Changes, ConsoleState
 from console.theme import Palette
 from console.widgets.counters import CountersLine, CountersPanel
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from console.app import KvmeshConsole
 
 VIEWS: tuple[str, ...] = ("sessions", "links", "events")
+
 COMPACT_WIDTH = 100
 COMPACT_HEIGHT = 32
 
@@ -100,6 +102,7 @@ class MainScreen(Screen[None]):
         self.add_class(f"-view-{self.view}")
         if self.ascii_only:
             self.add_class("-ascii")
+            use_ascii_scrollbars(*self.query(".view, #hosts"))
         self.query_one(SessionsTable).focus()
         self._apply_size(self.size.width, self.size.height)
         self.ready = True
@@ -123,7 +126,7 @@ class MainScreen(Screen[None]):
         app = self.console_app
         cfg = app.config
         full = changes.full
-        self.query_one(TopBar).patch(state, palette, theme=app.theme, utc=cfg.utc, show_clock=cfg.show_clock)
+        self.query_one(TopBar).patch(state, palette, glyphs, theme=app.theme, utc=cfg.utc, show_clock=cfg.show_clock)
         self.query_one(HostsTable).patch(state, palette, glyphs, utc=cfg.utc, full=full)
         links = self.query_one(LinksTable)
         links.patch(state, palette, glyphs)
@@ -136,7 +139,7 @@ class MainScreen(Screen[None]):
         self._patch_viewbar(state, palette, glyphs)
 
     def _patch_viewbar(self, state: ConsoleState, palette: Palette, glyphs: Glyphs) -> None:
-        t = Text(no_wrap=True, overflow="ellipsis")
+        t = Text(no_wrap=True, overflow=glyphs.overflow)  # type: ignore[arg-type]
         for i, view in enumerate(VIEWS, 1):
             current = view == self.view
             t.append(f"{glyphs.cursor if current else ' '}{i} {view.capitalize()} ", style=palette.bold if current else palette.muted)
@@ -144,8 +147,6 @@ class MainScreen(Screen[None]):
         for name in state.host_names():
             word, level, since = state.host_state(name)
             if level == "stale" and since:
-                from console.format import fmt_clock
-
                 notes.append(f"{name} {word}, stale since {fmt_clock(since, self.console_app.config.utc)}")
         if notes:
             t.append(" " + "; ".join(notes), style=palette.stale)
@@ -168,7 +169,7 @@ class MainScreen(Screen[None]):
     def action_help(self) -> None:
         from console.screens.help import HelpScreen
 
-        self.app.push_screen(HelpScreen(list(self.BINDINGS), self.readonly))  # type: ignore[arg-type]
+        self.console_app.push_modal(HelpScreen(list(self.BINDINGS), self.readonly))  # type: ignore[arg-type]
 
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)

@@ -14,6 +14,8 @@ from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
+from console.screens.ascii import use_ascii_scrollbars
+
 
 class TargetPicker(ModalScreen["str | None"]):
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
@@ -39,6 +41,8 @@ class TargetPicker(ModalScreen["str | None"]):
 
     def on_mount(self) -> None:
         ol = self.query_one(OptionList)
+        if self.has_class("-ascii"):
+            use_ascii_scrollbars(ol)
         ol.focus()
         for i, (_, _, ok) in enumerate(self.hosts):
             if ok:

@@ -79,7 +79,7 @@ class CountersPanel(Vertical):
             return Text("no link selected", style=palette.muted)
         total = lk.warm + lk.partial + lk.cold
         pct = 100.0 * lk.warm / total if total else 100.0
-        t = Text(no_wrap=True, overflow="ellipsis")
+        t = Text(no_wrap=True, overflow=glyphs.overflow)  # type: ignore[arg-type]
         t.append(f"link {lk.src}{glyphs.arrow}{lk.dst}\n", style=palette.bold)
         for cls in ("warm", "partial", "cold"):
             t.append(f"{glyphs.handoff(cls)} {CLASS_WORDS[cls]} {getattr(lk, cls)} ", style=palette.handoff(cls))
@@ -100,7 +100,7 @@ class CountersLine(Static):
 
     def patch(self, state: ConsoleState, palette: Palette, glyphs: Glyphs, link: LinkKey | None) -> None:
         c = state.counters
-        line = Text(no_wrap=True, overflow="ellipsis")
+        line = Text(no_wrap=True, overflow=glyphs.overflow)  # type: ignore[arg-type]
         for cls in ("warm", "partial", "cold"):
             line.append(f"{glyphs.handoff(cls)} {CLASS_WORDS[cls]} {getattr(c, cls)}", style=palette.handoff(cls))
             line.append("  ")

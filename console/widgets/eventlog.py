@@ -96,7 +96,8 @@ class EventLog(ScrollView, can_focus=True):
         if not self.newest_first and at_end:
             self.scroll_end(animate=False, immediate=True)
         order = "newest first" if self.newest_first else "tail"
-        title = f"Events · {self.scope} · {order}" + (f" · filter '{self.filter_text}'" if self.filter_text else "")
+        dot = glyphs.dot
+        title = f"Events {dot} {self.scope} {dot} {order}" + (f" {dot} filter '{self.filter_text}'" if self.filter_text else "")
         if self.border_title != title:
             self.border_title = title
         if len(self._strips) > 2000:
@@ -120,12 +121,12 @@ class EventLog(ScrollView, can_focus=True):
         p = self._palette
         g = self._glyphs
         assert p is not None and g is not None
-        text = Text(no_wrap=True, overflow="ellipsis", end="")
+        text = Text(no_wrap=True, overflow=g.overflow, end="")  # type: ignore[arg-type]
         text.append(fmt_clock(e.ts, self.utc), style=p.muted)
         text.append(" R " if e.replay else "   ", style=p.muted)
         text.append(f"{truncate(e.kind, KIND_WIDTH, g):<{KIND_WIDTH}} ", style=p.level(e.level) if e.level != "info" else p.muted)
         text.append(e.text, style=p.level(e.level) if e.level in ("warn", "error") else "")
-        text.truncate(width, overflow="ellipsis", pad=True)
+        text.truncate(width, overflow=g.overflow, pad=True)  # type: ignore[arg-type]
         segments = list(text.render(self.app.console, end=""))
         style = self.rich_style
         return Strip([Segment(s.text, style + s.style if s.style else style) for s in segments], width).crop_extend(0, width, style)

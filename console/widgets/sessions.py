@@ -28,7 +28,7 @@ class SessionsTable(KeyedTable):
         Column("home", "Home", 8),
         Column("tokens", "Tokens", 6),
         Column("replica", "Replica", 8),
-        Column("fresh", "Fresh", 11),
+        Column("fresh", "Fresh", 12),
         Column("last", "Last", 6),
         Column("turns", "Turns", 5),
         Column("moves", "Mv", 3),
@@ -150,7 +150,8 @@ class SessionsTable(KeyedTable):
                 self.sync_cell(sid, self.FRESH, self.fresh_cell(s, palette, glyphs, now))
         label = f"Sessions {self.row_count}/{len(state.sessions)}" if self.filter_text else f"Sessions {len(state.sessions)}"
         arrow = "v" if self.sort_reverse else "^"
-        title = f"{label} · sort {self.sort_by} {arrow}" + (f" · filter '{self.filter_text}'" if self.filter_text else "")
+        dot = glyphs.dot
+        title = f"{label} {dot} sort {self.sort_by} {arrow}" + (f" {dot} filter '{self.filter_text}'" if self.filter_text else "")
         if self.border_title != title:
             self.border_title = title
 
@@ -185,5 +186,5 @@ class SessionsTable(KeyedTable):
         style = {"fresh": palette.ok, "behind": palette.warn, "stale": palette.error}[kind]
         if s.home in self._stale_homes:
             style = palette.stale
-        text = f"{glyph} {fmt_tokens(s.replica_behind_tokens):>5} {fmt_age(age):>3}"
+        text = f"{glyph} {fmt_tokens(s.replica_behind_tokens):>5} {fmt_age(age):>4}"
         return Text(text, style=style, no_wrap=True)

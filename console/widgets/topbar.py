@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from console.format import fmt_clock
+from console.format import Glyphs, fmt_clock
 from console.state import ConsoleState
 from console.theme import Palette
 
@@ -22,9 +22,11 @@ class TopBar(Static):
         self.readonly = readonly
         self._last: Text | None = None
 
-    def patch(self, state: ConsoleState, palette: Palette, *, theme: str, utc: bool, show_clock: bool) -> None:
+    def patch(
+        self, state: ConsoleState, palette: Palette, glyphs: Glyphs, *, theme: str, utc: bool, show_clock: bool
+    ) -> None:
         up, total = state.connected_count()
-        t = Text(no_wrap=True, overflow="ellipsis")
+        t = Text(no_wrap=True, overflow=glyphs.overflow)  # type: ignore[arg-type]
         t.append(" kvmesh ", style=palette.bold)
         if self.readonly:
             t.append(" RO ", style=palette.warn + palette.bold)

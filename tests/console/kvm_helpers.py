@@ -7,8 +7,11 @@ their own conftest.py, and `console` itself is the package under test.)"""
 from __future__ import annotations
 
 import asyncio
+import io
 from dataclasses import dataclass, field
 from typing import Any
+
+from rich.console import Console
 
 from console.app import KvmeshConsole
 from console.config import ConsoleConfig
@@ -149,3 +152,12 @@ def make_app(
     sources = [(source.url, source.run)] if source is not None else []
     app = KvmeshConsole(cfg, state=st, sources=sources, admin=admin)  # type: ignore[arg-type]
     return app, st
+
+
+def screen_text(app: KvmeshConsole) -> str:
+    """What the terminal would show now, as plain text (all screens in the stack composited)."""
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True, color_system="truecolor",
+                      record=True, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvm_helpers import NODE1, T0, Clock, FakeAdmin, FakeSource, make_app, make_snapshot
+from kvm_helpers import NODE1, T0, Clock, FakeAdmin, FakeSource, make_app, make_snapshot, screen_text
 from textual.widgets import Button, Input
 
 from console.screens.confirm import ConfirmScreen
@@ -334,3 +334,28 @@ async def test_ingest_worker_survives_bad_frames(clock: Clock) -> None:
         await asyncio.sleep(0.1)
         await settle(pilot)
         assert state.bad_frames == 1 and state.counters.warm == 51
+
+
+async def test_ascii_mode_draws_only_ascii(clock: Clock) -> None:
+    """--ascii: the main screen (both layouts), the confirm modal, the picker and help contain no non-ASCII character."""
+    app, state = make_app(clock, ascii_only=True, admin=FakeAdmin(), snapshot=make_snapshot(n_sessions=40))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        shots = {"compact": screen_text(app)}
+        await pilot.press("h", "d")
+        await settle(pilot, 0.05)
+        shots["confirm"] = screen_text(app)
+        await pilot.press("escape", "1", "m")
+        await settle(pilot, 0.05)
+        shots["picker"] = screen_text(app)
+        await pilot.press("escape", "question_mark")
+        await settle(pilot, 0.05)
+        shots["help"] = screen_text(app)
+        await pilot.press("escape")
+        await pilot.resize_terminal(120, 40)  # type: ignore[attr-defined]
+        await settle(pilot)
+        shots["large"] = screen_text(app)
+    for name, text in shots.items():
+        bad = sorted({ch for ch in text if ord(ch) > 126})
+        assert not bad, f"{name}: non-ASCII {bad}"
+    assert "WARM" in shots["compact"] and "Drain node-1?" in shots["confirm"]

@@ -1,0 +1,88 @@
+"""Real-terminal check: the console in tmux against a fake node's websocket, driven with send-keys."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fake_node import FakeEventsServer
+from kvm_helpers import T0, make_snapshot
+
+from node.protocol import Handoff
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
+
+
+class Tmux:
+    """One private tmux server (its own -L socket), so nothing else's sessions are touched."""
+
+    def __init__(self) -> None:
+        self.socket = f"kvmesh-console-test-{uuid.uuid4().hex[:8]}"
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, check=check,
+                              timeout=20)
+
+    def screen(self) -> str:
+        return self.run("capture-pane", "-p", "-t", "console").stdout
+
+    def wait_for(self, cond: Callable[[str], bool], timeout: float = 20.0) -> str:
+        end = time.monotonic() + timeout
+        text = ""
+        while time.monotonic() < end:
+            text = self.screen()
+            if cond(text):
+                return text
+            time.sleep(0.2)
+        raise AssertionError(f"screen never matched; last screen:\n{text}")
+
+    def alive(self) -> bool:
+        return self.run("has-session", "-t", "console", check=False).returncode == 0
+
+    def kill(self) -> None:
+        self.run("kill-server", check=False)
+
+
+@pytest.fixture
+def node() -> Iterator[FakeEventsServer]:
+    srv = FakeEventsServer(lambda: make_snapshot(ts=T0))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_console_in_tmux_shows_hosts_counters_and_answers_keys(node: FakeEventsServer) -> None:
+    """In a real 80x24 terminal: hosts and counters appear, p pauses with N pending, 2 shows links, q quits."""
+    tmux = Tmux()
+    url = f"http://127.0.0.1:{node.port}"
+    cmd = f"{sys.executable} -m console --node {url} --readonly --utc --no-discover"
+    try:
+        tmux.run("new-session", "-d", "-s", "console", "-x", "80", "-y", "24", "-c", str(REPO), cmd)
+        screen = tmux.wait_for(lambda s: "node-3" in s and "WARM 50" in s)
+        for text in ("node-1", "node-2", "RO", "nodes 1/1", "PART 1", "COLD 1", "s-000"):
+            assert text in screen, text
+        tmux.run("send-keys", "-t", "console", "p")
+        tmux.wait_for(lambda s: "PAUSED" in s)
+        node.publish(Handoff(ts=T0 + 5, node="node-2", seq=1, session="s-001", src="node-1", dst="node-2",
+                             cls="cold", prompt_tokens=100, reused_tokens=0))
+        tmux.wait_for(lambda s: "1 update pending" in s)
+        assert "COLD 1" in tmux.screen()
+        tmux.run("send-keys", "-t", "console", "p")
+        tmux.wait_for(lambda s: "COLD 2" in s and "PAUSED" not in s)
+        tmux.run("send-keys", "-t", "console", "2")
+        tmux.wait_for(lambda s: "Throughput" in s and "node-2→node-3" in s)
+        tmux.run("send-keys", "-t", "console", "q")
+        end = time.monotonic() + 10
+        while tmux.alive() and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not tmux.alive(), "q quits the console (its tmux session ends)"
+    finally:
+        tmux.kill()
