@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,7 +36,13 @@ class Runner(Protocol):
 
 
 class TorchRunner:
-    """Runs the decoder on one compute thread; the event loop stays free for I/O."""
+    """Runs the decoder on one compute thread; the event loop stays free for I/O.
+
+    Decode steps of different slots are batched: a one-token forward joins a pending
+    list, and one compute job takes every step pending when it starts and runs them
+    as one `Decoder.decode` (the weights are read once per batch, not once per slot).
+    Steps that arrive while a batch runs form the next batch, so nobody waits for a
+    batch to fill."""
 
     def __init__(self, cfg: ModelConfig, pool: BlockPool, slots: int, *, prefill_chunk: int, first_chunk: int,
                  model: Decoder | None = None):
@@ -54,6 +61,13 @@ class TorchRunner:
             for _ in range(slots)
         ]
         self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-compute")
+        # Pending decode steps: (slot, token, position, future, loop). Guarded by the lock:
+        # the event loop adds, the compute thread takes.
+        self._steps: list[tuple[int, int, int, asyncio.Future[torch.Tensor], asyncio.AbstractEventLoop]] = []
+        self._steps_lock = threading.Lock()
+        self._drain_queued = False
+        self.decode_batches = 0  # counters: batches run and steps in them
+        self.decode_steps = 0
         self._warmup()
 
     def _warmup(self) -> None:
@@ -82,6 +96,8 @@ class TorchRunner:
         # Tokens past n_tokens in the last block are stale; they are overwritten before use.
 
     async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
+        if len(tokens) == 1 and start > 0:
+            return await self._decode_step(slot, int(tokens[0]), start)
         logits = None
         pos = start
         first = True
@@ -98,6 +114,38 @@ class TorchRunner:
         t = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.int64)).to(self.pool.device)
         return self.model(t, self.ws[slot], start).cpu()
 
+    async def _decode_step(self, slot: int, token: int, pos: int) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[torch.Tensor] = loop.create_future()
+        with self._steps_lock:
+            self._steps.append((slot, token, pos, fut, loop))
+            queue = not self._drain_queued
+            self._drain_queued = True
+        if queue:
+            self._exec.submit(self._drain)
+        return await fut
+
+    def _drain(self) -> None:
+        """Compute thread: run every pending decode step as one batch."""
+        with self._steps_lock:
+            steps, self._steps = self._steps, []
+            self._drain_queued = False
+        # A step whose turn was cancelled before the batch started is dropped; one cancelled
+        # later only writes its own slot's workspace past what any later turn reads.
+        steps = [st for st in steps if not st[3].cancelled()]
+        if not steps:
+            return
+        try:
+            toks = torch.tensor([st[1] for st in steps], dtype=torch.int64, device=self.pool.device)
+            logits = self.model.decode(toks, [self.ws[st[0]] for st in steps], [st[2] for st in steps]).cpu()
+            self.decode_batches += 1
+            self.decode_steps += len(steps)
+            for i, (_, _, _, fut, loop) in enumerate(steps):
+                loop.call_soon_threadsafe(_resolve, fut, logits[i], None)
+        except BaseException as e:  # every waiter hears of it; none hangs
+            for _, _, _, fut, loop in steps:
+                loop.call_soon_threadsafe(_resolve, fut, None, e)
+
     async def store(self, slot: int, block_id: int, block_index: int, block_hash: bytes | None) -> None:
         await self._run(self._store, slot, block_id, block_index)
 
@@ -107,6 +155,20 @@ class TorchRunner:
 
     def close(self) -> None:
         self._exec.shutdown(wait=False, cancel_futures=True)
+        with self._steps_lock:  # steps whose batch will never run: their turns end as cancelled
+            steps, self._steps = self._steps, []
+        for _, _, _, fut, loop in steps:
+            loop.call_soon_threadsafe(fut.cancel)
+
+
+def _resolve(fut: asyncio.Future[torch.Tensor], value: torch.Tensor | None, exc: BaseException | None) -> None:
+    if fut.done():  # cancelled meanwhile
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        assert value is not None
+        fut.set_result(value)
 
 
 @dataclass(frozen=True)
