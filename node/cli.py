@@ -65,6 +65,18 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0 if stats.errors == 0 else 1
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from node.chaos import run_chaos
+
+    return run_chaos(args)
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from node.soak import run_soak
+
+    return run_soak(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: keep long LLM conversations warm across hosts")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -142,6 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--replay", type=Path, help="replay a JSONL trace instead of generating")
     ld.add_argument("--json", action="store_true")
     ld.set_defaults(func=cmd_load)
+
+    ch = sub.add_parser("chaos", help="fault drills on a local three-node sim mesh; invariants checked after each")
+    ch.add_argument("--json", action="store_true")
+    ch.add_argument("--only", nargs="+", action="extend", metavar="NAME", help="run only these scenarios (see --list)")
+    ch.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    ch.add_argument("--seed", type=int, default=1)
+    ch.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, stores)")
+    ch.set_defaults(func=cmd_chaos)
+
+    so = sub.add_parser("soak", help="64 agent sessions on a three-node sim mesh: errors, latency, RSS, fds, store")
+    so.add_argument("--minutes", type=float, default=2.0)
+    so.add_argument("--sessions", type=int, default=64)
+    so.add_argument("--seed", type=int, default=1)
+    so.add_argument("--json", action="store_true")
+    so.set_defaults(func=cmd_soak)
     return p
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import secrets
 import sys
@@ -89,6 +90,11 @@ def run_demo(args: argparse.Namespace) -> int:
             if args.headless:
                 _print_counters(apis[0], args.seconds)
             else:
+                # The console owns the terminal: log lines go to a file instead of over the screen.
+                root = logging.getLogger()
+                for h in list(root.handlers):
+                    root.removeHandler(h)
+                root.addHandler(logging.FileHandler(work / "demo.log"))
                 token_file = work / "admin-token"
                 token_file.write_text(token)
                 os.chmod(token_file, 0o600)

@@ -49,6 +49,7 @@ class Metrics:
             self.kv_seconds.labels(ev.dst, "out").inc(ev.seconds)  # type: ignore[union-attr]
         elif t == "replica_ready":
             self.kv_bytes.labels(ev.src, "in").inc(ev.bytes)  # type: ignore[union-attr]
+            self.kv_seconds.labels(ev.src, "in").inc(ev.recv_s)  # type: ignore[union-attr]
             self.ready_lag.observe(ev.lag_s)  # type: ignore[union-attr]
         elif t == "replica_refused":
             self.refused.labels(ev.reason).inc()  # type: ignore[union-attr]

@@ -134,6 +134,7 @@ class Node:
         loop = asyncio.get_running_loop()
 
         def store_evicted(session: str) -> None:  # called on the store's thread
+            loop.call_soon_threadsafe(self.kvshare.store_evicted, session)
             loop.call_soon_threadsafe(self.hub.publish, ReplicaEvicted(session=session, host=self.name, where="store"))
 
         self.kvshare.store.on_evict = store_evicted

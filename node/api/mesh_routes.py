@@ -118,6 +118,13 @@ def router(node: Node) -> APIRouter:
         require_peer(request)
         return Response(node.mesh.local_status().model_dump_json(), media_type="application/json")
 
+    @r.get("/v1/peer/sessions/{session}")
+    async def peer_session(session: str, request: Request) -> Response:
+        require_peer(request)
+        if not is_valid_session_id(session):
+            raise NotFound("invalid session id")
+        return Response(node.mesh.local_holding(session).model_dump_json(), media_type="application/json")
+
     @r.post("/v1/peer/drain")
     async def peer_drain(request: Request) -> ActionResult:
         require_peer(request)

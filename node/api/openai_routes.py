@@ -41,6 +41,8 @@ async def _route(node: Node, session: str, prompt_tokens: int, raw_body: bytes, 
     (previous host, predicted reuse) to run it here. A peer that fails before answering
     is routed around: nothing the client sent is lost."""
     mesh = node.mesh
+    if not mesh.known(session):
+        await mesh.refresh(session)
     unavailable: set[str] = set()
     while True:
         d = mesh.decide(session, prompt_tokens, unavailable=frozenset(unavailable))

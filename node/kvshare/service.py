@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
+import select
 import socket
 import tempfile
 import threading
@@ -88,6 +90,13 @@ class _Job:
     done: asyncio.Future[PushResult]
     cancel: threading.Event = field(default_factory=threading.Event)
     started: bool = False
+    sock: socket.socket | None = None  # while sending: closing it unblocks a stalled send
+
+    def supersede(self) -> None:
+        self.cancel.set()
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass
@@ -169,7 +178,7 @@ class KVShare:
     async def stop(self) -> None:
         self._closing.set()
         for job in [*self._jobs.values(), *self._queued.values()]:
-            job.cancel.set()
+            job.supersede()
         if self._listener is not None:
             try:
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -182,6 +191,9 @@ class KVShare:
             self._tmpdir.cleanup()
 
     # ---- facts for the mesh ----------------------------------------------------
+
+    def store_evicted(self, session: str) -> None:
+        self.wasted_bytes += self._unused.pop(session, 0)
 
     def store_tokens(self, session: str) -> tuple[int, float | None]:
         m = self.store.manifest(session)
@@ -322,8 +334,8 @@ class KVShare:
             old.done.set_result(PushResult(False, reason="superseded"))
             self._superseded(session, target)
         running = self._jobs.get(key)
-        if running is not None and running.started:
-            running.cancel.set()
+        if running is not None and running.started and not running.cancel.is_set():
+            running.supersede()
             self._superseded(session, target)
         job = _Job(session, target, self._loop.create_future())
         self._queued[key] = job
@@ -377,7 +389,7 @@ class KVShare:
             toks = np.ascontiguousarray(tokens[: len(blocks) * bs])
             assert self._loop is not None
             result = await self._loop.run_in_executor(self._send_pool, self._send_blocking, peer.cfg.kvshare, offer,
-                                                      toks, blocks, job.cancel)
+                                                      toks, blocks, job)
         st = self.out[job.target]
         if result.ok:
             st.add(result.bytes_sent, result.seconds)
@@ -390,7 +402,7 @@ class KVShare:
         return result
 
     def _send_blocking(self, addr: str, offer: wire.Offer, tokens: np.ndarray, blocks: list[ExportedBlock],
-                       cancel: threading.Event) -> PushResult:
+                       job: _Job) -> PushResult:
         host, port = addr.rsplit(":", 1)
         tx = wire.Sender(self.secret)
         t0 = time.monotonic()
@@ -398,6 +410,7 @@ class KVShare:
         try:
             raw = socket.create_connection((host, int(port)), timeout=self.cfg.connect_timeout_s)
             sock = self._client_tls.wrap_socket(raw) if self._client_tls else raw
+            job.sock = sock
             with sock:
                 sock.settimeout(self.cfg.io_timeout_s)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.cfg.socket_buffer_bytes)
@@ -411,15 +424,26 @@ class KVShare:
                 assert isinstance(ev, wire.Accepted)
                 t0 = time.monotonic()  # transfer time counts from the first block
                 for b in blocks[ev.first_missing :]:
-                    if cancel.is_set():
+                    if job.cancel.is_set():
                         raise _Superseded()
+                    if select.select([sock], [], [], 0)[0]:
+                        break  # the receiver spoke mid-stream: a refusal, read below
                     hdr = tx.block_header(b.index, b.data)
-                    sock.sendall(hdr)
-                    sock.sendall(b.data)
+                    try:
+                        sock.sendall(hdr)
+                        sock.sendall(b.data)
+                    except OSError:
+                        if job.cancel.is_set():
+                            raise _Superseded() from None
+                        refusal = self._late_refusal(sock, tx)
+                        if refusal is not None:
+                            return PushResult(False, reason=refusal.reason, message=refusal.message, bytes_sent=sent)
+                        raise
                     sent += len(hdr) + b.data.nbytes
-                end = tx.end()
-                sock.sendall(end)
-                sent += len(end)
+                else:
+                    end = tx.end()
+                    sock.sendall(end)
+                    sent += len(end)
                 done = self._read_reply(sock, tx)
                 secs = time.monotonic() - t0
                 if isinstance(done, wire.PeerRefused):
@@ -430,8 +454,19 @@ class KVShare:
         except _Superseded:
             return PushResult(False, reason="superseded", bytes_sent=sent)
         except (OSError, wire.ProtocolError) as err:
+            if job.cancel.is_set():
+                return PushResult(False, reason="superseded", bytes_sent=sent)
             reason = err.reason if isinstance(err, wire.ProtocolError) else "unreachable"
             return PushResult(False, reason=reason, message=str(err), bytes_sent=sent)
+
+    def _late_refusal(self, sock: socket.socket, tx: wire.Sender) -> wire.PeerRefused | None:
+        """After a failed send, the receiver's refusal may still be readable: find it."""
+        try:
+            sock.settimeout(1.0)
+            ev = self._read_reply(sock, tx)
+        except (OSError, wire.ProtocolError):
+            return None
+        return ev if isinstance(ev, wire.PeerRefused) else None
 
     @staticmethod
     def _read_reply(sock: socket.socket, tx: wire.Sender) -> wire.SenderEvent:
@@ -547,6 +582,7 @@ class KVShare:
                 for ev in events:
                     if isinstance(ev, wire.Refused):
                         conn.sendall(ev.reply)
+                        _linger_close(conn)
                         self._call(self._refused, offer, src, ev.reason, ev.message)
                         return
                     if isinstance(ev, wire.OfferReceived):
@@ -555,6 +591,7 @@ class KVShare:
                         if plan.refuse is not None:
                             reason, message = plan.refuse
                             conn.sendall(rx.refuse(reason, message))
+                            _linger_close(conn)
                             self._call(self._refused, offer, src, reason, message)
                             return
                         txn, writer = plan.txn, plan.writer
@@ -628,8 +665,7 @@ class KVShare:
             tokens = txn.commit()
         else:
             assert writer is not None
-            writer.commit()
-            tokens = 0
+            tokens = writer.commit().num_tokens
         ready = time.monotonic()
         lag = ready - last_byte
         st = self.inn[offer.sender]
@@ -638,9 +674,9 @@ class KVShare:
         ib = self._inbound.pop(offer.session, None)
         if ib is not None:
             ib.landed.set()
-        prev_unused = self._unused.get(offer.session, 0)
-        self.wasted_bytes += prev_unused
-        self._unused[offer.session] = received
+        # A delta builds on the replica before it: those bytes stay useful. Replica bytes
+        # are wasted only if the store drops them before any turn here used them.
+        self._unused[offer.session] = self._unused.get(offer.session, 0) + received
         self.node.hub.publish(ReplicaReady(session=offer.session, src=offer.sender, dst=self.node.name, tokens=tokens,
                                            bytes=received, lag_s=round(lag, 5), imported=txn is not None,
                                            recv_s=round(last_byte - t_first, 5),
@@ -666,3 +702,14 @@ class KVShare:
         log.info("refused a replica of %s from %s: %s (%s)", session, src, reason, message)
         self.node.hub.publish(ReplicaRefused(session=session, src=src, dst=self.node.name, reason=reason,
                                              message=message[:200]))
+
+
+def _linger_close(conn: socket.socket, limit_s: float = 1.0) -> None:
+    """Half-close after a refusal and drain briefly, so the sender reads the refusal
+    instead of a connection reset caused by its own unread bytes."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(0.2)
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and conn.recv(1 << 20):
+            pass

@@ -6,6 +6,7 @@ peer holds is what that peer last reported (at most `stale_after_s` old).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from typing import TYPE_CHECKING
@@ -101,6 +102,17 @@ class Mesh:
                 out[host] = Holding(cur.resident, cur.stored, cur.inbound, cur.inbound_eta_s,
                                     max(ts, cur.homed_at), ts)
         return out
+
+    def known(self, session: str) -> bool:
+        """Whether any host is known to have run this session (as far as this node has heard)."""
+        return any(h.homed_at > 0 for h in self.holdings(session).values())
+
+    async def refresh(self, session: str) -> None:
+        """Ask every reachable peer about one session now, rather than wait for the next poll.
+
+        Used before treating a session as new: another entry may have served its last turn
+        moments ago."""
+        await asyncio.gather(*(self.peers.poll_session(p, session) for p in self.peers.peers.values() if p.reachable))
 
     def decide(self, session: str, prompt_tokens: int, *, unavailable: frozenset[str] = frozenset()) -> Decision | None:
         t0 = time.perf_counter()

@@ -83,6 +83,14 @@ class PeerTable:
             return
         self.update(peer, status)
 
+    async def poll_session(self, peer: Peer, session: str) -> None:
+        try:
+            r = await self.client.get(f"{peer.cfg.api}/v1/peer/sessions/{session}", timeout=0.5)
+            r.raise_for_status()
+            peer.sessions[session] = SessionHolding.model_validate_json(r.content)
+        except (httpx.HTTPError, ValidationError):
+            pass  # the periodic poll will tell
+
     def update(self, peer: Peer, status: PeerStatus) -> None:
         peer.status = status
         peer.sessions = {s.session: s for s in status.sessions}

@@ -113,11 +113,6 @@ def test_bit_flipped_by_a_hand_driven_sender_is_refused_with_digest(kv_pair: Pai
         ev_b.wait("replica_ready", session="corrupt-hand-2")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG node/kvshare/service.py KVShare._serve_conn (Refused branch, line 549): "
-                   "after a mid-stream refusal the receiver sends its RESULT and closes at once with the sender's "
-                   "unread blocks in its receive buffer, so the kernel resets the connection and a sender still "
-                   "streaming (as _send_blocking, lines 413-421, does: it reads no reply until after END) gets ECONNRESET instead "
-                   "of the refusal; the real sender then reports reason 'unreachable' for a corrupt block")
 def test_refusal_reaches_a_sender_that_is_still_streaming(kv_pair: Pair) -> None:
     """A sender that streams every block (as the node's sender does) before reading still learns the 'digest' refusal."""
     p = kv_pair

@@ -133,9 +133,6 @@ def test_metrics_are_prometheus_text(shared_mesh: Mesh) -> None:
     wait_for(lambda: m.cluster(target)["counters"]["warm"] >= 1, "the cluster to count the handoff")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG node/metrics.py Metrics.on_event: replica_ready adds only bytes for "
-                   "direction=in; kvmesh_kvshare_seconds has no direction=in samples, although issue 4 asks for "
-                   "transfer bytes/seconds by link and direction")
 def test_metrics_have_transfer_seconds_for_both_directions(shared_mesh: Mesh) -> None:
     """kvmesh_kvshare_seconds has samples for both directions of a link after a replica crossed it."""
     m = shared_mesh

@@ -120,9 +120,6 @@ def test_evicted_replica_is_reimported_and_the_move_stays_warm(make_mesh, events
         assert c["stale_state_cold"] == 0 and c["cold"] == 0, c
 
 
-@pytest.mark.xfail(strict=True, reason="BUG node/kvshare/service.py KVShare._on_complete: every replica that a later delta "
-                   "of the same session follows is added to wasted_replica_bytes, although the delta builds on it and "
-                   "the session's next move uses all of it")
 def test_replica_bytes_used_by_a_move_are_not_counted_as_wasted(make_mesh) -> None:  # type: ignore[no-untyped-def]
     """Replicas (a full one, then deltas) that a warm move then uses are not reported as wasted bytes."""
     m: Mesh = make_mesh(slots=1)
@@ -145,11 +142,6 @@ def test_replica_bytes_used_by_a_move_are_not_counted_as_wasted(make_mesh) -> No
     assert m.stats(holder)["kvshare"]["wasted_replica_bytes"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG node/mesh/mesh.py Mesh.holdings + node/api/openai_routes.py _route: an entry "
-                   "knows a peer's sessions only from its last poll, so a turn that reaches another entry before that "
-                   "entry polled the home (within poll_interval_s of the previous turn) is placed as a new session: the "
-                   "replica holder, as entry, runs it itself although the home is free, and with no previous host known "
-                   "it is not counted as a handoff (X-Kvmesh-Handoff: none, counters unchanged)")
 def test_a_turn_through_an_entry_that_has_not_polled_the_home_yet_is_placed_and_counted(make_mesh) -> None:  # type: ignore[no-untyped-def]
     """A turn sent, right after the previous one, to an entry that has not yet heard where the session ran
     stays on the session's (free) home, or counts as a handoff."""
