@@ -52,7 +52,7 @@ class FakeEventsServer:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
-        async with serve(self._handler, "127.0.0.1", 0) as server:
+        async with serve(self._handler, "127.0.0.1", 0, close_timeout=0.5) as server:
             self.port = next(iter(server.sockets)).getsockname()[1]
             self._ready.set()
             await self._stop.wait()
