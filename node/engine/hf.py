@@ -211,12 +211,16 @@ def _write_disk_cache(d: Path, files: dict[str, Any]) -> None:
     """Best effort: a read-only checkpoint directory just means hashing again next process."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=FINGERPRINT_FILE, dir=d)
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"algo": _DIGEST_ALGO, "files": files}, fh, indent=1, sort_keys=True)
-        os.replace(tmp, d / FINGERPRINT_FILE)
     except OSError as e:
         log.debug("cannot write %s: %s", d / FINGERPRINT_FILE, e)
-        with contextlib.suppress(OSError, UnboundLocalError):
+        return
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"algo": _DIGEST_ALGO, "files": files}, fh, indent=1, sort_keys=True)
+        os.replace(tmp, d / FINGERPRINT_FILE)  # atomic: a reader sees the old file or the new one
+    except OSError as e:
+        log.debug("cannot write %s: %s", d / FINGERPRINT_FILE, e)
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
 
 

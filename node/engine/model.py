@@ -254,6 +254,9 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
+    rope_cos: torch.Tensor  # [max_context, head_dim // 2] fp32 (buffers, not weights)
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg

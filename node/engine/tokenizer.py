@@ -56,7 +56,7 @@ class ByteTokenizer:
 
     vocab_size = VOCAB_SIZE
     eos_id = END
-    eos_ids = (END,)
+    eos_ids: tuple[int, ...] = (END,)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
