@@ -37,6 +37,7 @@ class HostsTable(KeyedTable):
             added |= self.sync_row(name, cells)
             if note:
                 stale_notes.append(note)
+        self.flush()
         if added:
             self.sort_rows(lambda k: k)  # name order, set once when a host appears
             self.restore_cursor(cursor)

@@ -49,6 +49,7 @@ class LinksTable(KeyedTable):
         for key in sorted(state.links):
             link = state.links[key]
             added |= self.sync_row(link_row_key(key), self.render_link(link, palette, glyphs, now, stale))
+        self.flush()
         if added:
             self.sort_rows(lambda k: k)
             self.restore_cursor(cursor)

@@ -43,6 +43,7 @@ class SessionsTable(KeyedTable):
         self._refilter = True
         self._resort = False
         self._stale_homes: frozenset[str] = frozenset()
+        self._styles: tuple[object, object] | None = None
 
     # ---- operator controls ---------------------------------------------------------------
 
@@ -123,6 +124,9 @@ class SessionsTable(KeyedTable):
             full = True  # rows homed on a host that went stale (or came back) change style
         full = full or changes.full or self._refilter
         self._refilter = False
+        if self._styles != (palette, glyphs):
+            self._styles = (palette, glyphs)
+            self.forget_signatures()
         now = state.clock()
         for sid in changes.removed_sessions:
             self.drop_row(sid)
@@ -137,7 +141,7 @@ class SessionsTable(KeyedTable):
             if s is None or not self.matches(s):
                 self.drop_row(sid)
                 continue
-            added |= self.sync_row(sid, self.render_session(s, palette, glyphs, now))
+            added |= self.sync_row(sid, lambda s=s: self.render_session(s, palette, glyphs, now), self.signature(s, now))
             touched = True
         dynamic = self.sort_by not in ("session", "home")
         if added or self._resort or (touched and dynamic):
@@ -148,12 +152,22 @@ class SessionsTable(KeyedTable):
             s = state.sessions.get(sid)
             if s is not None:
                 self.sync_cell(sid, self.FRESH, self.fresh_cell(s, palette, glyphs, now))
+        self.flush()
         label = f"Sessions {self.row_count}/{len(state.sessions)}" if self.filter_text else f"Sessions {len(state.sessions)}"
         arrow = "v" if self.sort_reverse else "^"
         dot = glyphs.dot
         title = f"{label} {dot} sort {self.sort_by} {arrow}" + (f" {dot} filter '{self.filter_text}'" if self.filter_text else "")
         if self.border_title != title:
             self.border_title = title
+
+    def signature(self, s: SessionRow, now: float) -> tuple[object, ...]:
+        """Everything a row is rendered from (the age as displayed), so unchanged rows cost no rendering."""
+        kind, age = s.freshness(now)
+        return (
+            s.sid in self.marked, s.home, s.migrating_to, s.active, s.resident_tokens, s.replica_host,
+            s.last_handoff, s.turns, s.moves, s.home in self._stale_homes, kind, s.replica_behind_tokens,
+            fmt_age(age) if kind != "none" else "",
+        )
 
     def render_session(self, s: SessionRow, palette: Palette, glyphs: Glyphs, now: float) -> tuple[Text, ...]:
         base = palette.stale if s.home in self._stale_homes else None

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 from rich.text import Text
 from textual.coordinate import Coordinate
 from textual.widgets import DataTable
-from textual.widgets.data_table import RowDoesNotExist
+from textual.widgets.data_table import ColumnKey, RowDoesNotExist, RowKey
 
 # DataTable keys its render caches on a table-wide update counter, so one
 # update_cell re-renders every visible cell (~0.3 ms each through Rich). With a
@@ -25,9 +25,20 @@ from textual.widgets.data_table import RowDoesNotExist
 # cell is a new Text), so a tick re-renders only the cells that changed. It wraps
 # a private method, so it is only installed when the signature is the one it
 # was written against; otherwise tables are merely slower.
+# The same reasoning one level up: a whole table line is reused while its row's
+# cells (by identity), position, cursor/hover state and styles are unchanged.
 _RENDER_CELL_PARAMS = ["self", "row_index", "column_index", "base_style", "width", "cursor", "hover"]
-_CELL_CACHE_OK = list(inspect.signature(DataTable._render_cell).parameters) == _RENDER_CELL_PARAMS
+_RENDER_LINE_PARAMS = ["self", "y", "x1", "x2", "base_style"]
+_PRIVATE_ATTRS = (
+    "_row_locations", "_column_locations", "_data", "_pseudo_class_state", "_show_hover_cursor", "_header_row_key",
+)
+_CACHE_OK = (
+    list(inspect.signature(DataTable._render_cell).parameters) == _RENDER_CELL_PARAMS
+    and list(inspect.signature(DataTable._render_line).parameters) == _RENDER_LINE_PARAMS
+    and hasattr(DataTable, "_get_offsets")
+)
 _CELL_CACHE_MAX = 8192
+_LINE_CACHE_MAX = 2048
 
 
 @dataclass(frozen=True)
@@ -45,15 +56,66 @@ class KeyedTable(DataTable):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(cursor_type="row", **kwargs)  # type: ignore[arg-type]
         self._shown: dict[str, tuple[Text, ...]] = {}  # row key -> cells as displayed
+        self._sigs: dict[str, Hashable] = {}  # row key -> signature of what the cells were made from
+        self._cells_changed = False
         self.marked: set[str] = set()
 
     def on_mount(self) -> None:
         for col in self.COLUMNS:
             self.add_column(col.label, width=col.width, key=col.key)
         self._cell_cache: dict[tuple[Any, ...], tuple[object, Any]] = {}
-        self._use_cell_cache = _CELL_CACHE_OK and all(
-            hasattr(self, a) for a in ("_row_locations", "_column_locations", "_data", "_pseudo_class_state")
+        self._row_line_cache: dict[tuple[Any, ...], tuple[tuple[object, ...], Any]] = {}
+        self._use_cell_cache = _CACHE_OK and all(hasattr(self, a) for a in _PRIVATE_ATTRS)
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        # Theme or focus styling changed: the cached lines carry the old colours.
+        if hasattr(self, "_cell_cache"):
+            self._cell_cache.clear()
+            self._row_line_cache.clear()
+
+    def _get_offsets(self, y: int) -> tuple[Any, int]:  # type: ignore[override]
+        # Every row here is one line high (rows are added with the default height=1),
+        # so line y is simply row y; DataTable's version rebuilds a list of all rows
+        # whenever any cell changes, which with 2,000 sessions was the biggest cost
+        # left in a frame.
+        if not getattr(self, "_use_cell_cache", False):
+            return super()._get_offsets(y)  # type: ignore[misc]
+        if self.show_header:
+            if y < self.header_height:
+                return self._header_row_key, y
+            y -= self.header_height
+        if not 0 <= y < self.row_count:
+            raise LookupError(f"Y coord {y!r} is greater than total height")
+        return self._row_locations.get_key(y), 0
+
+    def _render_line(self, y: int, x1: int, x2: int, base_style: Any) -> Any:  # type: ignore[override]
+        if not getattr(self, "_use_cell_cache", False):
+            return super()._render_line(y, x1, x2, base_style)
+        try:
+            row_key, line_no = self._get_offsets(y)
+        except LookupError:
+            return super()._render_line(y, x1, x2, base_style)
+        row = self._data.get(row_key)
+        if row_key is self._header_row_key or row is None:
+            return super()._render_line(y, x1, x2, base_style)
+        row_index = self._row_locations.get(row_key)
+        cursor_row = self.cursor_coordinate.row
+        hover_row = self.hover_coordinate.row
+        key = (
+            row_key, line_no, row_index, x1, x2, self.size.width, base_style, cursor_row == row_index,
+            hover_row == row_index, self.cursor_type, self.show_cursor, self._show_hover_cursor,
+            self._pseudo_class_state,
         )
+        cells = tuple(row.values())
+        hit = self._row_line_cache.get(key)
+        if hit is not None and len(hit[0]) == len(cells) and all(a is b for a, b in zip(hit[0], cells)):
+            return hit[1]
+        strip = super()._render_line(y, x1, x2, base_style)
+        if len(self._row_line_cache) >= _LINE_CACHE_MAX:
+            self._row_line_cache.clear()
+        self._row_line_cache[key] = (cells, strip)
+        return strip
 
     def _render_cell(  # type: ignore[override]
         self, row_index: int, column_index: int, base_style: Any, width: int, cursor: bool = False,
@@ -82,9 +144,21 @@ class KeyedTable(DataTable):
     def has_row(self, key: str) -> bool:
         return key in self._shown
 
-    def sync_row(self, key: str, cells: tuple[Text, ...]) -> bool:
-        """Show `cells` in row `key`; returns True if the row had to be added."""
+    def sync_row(
+        self, key: str, cells: tuple[Text, ...] | Callable[[], tuple[Text, ...]], sig: Hashable | None = None
+    ) -> bool:
+        """Show `cells` in row `key`; returns True if the row had to be added.
+
+        `sig`, when given, summarises everything the cells are made from: an
+        unchanged signature skips rendering and comparing the row altogether.
+        """
         old = self._shown.get(key)
+        if sig is not None and old is not None and self._sigs.get(key) == sig:
+            return False
+        if callable(cells):
+            cells = cells()
+        if sig is not None:
+            self._sigs[key] = sig
         if old is None:
             self.add_row(*cells, key=key)
             self._shown[key] = cells
@@ -93,7 +167,7 @@ class KeyedTable(DataTable):
             merged = []
             for col, new_cell, old_cell in zip(self.COLUMNS, cells, old):
                 if new_cell != old_cell:
-                    self.update_cell(key, col.key, new_cell)
+                    self._set_cell(key, col.key, new_cell)
                     merged.append(new_cell)
                 else:
                     merged.append(old_cell)  # keep the object the table holds (see sort_rows)
@@ -105,10 +179,30 @@ class KeyedTable(DataTable):
         old = self._shown.get(key)
         if old is None or old[column_index] == cell:
             return
-        self.update_cell(key, self.COLUMNS[column_index].key, cell)
+        self._set_cell(key, self.COLUMNS[column_index].key, cell)
         self._shown[key] = old[:column_index] + (cell,) + old[column_index + 1 :]
 
+    def _set_cell(self, key: str, column_key: str, cell: Text) -> None:
+        """update_cell without its per-call refresh: `flush()` refreshes once per patch."""
+        if getattr(self, "_use_cell_cache", False):
+            self._data[RowKey(key)][ColumnKey(column_key)] = cell
+            self._cells_changed = True
+        else:
+            self.update_cell(key, column_key, cell)
+
+    def flush(self) -> None:
+        """End of a patch: one cache invalidation and one repaint for all the cells set."""
+        if self._cells_changed:
+            self._cells_changed = False
+            self._update_count += 1
+            self.refresh()
+
+    def forget_signatures(self) -> None:
+        """Styles changed (theme): render every row again on the next patch."""
+        self._sigs.clear()
+
     def drop_row(self, key: str) -> None:
+        self._sigs.pop(key, None)
         if self._shown.pop(key, None) is not None:
             try:
                 self.remove_row(key)
