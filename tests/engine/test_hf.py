@@ -459,3 +459,21 @@ def test_concurrent_turns_decode_in_batches(ckpts: dict[str, Path], engines) -> 
     assert together == alone
     batches, steps = e.runner.decode_batches - b0, e.runner.decode_steps - s0
     assert steps > batches  # some steps ran together
+
+
+def test_bench_ttft_runs_on_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvmesh bench ttft --json --model DIR`: cold and warm (imported) turns on the checkpoint."""
+    import argparse
+
+    from node.bench.ttft import run_ttft
+
+    d = write_checkpoint(tmp_path / "bench-qwen3", "qwen3")
+    raw = json.loads((d / "config.json").read_text())
+    raw["max_position_embeddings"] = 8192
+    (d / "config.json").write_text(json.dumps(raw))
+    args = argparse.Namespace(json=True, tokens=3000, engine="tiny", model=d, store_dir=tmp_path / "store")
+    assert run_ttft(args) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["engine"] == "torch" and out["model"] == "bench-qwen3"
+    assert abs(out["prompt_tokens"] - 3000) <= 0.05 * 3000  # sized in the checkpoint's tokens
+    assert out["warm_cached_tokens"] > 0 and out["cold_ttft_s"] > 0
