@@ -53,6 +53,30 @@ class Overloaded(KVMeshError):
         self.retry_after_s = retry_after_s
 
 
+class Unauthorized(KVMeshError):
+    """A missing or wrong admin token or mesh secret."""
+
+    status = 401
+    code = "unauthorized"
+    type = "authentication_error"
+
+
+class NotFound(KVMeshError):
+    """An unknown host or session named by an operator action."""
+
+    status = 404
+    code = "not_found"
+    type = "invalid_request_error"
+
+
+class Conflict(KVMeshError):
+    """An operator action that cannot be carried out now (the host did not answer, no target)."""
+
+    status = 409
+    code = "conflict"
+    type = "invalid_request_error"
+
+
 class ImportRefused(KVMeshError):
     """A KV import was refused (fingerprint, hash chain, size): nothing was imported."""
 

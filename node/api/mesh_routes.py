@@ -13,31 +13,13 @@ from typing import Any
 from fastapi import APIRouter, Body, Header, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response
 
-from node.errors import KVMeshError
+from node.errors import Conflict, NotFound, Unauthorized
 from node.mesh.auth import PEER_HEADER, check_bearer, check_peer_token
 from node.metrics import render_metrics
 from node.node import Node
 from node.protocol import ActionResult, MigrateCommand, SnapshotEvent, is_valid_session_id
 
 log = logging.getLogger("kvmesh.api.mesh")
-
-
-class Unauthorized(KVMeshError):
-    status = 401
-    code = "unauthorized"
-    type = "authentication_error"
-
-
-class NotFound(KVMeshError):
-    status = 404
-    code = "not_found"
-    type = "invalid_request_error"
-
-
-class Conflict(KVMeshError):
-    status = 409
-    code = "conflict"
-    type = "invalid_request_error"
 
 
 def router(node: Node) -> APIRouter:
