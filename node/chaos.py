@@ -96,6 +96,10 @@ FORWARDED_HEADER = "X-Kvmesh-Forwarded"
 THROTTLE_BPS = 1.5e6  # slows a watched transfer to seconds, so a kill lands mid-stream
 HOG_TOKENS = 60_000  # a turn whose prefill keeps the sim busy 3 s: a turn surely in flight on a host
 TRANSFER_CHARS = 12_000  # a session big enough for a transfer of ~47 blocks
+# A kill must land before the sender has written the whole replica into its kernel buffers
+# (kvshare.socket_buffer_bytes, 4 MiB, doubled by Linux): what is written is delivered by the
+# kernel after the process dies. 30k tokens is a ~12 MiB replica.
+KILL_TRANSFER_CHARS = 30_000
 
 # The kv_share v1 frame layout (node/kvshare/wire.py docstring); the proxy only reads it.
 _OFFER_PREFIX = struct.Struct("<4sBBIII")  # magic, version, kind, header_len, n_tokens, n_hashes
@@ -141,6 +145,13 @@ atexit.register(CLEANUP.run)
 
 
 # ---- the kv_share link proxy ----------------------------------------------------------------
+
+_TRACE = os.environ.get("KVMESH_CHAOS_TRACE") == "1"  # proxy connection lifecycles on stderr
+
+
+def _trace(msg: str) -> None:
+    if _TRACE:
+        print(f"{time.monotonic():.3f} proxy {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -204,6 +215,10 @@ class LinkProxy:
         self.src, self.dst = src, dst
         self.target: tuple[str, int] | None = None
         self._listener = socket.create_server(("127.0.0.1", 0))
+        # A small receive window (inherited by accepted sockets): what a sender has not yet got
+        # through stays in its own buffers and dies with it, as on a real link; a big proxy
+        # buffer would keep feeding a dead sender's bytes to the receiver for seconds.
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._faults: list[Fault] = []
         self._conns: set[_Conn] = set()
@@ -306,8 +321,10 @@ class LinkProxy:
                     if len(head) >= _ANSWER_FIXED.size and head[:4] == b"KVSH":
                         conn.first_missing = _ANSWER_FIXED.unpack_from(head)[4]
                 conn.client.sendall(data)  # parsed before forwarded: blocks follow only after this
-        except OSError:
+        except Exception as e:  # noqa: BLE001 - whatever breaks, both sides must see the link go
+            _trace(f"{self.src}->{self.dst} {conn.session} s2c error {e!r}")
             conn.cut()  # the receiver died: the sender must see it at once
+        _trace(f"{self.src}->{self.dst} {conn.session} s2c end")
         self._end(conn, conn.client)
 
     def _c2s(self, conn: _Conn) -> None:
@@ -361,20 +378,21 @@ class LinkProxy:
                 self._send(conn, f, data)
                 pos += len(data)
                 conn.c2s = pos
-        except OSError:
+        except Exception as e:  # noqa: BLE001 - whatever breaks, both sides must see the link go
+            _trace(f"{self.src}->{self.dst} {conn.session} c2s error {e!r} at {conn.c2s}")
             conn.cut()
+        _trace(f"{self.src}->{self.dst} {conn.session} c2s end at {conn.c2s}")
         self._end(conn, conn.server)
 
     @staticmethod
     def _send(conn: _Conn, f: Fault | None, data: bytes | bytearray) -> None:
-        if f is None or not f.rate_bps:
-            conn.server.sendall(data)
-            return
         step = 16384  # pace in small slices, so a throttled transfer is steady
         for i in range(0, len(data), step):
             piece = data[i : i + step]
             conn.server.sendall(piece)
-            time.sleep(len(piece) / f.rate_bps)
+            rate = f.rate_bps if f is not None else None  # read once: the drill may lift it any time
+            if rate:
+                time.sleep(len(piece) / rate)
 
 
 # ---- replica stores, re-read independently -------------------------------------------------
@@ -1033,7 +1051,7 @@ async def _hog(d: Drill, host: str, entry: str, seed: int) -> tuple[Conv, asynci
 
 async def _kill_mid_transfer(d: Drill, *, victim_role: Literal["receiver", "sender"]) -> None:
     src = "node-a"
-    big = Conv(f"xfer-{d.seed}", d.seed, TRANSFER_CHARS)
+    big = Conv(f"xfer-{d.seed}", d.seed, KILL_TRANSFER_CHARS)
     await d.turn(src, big, pin=True)
     dst = await d.target_without(big, src)
     victim = dst if victim_role == "receiver" else src
@@ -1047,8 +1065,12 @@ async def _kill_mid_transfer(d: Drill, *, victim_role: Literal["receiver", "send
     watch = d.proxies[(src, dst)].arm(Fault("watch", big.session, at=0.1, rate_bps=THROTTLE_BPS))
     mig = asyncio.ensure_future(d.migrate(big.session, src, dst))
     hit = await asyncio.to_thread(watch.fired.wait, 20.0)
+    mid_transfer, hog_running = hit and not mig.done(), not hog_task.done()  # before the kill changes them
+    refused0 = await _refusals(d, dst, src)
     await d.kill(victim)
-    d.fault.update(hit=hit and not mig.done(), transfer=dict(watch.info), hog_running_at_kill=not hog_task.done())
+    killed_at = time.monotonic()
+    watch.rate_bps = None  # what the dead sender's kernel still holds now drains at once
+    d.fault.update(hit=mid_transfer, transfer=dict(watch.info), hog_running_at_kill=hog_running)
     d.fault["migrate"] = await mig
     hog_res = await hog_task
     d.fault["hog_turn"] = hog_res.brief()
@@ -1057,11 +1079,14 @@ async def _kill_mid_transfer(d: Drill, *, victim_role: Literal["receiver", "send
         # The client retries, as a client would; the conversation goes on elsewhere.
         retry = await d.turn(entry, hog, max_tokens=8)
         d.fault["hog_retry"] = retry.brief()
-    await asyncio.sleep(2.0)
     if victim_role == "sender":
-        st = await d.get(dst, "/v1/stats")
-        d.fault["receiver_refused"] = st["kvshare"]["in"].get(src, {}).get("refused", {})
-        d.checks["receiver_refused_the_torn_transfer"] = sum(d.fault["receiver_refused"].values()) >= 1
+        # The receiver must drop the torn transfer (and say so) once the stream ends.
+        while (got := await _refusals(d, dst, src)) == refused0 and time.monotonic() - killed_at < 15.0:
+            await asyncio.sleep(0.1)
+        d.fault.update(receiver_refused={k: v - refused0.get(k, 0) for k, v in got.items() if v > refused0.get(k, 0)},
+                       receiver_refused_after_s=round(time.monotonic() - killed_at, 2))
+        d.checks["receiver_refused_the_torn_transfer"] = got != refused0
+    await asyncio.sleep(max(0.0, 2.0 - (time.monotonic() - killed_at)))
     await d.restart(victim)
     # Recovery: the replica can still be delivered whole. A migrate needs the session resident on
     # the sender (after a crash its engine is empty; the load may have evicted it too): a turn
@@ -1073,6 +1098,12 @@ async def _kill_mid_transfer(d: Drill, *, victim_role: Literal["receiver", "send
     d.fault["migrate_retry"] = retry_mig
     d.checks["replica_delivered_after_restart"] = bool(retry_mig.get("ok"))
     await asyncio.sleep(2.0)
+
+
+async def _refusals(d: Drill, host: str, src: str) -> dict[str, int]:
+    """Transfers from src that host refused, by reason (its kv_share stats)."""
+    st = await d.get(host, "/v1/stats")
+    return dict(st["kvshare"]["in"].get(src, {}).get("refused", {}))
 
 
 async def sc_receiver_killed(d: Drill) -> None:
@@ -1093,13 +1124,13 @@ async def _proxy_fault(d: Drill, kind: Literal["cut", "flip"]) -> None:
     d.start_load(list(NAMES))
     await asyncio.sleep(1.5)
     before = await d.holding(dst, big.session)
-    refused_before = (await d.get(dst, "/v1/stats"))["kvshare"]["in"].get(src, {}).get("refused", {})
+    refused_before = await _refusals(d, dst, src)
     f = d.proxies[(src, dst)].arm(Fault(kind, big.session, at=0.5))
     first = await d.migrate(big.session, src, dst)
     d.fault.update(hit=f.fired.is_set(), injected=dict(f.info), migrate=first, receiver_held_before=before)
     await asyncio.sleep(0.5)
     after = await d.holding(dst, big.session)
-    refused = (await d.get(dst, "/v1/stats"))["kvshare"]["in"].get(src, {}).get("refused", {})
+    refused = await _refusals(d, dst, src)
     new_refusals = {k: v - refused_before.get(k, 0) for k, v in refused.items() if v > refused_before.get(k, 0)}
     d.fault.update(receiver_held_after=after, receiver_refused=new_refusals)
     d.checks["transfer_refused"] = not first.get("ok") and bool(new_refusals)
