@@ -13,7 +13,7 @@ from node.errors import ConfigError
 
 def _node_overrides(args: argparse.Namespace) -> dict[str, object]:
     o: dict[str, object] = {}
-    for flag, key in (("name", "name"), ("engine", "engine.kind"), ("slots", "engine.slots"), ("host", "api.host"),
+    for flag, key in (("name", "name"), ("engine", "engine.kind"), ("model", "engine.model"), ("slots", "engine.slots"), ("host", "api.host"),
                       ("port", "api.port"), ("cache_bytes", "engine.cache_bytes"), ("kv_scale", "engine.sim.kv_scale")):
         v = getattr(args, flag, None)
         if v is not None:
@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("node", help="run a node agent (engine + API)")
     n.add_argument("--config", type=Path, help="TOML config file for this host")
     n.add_argument("--name")
-    n.add_argument("--engine", choices=["tiny", "sim"])
+    n.add_argument("--engine", choices=["tiny", "sim", "torch"])
+    n.add_argument("--model", help="with --engine torch: a local Hugging Face checkpoint directory")
     n.add_argument("--slots", type=int)
     n.add_argument("--host")
     n.add_argument("--port", type=int)
