@@ -9,8 +9,9 @@ drains, migrations, replicas and the console's own action requests and results.
 
 from __future__ import annotations
 
+from rich.cells import cell_len, set_cell_size
 from rich.segment import Segment
-from rich.text import Text
+from rich.style import Style
 from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
@@ -43,6 +44,7 @@ class EventLog(ScrollView, can_focus=True):
         self._palette: Palette | None = None
         self._glyphs: Glyphs | None = None
         self._strips: dict[tuple[int, int], Strip] = {}
+        self._base_style = Style()
         self._dirty = True
 
     # ---- operator controls --------------------------------------------------------------
@@ -77,8 +79,10 @@ class EventLog(ScrollView, can_focus=True):
     # ---- patching ---------------------------------------------------------------------
 
     def patch(self, state: ConsoleState, palette: Palette, glyphs: Glyphs, *, utc: bool, force: bool = False) -> None:
-        if palette is not self._palette or glyphs is not self._glyphs or utc != self.utc:
+        base = self.rich_style
+        if palette is not self._palette or glyphs is not self._glyphs or utc != self.utc or base != self._base_style:
             self._palette, self._glyphs, self.utc = palette, glyphs, utc
+            self._base_style = base  # the widget's colours (theme, focus), read once per patch
             self._strips.clear()
             force = True
         if not (force or self._dirty or state.log_version != self._version):
@@ -108,7 +112,7 @@ class EventLog(ScrollView, can_focus=True):
         width = self.scrollable_content_region.width
         index = int(self.scroll_y) + y
         if index >= len(self._entries) or self._palette is None or self._glyphs is None:
-            return Strip.blank(width, self.rich_style)
+            return Strip.blank(width, self._base_style)
         entry = self._entries[index]
         cache_key = (entry.order, width)
         strip = self._strips.get(cache_key)
@@ -118,15 +122,23 @@ class EventLog(ScrollView, can_focus=True):
         return strip
 
     def _render_entry(self, e: LogEntry, width: int) -> Strip:
+        # Segments built directly (not a rich Text rendered per line): the newest
+        # lines are new on nearly every refresh of a busy mesh, so this is hot.
         p = self._palette
         g = self._glyphs
         assert p is not None and g is not None
-        text = Text(no_wrap=True, overflow=g.overflow, end="")  # type: ignore[arg-type]
-        text.append(fmt_clock(e.ts, self.utc), style=p.muted)
-        text.append(" R " if e.replay else "   ", style=p.muted)
-        text.append(f"{truncate(e.kind, KIND_WIDTH, g):<{KIND_WIDTH}} ", style=p.level(e.level) if e.level != "info" else p.muted)
-        text.append(e.text, style=p.level(e.level) if e.level in ("warn", "error") else "")
-        text.truncate(width, overflow=g.overflow, pad=True)  # type: ignore[arg-type]
-        segments = list(text.render(self.app.console, end=""))
-        style = self.rich_style
-        return Strip([Segment(s.text, style + s.style if s.style else style) for s in segments], width).crop_extend(0, width, style)
+        base = self._base_style
+        kind_style = p.level(e.level) if e.level != "info" else p.muted
+        text_style = p.level(e.level) if e.level in ("warn", "error") else None
+        head = f"{fmt_clock(e.ts, self.utc)}{' R ' if e.replay else '   '}"
+        kind = f"{truncate(e.kind, KIND_WIDTH, g):<{KIND_WIDTH}} "
+        room = width - len(head) - len(kind)
+        body = e.text
+        if cell_len(body) > room:
+            body = set_cell_size(body, max(0, room - 1)) + (g.ellipsis if room > 0 else "")
+        segments = [
+            Segment(head, base + p.muted),
+            Segment(kind, base + kind_style),
+            Segment(body, base + text_style if text_style else base),
+        ]
+        return Strip(segments).crop_extend(0, width, base)

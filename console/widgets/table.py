@@ -15,6 +15,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 
 from rich.text import Text
 from textual.coordinate import Coordinate
+from textual.geometry import Region
 from textual.widgets import DataTable
 from textual.widgets.data_table import ColumnKey, RowDoesNotExist, RowKey
 
@@ -57,7 +58,7 @@ class KeyedTable(DataTable):
         super().__init__(cursor_type="row", **kwargs)  # type: ignore[arg-type]
         self._shown: dict[str, tuple[Text, ...]] = {}  # row key -> cells as displayed
         self._sigs: dict[str, Hashable] = {}  # row key -> signature of what the cells were made from
-        self._cells_changed = False
+        self._changed_rows: set[str] = set()  # cells set since the last flush()
         self.marked: set[str] = set()
 
     def on_mount(self) -> None:
@@ -186,16 +187,35 @@ class KeyedTable(DataTable):
         """update_cell without its per-call refresh: `flush()` refreshes once per patch."""
         if getattr(self, "_use_cell_cache", False):
             self._data[RowKey(key)][ColumnKey(column_key)] = cell
-            self._cells_changed = True
+            self._changed_rows.add(key)
         else:
             self.update_cell(key, column_key, cell)
 
     def flush(self) -> None:
-        """End of a patch: one cache invalidation and one repaint for all the cells set."""
-        if self._cells_changed:
-            self._cells_changed = False
-            self._update_count += 1
-            self.refresh()
+        """End of a patch: one cache invalidation, and a repaint of just the changed rows on screen.
+
+        Rows that changed off screen cost no painting (and send nothing down a slow
+        SSH link); they are drawn from the new cells when scrolled to. Adding,
+        removing and sorting rows repaint the whole table themselves.
+        """
+        if not self._changed_rows:
+            return
+        changed, self._changed_rows = self._changed_rows, set()
+        self._update_count += 1
+        header = self.header_height if self.show_header else 0
+        top = int(self.scroll_y)
+        height = self.scrollable_content_region.height
+        width = self.scrollable_content_region.width
+        regions = []
+        for key in changed:
+            index = self._row_locations.get(RowKey(key))
+            if index is None:
+                continue
+            y = header + index - top
+            if header <= y < height:
+                regions.append(Region(0, y, width, 1))
+        if regions:
+            self.refresh(*regions)
 
     def forget_signatures(self) -> None:
         """Styles changed (theme): render every row again on the next patch."""
