@@ -15,7 +15,8 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from typing import Awaitable, Callable, Iterable
+from functools import partial
+from typing import Any, Awaitable, Callable, Iterable
 
 from textual.app import App
 from textual.css.query import NoMatches
@@ -299,7 +300,7 @@ class KvmeshConsole(App[None]):
 
         self.push_modal(ConfirmScreen(action), callback=decided)
 
-    def push_modal(self, screen: ModalScreen, callback: Callable[[object], object] | None = None) -> None:
+    def push_modal(self, screen: ModalScreen[Any], callback: Callable[[Any], object] | None = None) -> None:
         """Push a modal, carrying the ASCII class so its borders and buttons stay ASCII too."""
         if self.config.ascii:
             screen.add_class("-ascii")
@@ -355,18 +356,19 @@ class KvmeshConsole(App[None]):
             ("filter sessions and events", "same as /", self.main.action_filter),
         ]
         for name in THEME_NAMES:
-            cmds.append((f"theme {name}", "switch theme", lambda n=name: setattr(self, "theme", n)))
+            cmds.append((f"theme {name}", "switch theme", partial(setattr, self, "theme", name)))
         for view in VIEWS:
-            cmds.append((f"view {view}", "show that panel (compact layout)", lambda v=view: self.main.action_view(v)))
+            cmds.append((f"view {view}", "show that panel (compact layout)", partial(self.main.action_view, view)))
         if self.config.readonly:
-            return cmds
+            return cmds  # no mesh-changing command exists in a read-only console
+        act = self.request_action
         for host in self.state.host_names():
-            cmds.append((f"drain {host}", "confirm, then drain this host", lambda h=host: self.request_action("drain", [h])))
-            cmds.append((f"undrain {host}", "confirm, then undrain this host", lambda h=host: self.request_action("undrain", [h])))
+            cmds.append((f"drain {host}", "confirm, then drain this host", partial(act, "drain", [host])))
+            cmds.append((f"undrain {host}", "confirm, then undrain this host", partial(act, "undrain", [host])))
         if include_sessions:
             for sid in self.state.sessions:
-                cmds.append((f"migrate {sid}", "pick a target, confirm", lambda s=sid: self.request_action("migrate", [s])))
-                cmds.append((f"replicate {sid}", "confirm, then replicate now", lambda s=sid: self.request_action("replicate", [s])))
+                cmds.append((f"migrate {sid}", "pick a target host, then confirm", partial(act, "migrate", [sid])))
+                cmds.append((f"replicate {sid}", "confirm, then replicate now", partial(act, "replicate", [sid])))
         return cmds
 
 

@@ -33,7 +33,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Literal
+from typing import Callable, Literal
 
 from pydantic import ValidationError
 
@@ -493,18 +493,16 @@ class ConsoleState:
         for name, row in self.hosts.items():
             if name not in seen_hosts:
                 row.missing = True  # kept: a host never silently leaves the screen
-        new_sessions = {}
-        for info in snap.sessions:
-            new_sessions[info.session] = SessionRow.from_info(info, ts)
+        new_sessions = {si.session: SessionRow.from_info(si, ts) for si in snap.sessions}
         removed = set(self.sessions) - set(new_sessions)
         self.sessions = new_sessions
         self._changes.removed_sessions |= removed
         self._changes.sessions -= removed
-        for info in snap.links:
-            row = self.links.get((info.src, info.dst))
-            if row is None:
-                row = self.links[(info.src, info.dst)] = LinkRow(src=info.src, dst=info.dst)
-            _link_from_info(row, info, ts)
+        for li in snap.links:
+            link = self.links.get((li.src, li.dst))
+            if link is None:
+                link = self.links[(li.src, li.dst)] = LinkRow(src=li.src, dst=li.dst)
+            _link_from_info(link, li, ts)
         self.counters = snap.counters.model_copy()
         self._changes.full = True
         self._changes.counters = True
@@ -544,11 +542,20 @@ class ConsoleState:
         self._changes.links.add((src, dst))
         return row
 
+    @staticmethod
+    def _move_home(s: SessionRow, host: str) -> None:
+        """The session now lives on `host`; a replica that was there became its live cache."""
+        s.home = host
+        if s.replica_host == host:
+            s.replica_host = None
+            s.replica_tokens = s.replica_behind_tokens = 0
+            s.replica_at = None
+
     def _on_turn_started(self, ev: TurnStarted) -> None:
         s = self._session(ev.session)
         if ev.ts >= s.ts:
             s.ts = ev.ts
-            s.home = ev.host
+            self._move_home(s, ev.host)
             s.active = True
 
     def _on_turn_finished(self, ev: TurnFinished) -> None:
@@ -556,7 +563,7 @@ class ConsoleState:
         s.turns += 1
         if ev.ts >= s.ts:
             s.ts = ev.ts
-            s.home = ev.host
+            self._move_home(s, ev.host)
             s.active = False
             s.last_turn_at = ev.ts
             if ev.ok:
@@ -582,7 +589,7 @@ class ConsoleState:
         if ev.ts >= s.ts:
             s.ts = ev.ts
             s.last_handoff = ev.cls
-            s.home = ev.dst
+            self._move_home(s, ev.dst)
 
     def _on_replica_sent(self, ev: ReplicaSent) -> None:
         link = self._link(ev.src, ev.dst)
@@ -672,7 +679,7 @@ class ConsoleState:
             s.moves += 1
             if ev.ts >= s.ts:
                 s.ts = ev.ts
-                s.home = ev.dst
+                self._move_home(s, ev.dst)
 
     # ---- event log -----------------------------------------------------------------
 
@@ -783,11 +790,6 @@ class ConsoleState:
         """Hosts a session can be moved to: reachable, not draining, not disconnected."""
         return [n for n in self.host_names() if self.host_state(n)[0] == "UP"]
 
-    def selected_link_counters(self, key: LinkKey | None) -> LinkRow | None:
-        return self.links.get(key) if key else None
-
-    def iter_sessions(self) -> Iterator[SessionRow]:
-        return iter(self.sessions.values())
 
 
 def _link_from_info(row: LinkRow, info: LinkInfo, ts: float) -> None:

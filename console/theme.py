@@ -91,16 +91,14 @@ class Palette:
     def from_variables(cls, v: dict[str, str]) -> Palette:
         v = fill_kvm_variables(v)
 
-        def fg(name: str, **kw: bool) -> Style:
-            value = v.get(name, "")
-            color = _plain_color(value)
-            return Style(color=color, **kw) if color else Style(**kw)
+        def fg(name: str, bold: bool | None = None, dim: bool | None = None) -> Style:
+            return Style(color=_plain_color(v.get(name, "")), bold=bold, dim=dim)
 
-        stale = fg("kvm-stale", dim=True)
         return cls(
             warm=fg("kvm-warm", bold=True), partial=fg("kvm-partial", bold=True), cold=fg("kvm-cold", bold=True),
             ok=fg("kvm-warm"), warn=fg("kvm-partial"), error=fg("kvm-cold", bold=True),
-            stale=stale, muted=fg("kvm-stale"), bold=Style(bold=True), marked=fg("accent", bold=True),
+            stale=fg("kvm-stale", dim=True), muted=fg("kvm-stale"), bold=Style(bold=True),
+            marked=fg("accent", bold=True),
         )
 
     def handoff(self, cls: str | None) -> Style:

@@ -15,5 +15,6 @@ class AsciiScrollBarRender(ScrollBarRender):
 
 def use_ascii_scrollbars(*widgets: Widget) -> None:
     for widget in widgets:
-        widget.vertical_scrollbar.renderer = AsciiScrollBarRender
-        widget.horizontal_scrollbar.renderer = AsciiScrollBarRender
+        # Per-instance renderer, as Textual's ScrollBar docs show (the class default stays).
+        widget.vertical_scrollbar.renderer = AsciiScrollBarRender  # type: ignore[misc]
+        widget.horizontal_scrollbar.renderer = AsciiScrollBarRender  # type: ignore[misc]

@@ -9,6 +9,7 @@ same session id whatever moves.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 from rich.text import Text
@@ -141,7 +142,8 @@ class SessionsTable(KeyedTable):
             if s is None or not self.matches(s):
                 self.drop_row(sid)
                 continue
-            added |= self.sync_row(sid, lambda s=s: self.render_session(s, palette, glyphs, now), self.signature(s, now))
+            render = partial(self.render_session, s, palette, glyphs, now)
+            added |= self.sync_row(sid, render, self.signature(s, now))
             touched = True
         dynamic = self.sort_by not in ("session", "home")
         if added or self._resort or (touched and dynamic):

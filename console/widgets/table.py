@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence, cast
 
 from rich.text import Text
 from textual.coordinate import Coordinate
@@ -126,6 +126,8 @@ class KeyedTable(DataTable):
             return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
         row_key = self._row_locations.get_key(row_index)
         column_key = self._column_locations.get_key(column_index)
+        if row_key is None or column_key is None:
+            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
         cell = self._data[row_key][column_key]
         key = (
             row_key, column_key, row_index, base_style, width, cursor, hover,
@@ -255,7 +257,7 @@ class KeyedTable(DataTable):
     def sort_rows(self, sort_key: Callable[[str], object], reverse: bool = False) -> None:
         """Order rows by a key computed from the row key (the state knows the values)."""
         keys = list(self._shown)
-        ranked = {k: i for i, k in enumerate(sorted(keys, key=sort_key, reverse=reverse))}
+        ranked = {k: i for i, k in enumerate(sorted(keys, key=cast(Any, sort_key), reverse=reverse))}
         first = self.COLUMNS[0].key
         # DataTable.sort only hands the key function cell values, so the first
         # column's cell object (the one the table holds) is mapped back to its row key.

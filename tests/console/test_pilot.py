@@ -359,3 +359,52 @@ async def test_ascii_mode_draws_only_ascii(clock: Clock) -> None:
         bad = sorted({ch for ch in text if ord(ch) > 126})
         assert not bad, f"{name}: non-ASCII {bad}"
     assert "WARM" in shots["compact"] and "Drain node-1?" in shots["confirm"]
+
+
+async def test_event_log_scope_order_and_type_filter(clock: Clock) -> None:
+    """e cycles mesh/all/actions (turns only under all), o flips newest-first/tail, / filters by event type."""
+    source = FakeSource()
+    app, state = make_app(clock, source=source, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        source.push(
+            TurnFinished(ts=T0 + 1, node="node-1", seq=1, session="s-000", host="node-1", prompt_tokens=10,
+                         cached_tokens=0, completion_tokens=5, ttft_s=0.1, total_s=1),
+            DrainStarted(ts=T0 + 2, node="node-2", seq=1, host="node-2", sessions=3),
+            Handoff(ts=T0 + 3, node="node-3", seq=1, session="s-001", src="node-2", dst="node-3", cls="warm",
+                    prompt_tokens=10, reused_tokens=10),
+        )
+        await source.drained()
+        await settle(pilot)
+        log = app.main.query_one(EventLog)
+        kinds = [e.kind for e in log.entries]
+        assert "turn_finished" not in kinds and kinds.index("handoff") < kinds.index("drain_started")
+        await pilot.press("e")  # all
+        await settle(pilot)
+        assert "turn_finished" in [e.kind for e in log.entries]
+        await pilot.press("e")  # actions
+        await settle(pilot)
+        assert {e.kind for e in log.entries} <= {"drain_started", "action"} and log.entries
+        await pilot.press("e", "o")  # back to mesh, tail order
+        await settle(pilot)
+        kinds = [e.kind for e in log.entries]
+        assert kinds.index("handoff") > kinds.index("drain_started")
+        await pilot.press("slash", *"drain_")
+        await settle(pilot)
+        assert [e.kind for e in log.entries] == ["drain_started"]
+
+
+async def test_clicking_a_header_sorts_sessions(clock: Clock) -> None:
+    """Clicking the Tokens header sorts by tokens (largest first); clicking again reverses."""
+    app, state = make_app(clock, snapshot=make_snapshot())
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        sessions = app.main.query_one(SessionsTable)
+        x = 1 + sum(c.width + 2 for c in SessionsTable.COLUMNS[:2]) + 2  # past the border, inside "Tokens"
+        await pilot.click(SessionsTable, offset=(x, 1))  # row 1: the header, under the border
+        await settle(pilot)
+        assert sessions.sort_by == "tokens" and sessions.sort_reverse
+        assert list(sessions.shown_keys()) and sessions.get_row_index("s-005") == 0
+        await pilot.click(SessionsTable, offset=(x, 1))  # row 1: the header, under the border
+        await settle(pilot)
+        assert not sessions.sort_reverse and sessions.get_row_index("s-000") == 0

@@ -252,3 +252,14 @@ def test_restarted_node_reusing_seqs_is_not_deduped(state: ConsoleState) -> None
     assert state.feed(NODE1, handoff(seq=1, ts=T0 + 100, cls="cold")), "restarted node: new event"
     assert state.feed(NODE1, handoff(seq=2, ts=T0 + 101, cls="cold"))
     assert state.counters.cold == 3
+
+
+def test_replica_consumed_when_session_moves_onto_it(state: ConsoleState) -> None:
+    """When a session's home moves to its replica host, that replica became the live cache: no replica shown."""
+    state.node_connected(NODE1)
+    state.feed(NODE1, make_snapshot())
+    s = state.sessions["s-000"]
+    assert (s.home, s.replica_host) == ("node-1", "node-2")
+    state.feed(NODE1, handoff(seq=1, session="s-000", src="node-1", dst="node-2"))
+    assert (s.home, s.replica_host) == ("node-2", None)
+    assert s.freshness(state.clock())[0] == "none"
