@@ -1,0 +1,338 @@
+"""Helpers for the bad-input and security tests.
+
+- `start_server(cfg)` / `stop_server(srv)`: a node behind a real uvicorn server, in-process, on loopback
+  (its own event loop in a background thread), with the uvicorn settings `node.server.serve` uses.
+- `start_mesh(workdir)`: real `kvmesh node` processes (sim engine) with a mesh secret, a previous secret and
+  an admin token, every node at `--log-level DEBUG` so that whatever a node can log is in its log file.
+- `tree(path)`: a snapshot of a directory tree (relative names, sizes), to prove nothing touched a disk.
+- `openai_error(resp)`: asserts an OpenAI-shaped error body.
+
+Every server, process, socket and thread started here is stopped by its owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from node.config import NodeConfig
+from node.launcher import free_port, write_toml
+from node.mesh.auth import PEER_HEADER, peer_token
+
+MODEL = "kvmesh-sim"
+# Session ids: the one rule (node.protocol.SESSION_ID_RE), anchored.
+SAFE_ID = r"^[A-Za-z0-9._:@-]{1,128}$"
+# Engine settings for fast, bounded turns: a 2048-token context caps any decode at ~20 ms of sim time.
+FAST_SIM = {"kv_scale": 0.01, "prefill_tps": 1e7, "decode_tps": 1e5, "max_context": 2048}
+SECRET_ENV = ("KVMESH_ADMIN_TOKEN", "KVMESH_MESH_SECRET")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a child `kvmesh` process: no secrets inherited from whoever runs the tests."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+    env.update(extra)
+    return env
+
+
+def wait_for(pred: Callable[[], Any], what: str, timeout: float = 15.0, interval: float = 0.05) -> Any:
+    """Poll `pred` until it returns something truthy; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while True:
+        try:
+            v = pred()
+            if v:
+                return v
+        except (httpx.HTTPError, OSError, KeyError, ValueError) as e:
+            last = e
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g}s waiting for {what}" + (f" (last error: {last!r})" if last else ""))
+        time.sleep(interval)
+
+
+def openai_error(resp: httpx.Response, status: int | None = None) -> dict[str, Any]:
+    """An OpenAI-shaped error: JSON {"error": {"message", "type", "code"}}, a non-empty message, no traceback."""
+    if status is not None:
+        assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    assert resp.headers.get("content-type", "").startswith("application/json"), (resp.status_code, resp.headers, resp.text[:300])
+    assert "Traceback" not in resp.text, resp.text[:500]
+    body = resp.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    err = body["error"]
+    assert isinstance(err, dict), body
+    for key in ("message", "type", "code"):
+        assert key in err, body
+    assert isinstance(err["message"], str) and err["message"].strip(), body
+    assert isinstance(err["type"], str) and err["type"], body
+    assert isinstance(err["code"], str) and err["code"], body
+    return err
+
+
+def tree(root: Path) -> dict[str, int]:
+    """Every file and directory under root (relative name -> size, -1 for directories)."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): (-1 if p.is_dir() else p.stat().st_size) for p in sorted(root.rglob("*"))}
+
+
+def chat(messages: list[dict[str, str]] | None = None, **kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "messages": messages or [{"role": "user", "content": "hello"}],
+                            "max_tokens": 2, "temperature": 0}
+    body.update(kw)
+    return body
+
+
+# ---- in-process servers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    url: str
+    node: Any
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+
+def sim_config(name: str = "sec", *, engine: dict[str, Any] | None = None, **fields: Any) -> NodeConfig:
+    """A sim node config (fast, bounded turns); `fields` are NodeConfig fields as plain data."""
+    eng: dict[str, Any] = {"kind": "sim", "slots": 2, "queue_max": 8, "queue_timeout_s": 20.0, "cache_bytes": 16 << 20,
+                           "block_size": 64, "sim": dict(FAST_SIM)}
+    eng.update(engine or {})
+    data: dict[str, Any] = {"name": name, "engine": eng}
+    for k, v in fields.items():
+        if isinstance(v, dict) and isinstance(data.get(k), dict):
+            data[k].update(v)
+        else:
+            data[k] = v
+    data.setdefault("kvshare", {}).setdefault("fsync", "never")
+    return NodeConfig.model_validate(data)
+
+
+def start_server(cfg: NodeConfig, *, port: int = 0, start_timeout_s: float = 60.0) -> Server:
+    """Build the node and serve it with uvicorn on 127.0.0.1:port in a background thread."""
+    from node.api.app import create_app
+    from node.node import Node
+
+    node = Node(cfg)
+    app = create_app(node)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                                           lifespan="on", timeout_keep_alive=30, limit_concurrency=1024))
+    # Older uvicorn installs signal handlers from serve(); not from a background thread.
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign,attr-defined]
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(server.serve())
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            failure.append(e)
+        finally:
+            loop.close()
+
+    thread = threading.Thread(target=run, name=f"uvicorn-{cfg.name}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"server {cfg.name} exited before it started: {failure!r}")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            thread.join(30)
+            raise RuntimeError(f"server {cfg.name} did not start within {start_timeout_s:g}s")
+        time.sleep(0.01)
+    host, bound = server.servers[0].sockets[0].getsockname()[:2]
+    url = f"http://{host}:{bound}"
+    node.api_url = url
+    return Server(url, node, server, thread)
+
+
+def stop_server(srv: Server) -> None:
+    srv.server.should_exit = True
+    srv.thread.join(timeout=30)
+    assert not srv.thread.is_alive(), "the uvicorn thread did not stop"
+
+
+# ---- real node processes -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    name: str
+    config: Path
+    workdir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def log_file(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    @property
+    def ready_file(self) -> Path:
+        return self.workdir / f"{self.name}.ready.json"
+
+    @property
+    def api(self) -> str:
+        return str(self.info["api"])
+
+    @property
+    def kvshare(self) -> str:
+        return str(self.info["kvshare"])
+
+    def start(self) -> Proc:
+        self.ready_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "node.cli", "--log-level", "DEBUG", "node", "--config", str(self.config),
+               "--ready-file", str(self.ready_file)]
+        with open(self.log_file, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(),
+                                         start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 90.0) -> Proc:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                self.info = json.loads(self.ready_file.read_text())
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node {self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"node {self.name} not ready within {timeout:g}s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL: only this process's own PID is signalled."""
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+@dataclass
+class Mesh:
+    workdir: Path
+    nodes: dict[str, Proc]
+    configs: dict[str, dict[str, Any]]
+    secret: str
+    previous_secret: str
+    admin_token: str
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=60.0))
+
+    def api(self, name: str) -> str:
+        return self.nodes[name].api
+
+    def store_dir(self, name: str) -> Path:
+        return Path(self.configs[name]["kvshare"]["store_dir"])
+
+    @property
+    def peer_token(self) -> str:
+        return peer_token(self.secret.encode())
+
+    @property
+    def previous_peer_token(self) -> str:
+        return peer_token(self.previous_secret.encode())
+
+    def peer_headers(self) -> dict[str, str]:
+        return {PEER_HEADER: self.peer_token}
+
+    def admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
+
+    def secret_strings(self) -> dict[str, str]:
+        return {"mesh.secret": self.secret, "mesh.previous_secret": self.previous_secret,
+                "admin_token": self.admin_token, "peer token (current)": self.peer_token,
+                "peer token (previous)": self.previous_peer_token}
+
+    def wait_reachable(self) -> None:
+        for n in self.nodes:
+            def ok(n: str = n) -> bool:
+                hosts = self.http.get(self.api(n) + "/v1/cluster").json()["hosts"]
+                return len(hosts) == len(self.nodes) and all(h["reachable"] and not h["draining"] for h in hosts)
+            wait_for(ok, f"{n} to see every host reachable and undrained", timeout=30)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n} ---\n{p.tail(60)}" for n, p in self.nodes.items())
+
+    def stop(self) -> None:
+        for p in self.nodes.values():
+            try:
+                p.stop()
+            except Exception:  # noqa: BLE001 - stop the others whatever happens
+                if p.proc is not None and p.proc.poll() is None:
+                    p.proc.kill()
+                    p.proc.wait(10)
+        self.http.close()
+
+
+def start_mesh(workdir: Path, names: tuple[str, ...] = ("a", "b"), *, kvshare: dict[str, Any] | None = None,
+               api: dict[str, Any] | None = None) -> Mesh:
+    """A full mesh of `kvmesh node` processes on loopback, with every secret configured."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    secret = "MESHSECRET-" + secrets.token_hex(16)
+    previous = "PREVSECRET-" + secrets.token_hex(16)
+    admin = "ADMINTOKEN-" + secrets.token_hex(12)
+    ports = {n: (free_port(), free_port()) for n in names}
+    configs: dict[str, dict[str, Any]] = {}
+    nodes: dict[str, Proc] = {}
+    for n in names:
+        peers = [{"name": p, "api": f"http://127.0.0.1:{ports[p][0]}", "kvshare": f"127.0.0.1:{ports[p][1]}"}
+                 for p in names if p != n]
+        cfg: dict[str, Any] = {
+            "name": n,
+            "admin_token": admin,
+            "api": {"host": "127.0.0.1", "port": ports[n][0], **(api or {})},
+            "engine": {"kind": "sim", "slots": 2, "cache_bytes": 32 << 20, "block_size": 64,
+                       "sim": {"kv_scale": 0.02, "prefill_tps": 1e6, "decode_tps": 2000.0}},
+            "kvshare": {"listen": f"127.0.0.1:{ports[n][1]}", "store_dir": str(workdir / f"store-{n}"),
+                        "replicate_min_tokens": 0, "fsync": "never", **(kvshare or {})},
+            "mesh": {"peers": peers, "secret": secret, "previous_secret": previous, "poll_interval_s": 0.2,
+                     "stale_after_s": 2.0},
+        }
+        configs[n] = cfg
+        path = workdir / f"{n}.toml"
+        write_toml(path, cfg)
+        nodes[n] = Proc(n, path, workdir)
+    mesh = Mesh(workdir, nodes, configs, secret, previous, admin)
+    try:
+        for p in nodes.values():
+            p.start()
+        for p in nodes.values():
+            p.wait_ready()
+        mesh.wait_reachable()
+    except BaseException:
+        print(mesh.logs())
+        mesh.stop()
+        raise
+    return mesh
