@@ -194,12 +194,6 @@ class MainScreen(Screen[None]):
                 event.input.remove_class("-shown")
             self.query_one(SessionsTable).focus()
 
-    def on_key(self, event: events.Key) -> None:
-        # Esc inside the filter box clears it (the screen binding would not see it first).
-        if event.key == "escape" and self.focused is self.query_one("#filter", Input):
-            event.stop()
-            self.action_clear_filter()
-
     def _apply_filter(self, text: str) -> None:
         self.query_one(SessionsTable).set_filter(text)
         self.query_one(EventLog).set_filter(text)
