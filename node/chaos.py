@@ -1259,31 +1259,51 @@ async def sc_peer_unreachable(d: Drill) -> None:
 
 
 EVICT_VICTIM = "node-b"
-EVICT_CACHE_BYTES = 6 << 20  # 61 blocks of 100 KiB: ~15.6k tokens
+# 163 blocks of 100 KiB (~41.7k tokens): room for two running load turns (<= 55 blocks each)
+# plus the 32-block restore, so a restore that finds no room is the engine's fault, not the pool's.
+EVICT_CACHE_BYTES = 16 << 20
+EVICT_FLOOD_CHARS = 44_000  # a prompt bigger than the whole pool
 
 
 async def sc_evict_all(d: Drill) -> None:
     v = EVICT_VICTIM
-    keep = Conv(f"resident-{d.seed}", d.seed, 8000)
-    await d.turn(v, keep, pin=True)
+    keep = [Conv(f"resident{k}-{d.seed}", d.seed + k, 8000) for k in range(2)]
+    for c in keep:
+        await d.turn(v, c, pin=True)
     await d.quiesce(0.5, 15.0)
     d.start_load(list(NAMES))
     await asyncio.sleep(2.0)
     st = await d.get(v, "/v1/peer/status", peer=True)
     before = {s["session"] for s in st["sessions"] if s["resident_tokens"] > 0}
-    # One turn whose prompt is bigger than the whole pool: the engine drops every idle cache at once.
-    flood = Conv(f"flood-{d.seed}", d.seed + 3, 22_000)
+    # One turn whose prompt is bigger than the whole pool: the engine drops every idle cache at
+    # once. Its replica then goes to a peer over a slow link (as 1 Gb/s would be), so the push
+    # holds the pool's blocks (Engine.export) for seconds, as it would in the field.
+    flood = Conv(f"flood-{d.seed}", d.seed + 3, EVICT_FLOOD_CHARS)
+    slow = [d.proxies[(v, n)].arm(Fault("watch", flood.session, at=0.9, rate_bps=8 * THROTTLE_BPS))
+            for n in NAMES if n != v]
     fl = await d.turn(v, flood, pin=True, max_tokens=4)
     st = await d.get(v, "/v1/peer/status", peer=True)
     after = {s["session"] for s in st["sessions"] if s["resident_tokens"] > 0} - {flood.session}
     d.fault.update(flood_turn=fl.brief(), resident_before=len(before), still_resident=sorted(before & after),
                    evicted=len(before - after))
     # Running turns keep their blocks (at most one per slot); every idle cache must be gone.
-    d.fault["hit"] = bool(before) and keep.session not in after and len(before & after) <= 2
-    back = await d.turn(v, keep, pin=True)
-    d.fault["evicted_session_next_turn"] = back.brief()
-    d.checks["restored_from_store_not_recomputed"] = back.ok and back.reused >= 0.9
-    await asyncio.sleep(3.0)
+    d.fault["hit"] = bool(before) and not any(c.session in after for c in keep) and len(before & after) <= 2
+    # Restores from this host's own store: one while the flood's replica is still on the wire ...
+    pushing = any(px.active() for px in (d.proxies[(v, n)] for n in NAMES if n != v))
+    e0 = (await d.get(v, "/v1/stats"))["engine"]
+    during = await d.turn(v, keep[0], pin=True)
+    e1 = (await d.get(v, "/v1/stats"))["engine"]
+    d.fault["restore_while_pushing"] = {**during.brief(), "push_in_flight": pushing,
+                                        "imported_blocks": e1["imported_blocks"] - e0["imported_blocks"]}
+    d.checks["restored_from_store_while_a_push_is_in_flight"] = during.ok and during.reused >= 0.9
+    # ... and one once kv_share is idle.
+    for f in slow:
+        f.rate_bps = None
+    await d.quiesce(0.3, 20.0, session=flood.session)  # the load keeps other links busy
+    later = await d.turn(v, keep[1], pin=True)
+    d.fault["restore_when_idle"] = later.brief()
+    d.checks["restored_from_store_when_idle"] = later.ok and later.reused >= 0.9
+    await asyncio.sleep(2.0)
     c = (await d.get("node-a", "/v1/cluster"))["counters"]
     d.fault["handoffs"] = c
     d.checks["no_stale_state_cold_handoff"] = c["stale_state_cold"] == 0
@@ -1353,7 +1373,7 @@ async def sc_clock_jump(d: Drill) -> None:
         clock.write_text(offset + "\n")
         await asyncio.sleep(1.0)
         health = await d.get(v, "/health")
-        m = Conv(f"clock{offset[0]}-{d.seed}", d.seed + len(jumps), 5000)
+        m = Conv(f"clock-{'fwd' if offset[0] == '+' else 'back'}-{d.seed}", d.seed + len(jumps), 5000)
         await d.turn(src, m, pin=True)
         await d.quiesce(0.5, 15.0, session=m.session)
         mig = await d.migrate(m.session, src, dst)
