@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from node.api.schema import ChatCompletionRequest
 from node.engine.engine import GenerateRequest, TextDelta, TurnDone, TurnStats
-from node.errors import KVMeshError, ModelNotFound
+from node.errors import InvalidRequest, KVMeshError, ModelNotFound
 from node.mesh.auth import PEER_HEADER, check_peer_token
 from node.mesh.forward import PeerUnavailable, forward_turn
 from node.node import Node, derive_session_id
@@ -96,7 +96,10 @@ def router(node: Node) -> APIRouter:
             raise ModelNotFound(f"model {body.model!r} is not served here; GET /v1/models lists {node.engine.model_name!r}")
         messages = body.messages_as_dicts()
         session = derive_session_id(x_session_id, body.user, messages)
-        prompt = node.engine.tokenizer.apply_chat_template(messages)
+        try:
+            prompt = node.engine.tokenizer.apply_chat_template(messages)
+        except UnicodeEncodeError:
+            raise InvalidRequest("message content is not valid Unicode (an unpaired surrogate?)", param="messages") from None
         greq = GenerateRequest(
             session=session,
             prompt=prompt,

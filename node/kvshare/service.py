@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvmesh.kvshare")
 
+# Inbound transfers served at once; an offer must be complete within OFFER_DEADLINE_S (or two
+# io_timeout_s) of connecting: each read is bounded by io_timeout_s, this bounds a trickling client.
+MAX_INBOUND_CONNECTIONS = 64
+OFFER_DEADLINE_S = 10.0
+
 # Without a configured mesh secret the mesh is loopback-only; kv_share still signs its frames.
 DEV_SECRET = b"kvmesh-loopback-only-dev-secret"
 
@@ -156,6 +161,7 @@ class KVShare:
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._closing = threading.Event()
+        self._conn_slots = threading.BoundedSemaphore(MAX_INBOUND_CONNECTIONS)
         self.address = ""
         tls = cfg.tls
         self._server_tls = server_context(tls) if tls else None
@@ -537,6 +543,9 @@ class KVShare:
                 conn, addr = self._listener.accept()
             except OSError:
                 return
+            if not self._conn_slots.acquire(blocking=False):
+                conn.close()  # at the connection cap: the sender retries on its next turn
+                continue
             threading.Thread(target=self._serve_conn, args=(conn,), name="kvshare-recv", daemon=True).start()
 
     def _wrap(self, conn: socket.socket) -> socket.socket:
@@ -569,7 +578,10 @@ class KVShare:
             last_byte = 0.0
             t_first = 0.0
             first_block_seen = False
+            offer_deadline = time.monotonic() + min(OFFER_DEADLINE_S, 2 * self.cfg.io_timeout_s)
             while not rx.done:
+                if offer is None and time.monotonic() > offer_deadline:
+                    raise wire.ProtocolError(wire.Reason.TRUNCATED, "the offer did not arrive in time")
                 view = rx.payload_view()
                 if view is not None:
                     n = conn.recv_into(view)
@@ -618,6 +630,7 @@ class KVShare:
             if writer is not None:
                 writer.abort()
             conn.close()
+            self._conn_slots.release()
 
     def _on_offer(self, ev: wire.OfferReceived) -> _Plan:
         """Decide on the loop: refuse, or the first block to send and where payloads land."""

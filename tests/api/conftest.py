@@ -32,6 +32,8 @@ import openai
 import pytest
 import uvicorn
 
+from node.server import uvicorn_config
+
 from node.api.app import create_app
 from node.config import ApiConfig, EngineConfig, NodeConfig, SimConfig
 from node.node import Node
@@ -63,9 +65,7 @@ def start_server(cfg: NodeConfig, *, start_timeout_s: float = 60.0) -> RunningSe
     """Build the node and serve it with uvicorn on 127.0.0.1:0 in a background thread."""
     node = Node(cfg)
     app = create_app(node)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False, lifespan="on")
-    )
+    server = uvicorn.Server(uvicorn_config(app, cfg, host="127.0.0.1", port=0))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     failure: list[BaseException] = []
 

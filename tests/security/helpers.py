@@ -30,6 +30,8 @@ import httpx
 import pytest
 import uvicorn
 
+from node.server import uvicorn_config
+
 from node.config import NodeConfig
 from node.launcher import free_port, write_toml
 from node.mesh.auth import PEER_HEADER, peer_token
@@ -134,8 +136,7 @@ def start_server(cfg: NodeConfig, *, port: int = 0, start_timeout_s: float = 60.
 
     node = Node(cfg)
     app = create_app(node)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                                           lifespan="on", timeout_keep_alive=30, limit_concurrency=1024))
+    server = uvicorn.Server(uvicorn_config(app, cfg, host="127.0.0.1", port=port))
     # Older uvicorn installs signal handlers from serve(); not from a background thread.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign,attr-defined]
     failure: list[BaseException] = []

@@ -149,10 +149,6 @@ def test_a_slowloris_api_client_does_not_block_others(mesh: Mesh, record_propert
         slow.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG node/server.py:29-30: uvicorn runs with limit_concurrency=1024 and no timeout for a connection that never "
-    "sends a request (timeout_keep_alive is armed only after a response), so 1023 idle TCP connections (no byte sent) make "
-    "the API answer every other client 503 'Service Unavailable' for as long as they stay open"))
 def test_idle_api_connections_do_not_lock_out_other_clients(mesh: Mesh) -> None:
     """1023 TCP connections to the API that send nothing: within 6 s another client's /health answers 200 again."""
     addr = _hostport(mesh.api("a"))
