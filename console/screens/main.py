@@ -13,6 +13,7 @@ do not inherit them: a `d` typed into a confirm dialog must not start another dr
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 from rich.text import Text
@@ -21,6 +22,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
 from console.actions import MESH_ACTIONS
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 
 VIEWS: tuple[str, ...] = ("sessions", "links", "events")
 
+FILTER_DEBOUNCE_S = 0.15
 COMPACT_WIDTH = 100
 COMPACT_HEIGHT = 32
 
@@ -74,6 +77,7 @@ class MainScreen(Screen[None]):
         self.view = "sessions"
         self.compact = False
         self.ready = False  # set once the panels are mounted; the refresh timer waits for it
+        self._filter_timer: Timer | None = None
         self._viewbar_last: Text | None = None
 
     @property
@@ -195,6 +199,13 @@ class MainScreen(Screen[None]):
             self.query_one(SessionsTable).focus()
 
     def _apply_filter(self, text: str) -> None:
+        # Debounced: typing "node-2" re-filters once, not six times over thousands of rows.
+        if self._filter_timer is not None:
+            self._filter_timer.stop()
+        self._filter_timer = self.set_timer(FILTER_DEBOUNCE_S, partial(self._filter_now, text))
+
+    def _filter_now(self, text: str) -> None:
+        self._filter_timer = None
         self.query_one(SessionsTable).set_filter(text)
         self.query_one(EventLog).set_filter(text)
         self.console_app.schedule_refresh()

@@ -8,12 +8,13 @@ dimmed, with "stale since" in the panel's subtitle.
 
 from __future__ import annotations
 
+
 from rich.text import Text
 
 from console.format import Glyphs, fmt_bps, fmt_clock, fmt_mem, slot_bar, truncate
 from console.state import ConsoleState
 from console.theme import Palette
-from console.widgets.table import Column, KeyedTable
+from console.widgets.table import Cell, Column, KeyedTable
 
 
 class HostsTable(KeyedTable):
@@ -55,13 +56,13 @@ class HostsTable(KeyedTable):
         base = palette.stale if stale else None
         mark = glyphs.mark if name in self.marked else " "
 
-        def cell(text: str, style: object = None) -> Text:
-            return Text(text, style=base or style or "", no_wrap=True)  # type: ignore[arg-type]
+        def cell(text: str, style: object = None) -> Cell:
+            return Cell(text, style=base or style or "", no_wrap=True)  # type: ignore[arg-type]
 
         since_text = fmt_clock(since, utc) if (stale and since) else ""
         note = f"{name} {word}, stale since {since_text}" if stale and since_text else ""
         cells = (
-            Text.assemble((mark, palette.marked), (truncate(name, 10, glyphs), base or palette.bold), no_wrap=True),
+            Cell.assemble((mark, palette.marked), (truncate(name, 10, glyphs), base or palette.bold), no_wrap=True),
             cell(word, palette.level(level)),
             cell(since_text),
             cell(slot_bar(info.busy, info.slots, glyphs)),

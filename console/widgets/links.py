@@ -7,12 +7,13 @@ the cursor is the "selected link" whose handoff counts the counters panel shows.
 
 from __future__ import annotations
 
+
 from rich.text import Text
 
 from console.format import Glyphs, fmt_bytes, fmt_mbps, fmt_seconds, sparkline, truncate
 from console.state import ConsoleState, LinkKey, LinkRow
 from console.theme import Palette
-from console.widgets.table import Column, KeyedTable
+from console.widgets.table import Cell, Column, KeyedTable
 
 SPARK_WIDTH = 10
 
@@ -62,8 +63,8 @@ class LinksTable(KeyedTable):
     ) -> tuple[Text, ...]:
         base = palette.stale if (link.src in stale_hosts or link.dst in stale_hosts) else None
 
-        def cell(text: str, style: object = None) -> Text:
-            return Text(text, style=base or style or "", no_wrap=True)  # type: ignore[arg-type]
+        def cell(text: str, style: object = None) -> Cell:
+            return Cell(text, style=base or style or "", no_wrap=True)  # type: ignore[arg-type]
 
         name = truncate(f"{link.src}{glyphs.arrow}{link.dst}", 15, glyphs)
         last = "-"

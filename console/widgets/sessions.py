@@ -12,12 +12,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
+
 from rich.text import Text
 
 from console.format import CLASS_WORDS, Glyphs, fmt_age, fmt_tokens, truncate
 from console.state import Changes, ConsoleState, SessionRow
 from console.theme import Palette
-from console.widgets.table import Column, KeyedTable
+from console.widgets.table import Cell, Column, KeyedTable
 
 SORTS: tuple[str, ...] = ("session", "home", "tokens", "behind", "age", "last", "turns", "moves")
 _CLASS_RANK = {"cold": 0, "partial": 1, "warm": 2}
@@ -129,21 +130,23 @@ class SessionsTable(KeyedTable):
             self._styles = (palette, glyphs)
             self.forget_signatures()
         now = state.clock()
-        for sid in changes.removed_sessions:
-            self.drop_row(sid)
+        drop = set(changes.removed_sessions)
         if full:
-            for sid in [k for k in self.shown_keys() if k not in state.sessions]:
-                self.drop_row(sid)
+            drop.update(k for k in self.shown_keys() if k not in state.sessions)
         candidates = state.sessions.keys() if full else changes.sessions
-        added = False
-        touched = False
-        for sid in list(candidates):
+        keep = []
+        for sid in candidates:
             s = state.sessions.get(sid)
             if s is None or not self.matches(s):
-                self.drop_row(sid)
-                continue
+                drop.add(sid)
+            else:
+                keep.append(s)
+        self.drop_rows(drop)  # first, in bulk: a narrowing filter can remove thousands
+        added = False
+        touched = False
+        for s in keep:
             render = partial(self.render_session, s, palette, glyphs, now)
-            added |= self.sync_row(sid, render, self.signature(s, now))
+            added |= self.sync_row(s.sid, render, self.signature(s, now))
             touched = True
         dynamic = self.sort_by not in ("session", "home")
         if added or self._resort or (touched and dynamic):
@@ -175,8 +178,8 @@ class SessionsTable(KeyedTable):
         base = palette.stale if s.home in self._stale_homes else None
         mark = glyphs.mark if s.sid in self.marked else " "
 
-        def cell(text: str, style: object = None) -> Text:
-            return Text(text, style=base or style or "", no_wrap=True)  # type: ignore[arg-type]
+        def cell(text: str, style: object = None) -> Cell:
+            return Cell(text, style=base or style or "", no_wrap=True)  # type: ignore[arg-type]
 
         home = s.home or glyphs.none
         if s.migrating_to:
@@ -184,7 +187,7 @@ class SessionsTable(KeyedTable):
         last_cls = s.last_handoff
         last = f"{glyphs.handoff(last_cls)} {CLASS_WORDS[last_cls]}" if last_cls else glyphs.none
         return (
-            Text.assemble((mark, palette.marked), (truncate(s.sid, 13, glyphs), base or ""), no_wrap=True),
+            Cell.assemble((mark, palette.marked), (truncate(s.sid, 13, glyphs), base or ""), no_wrap=True),
             cell(truncate(home, 8, glyphs), palette.bold if s.active else None),
             cell(fmt_tokens(s.resident_tokens)),
             cell(truncate(s.replica_host or glyphs.none, 8, glyphs)),
@@ -194,13 +197,13 @@ class SessionsTable(KeyedTable):
             cell(str(s.moves)),
         )
 
-    def fresh_cell(self, s: SessionRow, palette: Palette, glyphs: Glyphs, now: float) -> Text:
+    def fresh_cell(self, s: SessionRow, palette: Palette, glyphs: Glyphs, now: float) -> Cell:
         kind, age = s.freshness(now)
         if kind == "none":
-            return Text(glyphs.none, style=palette.stale if s.home in self._stale_homes else palette.muted)
+            return Cell(glyphs.none, style=palette.stale if s.home in self._stale_homes else palette.muted)
         glyph = {"fresh": glyphs.fresh, "behind": glyphs.behind, "stale": glyphs.stale}[kind]
         style = {"fresh": palette.ok, "behind": palette.warn, "stale": palette.error}[kind]
         if s.home in self._stale_homes:
             style = palette.stale
         text = f"{glyph} {fmt_tokens(s.replica_behind_tokens):>5} {fmt_age(age):>4}"
-        return Text(text, style=style, no_wrap=True)
+        return Cell(text, style=style, no_wrap=True)
