@@ -1,0 +1,200 @@
+"""`kvmesh soak --minutes M`: 64 coding-agent sessions on a three-node sim mesh, for M minutes.
+
+Three `kvmesh node` processes on loopback (sim engine, kv_scale 0.02) take the
+`node.load` workload through every node as an entry. Reported, as one JSON
+object on the last stdout line:
+
+- errors: failed turns as the load generator counts them (non-200 answers,
+  in-band stream errors, transport errors), with the status counts;
+- p50/p99 turn latency (and time to first token), from the client's side;
+- per node: RSS at start and at end, its growth, the highest RSS seen, open
+  file descriptors and threads at start and at end (psutil on the node PIDs);
+- replica store bytes per node (the store's own count and the bytes on disk);
+- the mesh's handoff counters (GET /v1/cluster).
+
+"Start" is after a warm-up (10% of the run, 5 to 60 s): the first turns fill
+the pre-touched KV pool's bookkeeping, import torch's lazy modules and grow
+Python's heap once; growth after that is what a week-long run would accumulate.
+RSS includes the store's mapped segment pages (file-backed, reclaimable); the
+`shared` figure is that part.
+
+A run passes with 0 errors and, when it lasts 10 minutes or more, RSS growth
+under `--max-rss-growth-pct` (5%) on every node; the exit status says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from node.bench.handoff import start_mesh, wait_peers
+from node.launcher import NodeProcess
+from node.load import LoadRunner, LoadShape
+
+NAMES = ["node-a", "node-b", "node-c"]
+MIB = 1 << 20
+GROWTH_MIN_MINUTES = 10.0  # shorter runs are dominated by warm-up; their growth is reported, not judged
+
+
+def _sample(p: NodeProcess) -> dict[str, float]:
+    """RSS (and its file-backed part), open fds and threads of one node process."""
+    assert p.proc is not None
+    ps = psutil.Process(p.proc.pid)
+    with ps.oneshot():
+        mem = ps.memory_info()
+        return {"rss": float(mem.rss), "shared": float(mem.shared), "fds": float(ps.num_fds()),
+                "threads": float(ps.num_threads())}
+
+
+def _dir_bytes(root: Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.nodes: list[NodeProcess] = []
+        self.samples: dict[str, dict[str, dict[str, float]]] = {}  # node -> phase -> sample
+        self.rss_max: dict[str, float] = {}
+
+    def take(self, phase: str) -> None:
+        for p in self.nodes:
+            s = _sample(p)
+            self.samples.setdefault(p.name, {})[phase] = s
+            self.rss_max[p.name] = max(self.rss_max.get(p.name, 0.0), s["rss"])
+
+    async def _watch(self, every_s: float, stop: asyncio.Event) -> None:
+        """Sample periodically, so a peak between start and end is seen too."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except asyncio.TimeoutError:
+                await asyncio.to_thread(self.take, "latest")
+
+    async def run(self) -> dict[str, Any]:
+        a = self.args
+        duration = a.minutes * 60.0
+        warmup = min(60.0, max(5.0, 0.1 * duration))
+        # Started in this thread, not a worker: Ctrl-C cancels at the next await, by which time
+        # self.nodes names every process (start_mesh stops its own nodes if one fails to start).
+        self.nodes = start_mesh(self.work, NAMES, slots=a.slots, kv_scale=a.kv_scale, cache_bytes=a.cache_mib * MIB,
+                                extra={"kvshare": {"replicate_min_tokens": 4096}})
+        wait_peers(self.nodes)
+        self.take("ready")
+        shape = LoadShape(sessions=a.sessions, target_tokens=a.target_tokens, max_tokens=a.max_tokens, seed=a.seed)
+        runner = LoadRunner([n.api for n in self.nodes], shape, time_scale=a.time_scale)
+        stop = asyncio.Event()
+        t0 = time.monotonic()
+        load = asyncio.ensure_future(runner.run(duration))
+        watch = asyncio.ensure_future(self._watch(10.0, stop))
+        try:
+            done, _ = await asyncio.wait({load}, timeout=warmup)
+            if not done:
+                await asyncio.to_thread(self.take, "start")
+            stats = await load  # the load stops itself at `duration` and lets turns in flight finish
+        finally:
+            stop.set()
+            await asyncio.gather(watch, return_exceptions=True)
+            if not load.done():
+                load.cancel()
+        elapsed = time.monotonic() - t0
+        await asyncio.to_thread(self.take, "end")
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            node_stats = {p.name: (await http.get(f"{p.api}/v1/stats")).json() for p in self.nodes}
+            await asyncio.sleep(1.0)  # a couple of status polls: every node's counters are in the view
+            cluster = (await http.get(f"{self.nodes[0].api}/v1/cluster")).json()
+        return self.report(stats.summary(), elapsed, node_stats, cluster)
+
+    def report(self, load: dict[str, Any], elapsed: float, node_stats: dict[str, Any],
+               cluster: dict[str, Any]) -> dict[str, Any]:
+        a = self.args
+        nodes: dict[str, Any] = {}
+        for p in self.nodes:
+            s = self.samples[p.name]
+            start, end = s.get("start", s["ready"]), s["end"]
+            nodes[p.name] = {
+                "pid": p.proc.pid if p.proc else None,
+                "rss_ready_mib": round(s["ready"]["rss"] / MIB, 1),
+                "rss_start_mib": round(start["rss"] / MIB, 1), "rss_end_mib": round(end["rss"] / MIB, 1),
+                "rss_max_mib": round(self.rss_max[p.name] / MIB, 1),
+                "rss_growth_pct": round(100.0 * (end["rss"] - start["rss"]) / start["rss"], 2),
+                "rss_shared_end_mib": round(end["shared"] / MIB, 1),
+                # Anonymous memory (RSS less file-backed pages such as mapped store segments): a leak shows here.
+                "rss_anon_start_mib": round((start["rss"] - start["shared"]) / MIB, 1),
+                "rss_anon_end_mib": round((end["rss"] - end["shared"]) / MIB, 1),
+                "rss_anon_growth_pct": round(100.0 * ((end["rss"] - end["shared"]) - (start["rss"] - start["shared"]))
+                                             / (start["rss"] - start["shared"]), 2),
+                "fds_start": int(start["fds"]), "fds_end": int(end["fds"]),
+                "threads_start": int(start["threads"]), "threads_end": int(end["threads"]),
+                "store_bytes": int(node_stats[p.name]["kvshare"]["store_bytes"]),
+                "store_disk_bytes": _dir_bytes(self.work / f"store-{p.name}"),
+                "engine_turns": int(node_stats[p.name]["engine"]["turns"]),
+            }
+        growth = max(n["rss_growth_pct"] for n in nodes.values())
+        judged = a.minutes >= GROWTH_MIN_MINUTES
+        c = cluster["counters"]
+        result: dict[str, Any] = {
+            "minutes": a.minutes, "duration_s": round(elapsed, 1), "sessions": a.sessions, "slots": a.slots,
+            "turns": load["turns"], "errors": load["errors"], "status": load["status"],
+            "error_samples": load["error_samples"], "conversations": load["conversations"],
+            "latency_p50_s": load["latency_p50_s"], "latency_p99_s": load["latency_p99_s"],
+            "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
+            "handoffs": {k: c[k] for k in ("warm", "partial", "cold", "stale_state_cold")},
+            "nodes": nodes, "store_bytes_total": sum(n["store_bytes"] for n in nodes.values()),
+            "rss_growth_max_pct": growth, "rss_anon_growth_max_pct": max(n["rss_anon_growth_pct"] for n in nodes.values()),
+            "rss_growth_judged": judged,
+        }
+        result["passed"] = load["errors"] == 0 and load["turns"] > 0 and (not judged or growth < a.max_rss_growth_pct)
+        return result
+
+
+def _human(r: dict[str, Any]) -> None:
+    print(f"soak: {r['duration_s']:.0f}s, {r['sessions']} sessions, {r['turns']} turns, {r['errors']} errors; "
+          f"latency p50 {r['latency_p50_s']}s p99 {r['latency_p99_s']}s; handoffs {r['handoffs']}")
+    for name, n in r["nodes"].items():
+        print(f"  {name}: RSS {n['rss_start_mib']} -> {n['rss_end_mib']} MiB ({n['rss_growth_pct']:+.2f}%, max "
+              f"{n['rss_max_mib']}; anon {n['rss_anon_growth_pct']:+.2f}%), fds {n['fds_start']} -> {n['fds_end']}, threads {n['threads_start']} -> "
+              f"{n['threads_end']}, store {n['store_bytes'] / MIB:.1f} MiB")
+    print(f"soak: {'PASS' if r['passed'] else 'FAIL'}"
+          + ("" if r["rss_growth_judged"] else f" (RSS growth judged only for runs of {GROWTH_MIN_MINUTES:g}+ minutes)"))
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    for k, v in {"slots": 8, "kv_scale": 0.02, "cache_mib": 256, "target_tokens": 50_000, "max_tokens": 64,
+                 "time_scale": 1.0, "max_rss_growth_pct": 5.0}.items():
+        if not hasattr(args, k):
+            setattr(args, k, v)  # the CLI sets the common ones; these have fixed defaults
+
+    async def main(work: Path) -> dict[str, Any]:
+        task = asyncio.current_task()
+        assert task is not None
+        # SIGTERM ends the run like Ctrl-C: cancel, and the finally below stops every node.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        soak = Soak(args, work)
+        try:
+            return await soak.run()
+        finally:
+            for p in soak.nodes:
+                p.stop()
+
+    with tempfile.TemporaryDirectory(prefix="kvmesh-soak-") as tmp:
+        try:
+            result = asyncio.run(main(Path(tmp)))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            print("kvmesh soak: interrupted; every node was stopped", file=sys.stderr)
+            return 130
+    if not args.json:
+        _human(result)
+    print(json.dumps(result), flush=True)
+    return 0 if result["passed"] else 1
