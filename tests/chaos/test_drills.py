@@ -1,0 +1,68 @@
+"""Fault drills (`kvmesh chaos`): kv_share faults never fail or corrupt a user's turn.
+
+Each scenario ran on a fresh three-node sim mesh under the coding-agent workload; these
+tests assert the invariants the drill measured (see node/chaos.py for how each is measured):
+0 failed turns and 0 5xx, 0 corrupt or partial replicas (every stored block re-hashed), every
+reply identical to a never-failing reference node's, no leaked temp files, every node serving
+afterwards; and that the fault really happened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def _kv_share_invariants(d: dict[str, Any]) -> None:
+    assert d["fault"].get("hit"), f"the fault was not injected: {d['fault']}"
+    assert d["corrupt_imports"] == 0, d["corrupt"]
+    assert d["blocks_rehashed"] > 0 and d["replicas_checked"] > 0, "nothing was re-hashed"
+    assert d["leaked_temp_files"] == 0, d["leaked"]
+    assert d["outputs_compared"] > 20 and not d["output_mismatches"], d["output_mismatches"]
+    assert d["serving_after"], d["serving"]
+    assert d["turns"]["load"] > 10, d["turns"]
+
+
+def _no_turn_lost(d: dict[str, Any]) -> None:
+    assert d["failed_turns"] == 0, d["error_samples"]
+    assert d["http_5xx"] == 0, d["turns"]
+
+
+@pytest.mark.parametrize("name", ["connection-cut", "bit-flip"])
+def test_proxy_fault_never_reaches_a_turn(chaos: dict[str, dict[str, Any]], name: str) -> None:
+    """Half a replica, or a flipped bit: the receiver refuses the transfer, imports nothing of it,
+    the retry lands whole and the session's next turn is warm; no turn failed."""
+    d = chaos[name]
+    _kv_share_invariants(d)
+    _no_turn_lost(d)
+    f = d["fault"]
+    assert f["injected"]["blocks_sent"] > 2 and 0 < f["injected"]["sent_index"] < f["injected"]["blocks_sent"], f
+    assert not f["migrate"]["ok"], f"the faulted transfer was reported delivered: {f['migrate']}"
+    assert f["receiver_held_after"] == f["receiver_held_before"], "a torn or corrupt transfer was imported"
+    if name == "bit-flip":
+        assert "digest" in f["receiver_refused"], f["receiver_refused"]
+    assert f["migrate_retry"]["ok"] and f["receiver_holds"] >= f["sender_holds"] // 256 * 256, f
+    assert f["next_turn"]["ok"] and f["next_turn"]["cached_tokens"] >= 0.9 * f["next_turn"]["prompt_tokens"], f
+    assert d["passed"], d["failures"]
+
+
+def test_receiver_killed_mid_transfer_kv_share_invariants(chaos: dict[str, dict[str, Any]]) -> None:
+    """The receiver dies mid-transfer and restarts: no partial replica anywhere, no temp file
+    left, the replica is delivered whole afterwards, and every answered turn is the reference's."""
+    d = chaos["receiver-killed"]
+    _kv_share_invariants(d)
+    f = d["fault"]
+    assert f["turn_in_flight_on_victim"] and f["hog_running_at_kill"], f
+    assert not f["migrate"]["ok"], f["migrate"]
+    assert f["migrate_retry"]["ok"], f["migrate_retry"]
+    assert d["checks"] == {k: True for k in d["checks"]}, d["checks"]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: a turn in flight on a host that dies is lost, not placed again: the entry node has "
+    "relayed the peer's 200 and first chunk, and node/mesh/forward.py relay() ends the stream "
+    "with an in-band peer_lost error (repro: kvmesh chaos --only receiver-killed)"))
+def test_receiver_killed_no_turn_lost(chaos: dict[str, dict[str, Any]]) -> None:
+    d = chaos["receiver-killed"]
+    _no_turn_lost(d)
