@@ -330,7 +330,7 @@ class KvmeshConsole(App[None]):
             )
         failed = sum(1 for r in results if not r.ok)
         summary = f"{action.kind}: {len(results) - failed} accepted, {failed} failed (see event log)"
-        self.notify(summary, severity="error" if failed else "information", timeout=4)
+        self.notify(summary, severity="error" if failed else "information", timeout=4, markup=False)
         self._clear_marks(action)
         self.schedule_refresh()
         return results

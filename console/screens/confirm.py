@@ -6,6 +6,7 @@ Cancel focused, so a stray Enter never drains a host.
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -35,16 +36,17 @@ class ConfirmScreen(ModalScreen[bool]):
         if len(a.targets) > MAX_LISTED:
             lines.append(f"  ... and {len(a.targets) - MAX_LISTED} more")
         with Vertical(id="confirm-dialog", classes="dialog"):
-            yield Static(a.title(), id="confirm-title", classes="dialog-title")
-            yield Static(f"{a.noun.capitalize()}:\n" + "\n".join(lines), id="confirm-targets")
+            # markup=False: host names and session ids come from the mesh, not from us
+            yield Static(a.title(), id="confirm-title", classes="dialog-title", markup=False)
+            yield Static(f"{a.noun.capitalize()}:\n" + "\n".join(lines), id="confirm-targets", markup=False)
             if a.target_host:
-                yield Static(f"Target host: {a.target_host}", id="confirm-dest")
-            yield Static(a.consequence(), id="confirm-consequence", classes="dialog-note")
+                yield Static(f"Target host: {a.target_host}", id="confirm-dest", markup=False)
+            yield Static(a.consequence(), id="confirm-consequence", classes="dialog-note", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 # compact buttons in ASCII mode: the default ones are drawn with half blocks
                 compact = self.has_class("-ascii")
                 yield Button("Cancel", id="cancel", variant="primary", compact=compact)
-                yield Button(a.title().rstrip("?"), id="confirm", variant="error", compact=compact)
+                yield Button(Text(a.title().rstrip("?")), id="confirm", variant="error", compact=compact)
 
     def on_mount(self) -> None:
         self.query_one("#cancel", Button).focus()

@@ -47,7 +47,7 @@ class HelpScreen(ModalScreen[None]):
         with VerticalScroll(id="help-dialog", classes="dialog"):
             title = "kvmesh-console keys" + ("  (read-only: mesh actions are off)" if self.readonly else "")
             yield Static(title, classes="dialog-title")
-            yield Static("\n".join(self.lines), id="help-keys")
+            yield Static("\n".join(self.lines), id="help-keys", markup=False)
             yield Static(
                 "Handoffs: WARM >= 90% of the prompt reused, PART 30-90%, COLD < 30%.\n"
                 "Freshness: fresh = replica caught up, behind = lagging (tokens, age), stale = old.\n"

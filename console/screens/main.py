@@ -133,7 +133,8 @@ class MainScreen(Screen[None]):
         self.query_one(TopBar).patch(state, palette, glyphs, theme=app.theme, utc=cfg.utc, show_clock=cfg.show_clock)
         self.query_one(HostsTable).patch(state, palette, glyphs, utc=cfg.utc, full=full)
         links = self.query_one(LinksTable)
-        links.patch(state, palette, glyphs)
+        if not state.paused or changes.full:  # sparklines move with the clock; paused is frozen
+            links.patch(state, palette, glyphs)
         if self.compact:
             self.query_one(CountersLine).patch(state, palette, glyphs, links.selected_link)
         else:

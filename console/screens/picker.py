@@ -7,6 +7,7 @@ so the operator sees why a host is missing from the choice.
 
 from __future__ import annotations
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -33,9 +34,10 @@ class TargetPicker(ModalScreen["str | None"]):
         options = []
         for name, word, ok in self.hosts:
             reason = "" if ok else ("  (current home)" if name in self.homes and len(self.homes) == 1 else f"  ({word})")
-            options.append(Option(f"{name:<12} {word}{reason}", id=name, disabled=not ok))
+            # Text, not a str: a str prompt is parsed as markup, and host names come from the mesh
+            options.append(Option(Text(f"{name:<12} {word}{reason}"), id=name, disabled=not ok))
         with Vertical(id="picker-dialog", classes="dialog"):
-            yield Static(f"Migrate {what} (home {home}) to:", id="picker-title", classes="dialog-title")
+            yield Static(f"Migrate {what} (home {home}) to:", id="picker-title", classes="dialog-title", markup=False)
             yield OptionList(*options, id="picker-list")
             yield Static("Enter picks, Esc cancels. The move is confirmed next.", classes="dialog-note")
 

@@ -129,6 +129,7 @@ class SessionsTable(KeyedTable):
         if self._styles != (palette, glyphs):
             self._styles = (palette, glyphs)
             self.forget_signatures()
+            full = True  # every row must be drawn in the new theme
         now = state.clock()
         drop = set(changes.removed_sessions)
         if full:
@@ -153,7 +154,8 @@ class SessionsTable(KeyedTable):
             self.sort_rows(self.sort_key_fn(state), reverse=self.sort_reverse)
             self._resort = False
         self.restore_cursor(cursor)
-        for sid in self.visible_keys():
+        # Ages move with the clock alone; paused means frozen, so they wait too.
+        for sid in [] if state.paused else self.visible_keys():
             s = state.sessions.get(sid)
             if s is not None:
                 self.sync_cell(sid, self.FRESH, self.fresh_cell(s, palette, glyphs, now))

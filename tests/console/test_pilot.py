@@ -408,3 +408,21 @@ async def test_clicking_a_header_sorts_sessions(clock: Clock) -> None:
         await pilot.click(SessionsTable, offset=(x, 1))  # row 1: the header, under the border
         await settle(pilot)
         assert not sessions.sort_reverse and sessions.get_row_index("s-000") == 0
+
+
+async def test_names_from_the_mesh_are_not_markup(clock: Clock) -> None:
+    """Host names with [brackets] show literally in the tables, the picker and the confirm modal."""
+    snap = make_snapshot()
+    snap.cluster.hosts[2].name = "gpu[bold]3"
+    app, state = make_app(clock, admin=FakeAdmin(), snapshot=snap)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(pilot)
+        assert "gpu[bold]3" in screen_text(app)
+        await pilot.press("m")
+        await settle(pilot, 0.05)
+        assert "gpu[bold]3" in screen_text(app)
+        await pilot.press("enter")  # hosts are in name order: "gpu[bold]3" first
+        await settle(pilot, 0.05)
+        assert isinstance(app.screen, ConfirmScreen)
+        text = screen_text(app)
+        assert "Migrate s-000 to gpu[bold]3?" in text and "Migrate s-000 to gpu[bold]3 " in text  # title, button
