@@ -18,7 +18,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import ValidationError
 
-from node.protocol import ActionResult
+from node.protocol import ActionResult, MigrateCommand
 
 TOKEN_ENV = "KVMESH_ADMIN_TOKEN"
 
@@ -83,8 +83,7 @@ class AdminClient:
         return await self._post(f"/v1/admin/hosts/{quote(host, safe='')}/undrain")
 
     async def migrate(self, session: str, target: str) -> ActionResult:
-        # "session" is redundant with the path but makes the body a valid MigrateCommand.
-        body = {"target": target, "session": session}
+        body = MigrateCommand(target=target).model_dump()  # {"target": "<host>"}
         return await self._post(f"/v1/admin/sessions/{quote(session, safe='')}/migrate", body)
 
     async def replicate(self, session: str) -> ActionResult:

@@ -307,22 +307,20 @@ class KvmeshConsole(App[None]):
         self.push_screen(screen, callback=callback)  # type: ignore[arg-type]
 
     async def execute(self, action: MeshAction) -> list[ActionResult]:
-        if self.config.readonly or self.admin is None:
+        if self.config.readonly:
             self.refuse_readonly(action.kind)
+            return []
+        if self.admin is None:
+            self.state.log_console(f"cannot {action.describe()}: no admin client", level="error", kind="action")
             return []
         self.state.log_console(f"requested {action.describe()}", kind="action")
         self.schedule_refresh()
         results = []
         for target in action.targets:
-            if action.kind == "drain":
-                res = await self.admin.drain(target)
-            elif action.kind == "undrain":
-                res = await self.admin.undrain(target)
-            elif action.kind == "migrate":
-                assert action.target_host is not None
-                res = await self.admin.migrate(target, action.target_host)
-            else:
-                res = await self.admin.replicate(target)
+            try:
+                res = await self._call_admin(action, target)
+            except Exception as exc:  # noqa: BLE001 - a failed call is a logged result, never a crash
+                res = ActionResult(ok=False, message=f"{type(exc).__name__}: {exc}"[:300])
             results.append(res)
             word = "accepted" if res.ok else "FAILED"
             self.state.log_console(
@@ -334,6 +332,17 @@ class KvmeshConsole(App[None]):
         self._clear_marks(action)
         self.schedule_refresh()
         return results
+
+    async def _call_admin(self, action: MeshAction, target: str) -> ActionResult:
+        assert self.admin is not None
+        if action.kind == "drain":
+            return await self.admin.drain(target)
+        if action.kind == "undrain":
+            return await self.admin.undrain(target)
+        if action.kind == "migrate":
+            assert action.target_host is not None
+            return await self.admin.migrate(target, action.target_host)
+        return await self.admin.replicate(target)
 
     def _clear_marks(self, action: MeshAction) -> None:
         if action.kind in ("drain", "undrain"):

@@ -39,7 +39,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-async def _run(seconds: float, sessions: int, events_per_s: float, size: tuple[int, int]) -> dict[str, Any]:
+async def _run(
+    seconds: float, sessions: int, events_per_s: float, size: tuple[int, int], warmup: float
+) -> dict[str, Any]:
     mesh = SyntheticMesh(sessions=sessions, hosts=4)
     state = ConsoleState()
 
@@ -55,7 +57,7 @@ async def _run(seconds: float, sessions: int, events_per_s: float, size: tuple[i
             await asyncio.sleep(0.05)
         await pilot.pause()
         startup_s = time.perf_counter() - t_start
-        await asyncio.sleep(WARMUP_S)
+        await asyncio.sleep(warmup)
         app.refresh_ms.clear()
         app.refresh_cpu_ms.clear()
         app.patch_ms.clear()
@@ -95,11 +97,11 @@ async def _run(seconds: float, sessions: int, events_per_s: float, size: tuple[i
 
 def run_bench(
     seconds: float = 30.0, sessions: int = 2000, events_per_s: float = 200.0, size: tuple[int, int] = (120, 40),
-    as_json: bool = False,
+    as_json: bool = False, warmup: float = WARMUP_S,
 ) -> dict[str, Any]:
     print(f"kvmesh-console bench: {sessions} sessions, {events_per_s:g} events/s, {seconds:g} s, {size[0]}x{size[1]}",
           flush=True)
-    result = asyncio.run(_run(seconds, sessions, events_per_s, size))
+    result = asyncio.run(_run(seconds, sessions, events_per_s, size, warmup))
     print(f"  events applied      {result['events_per_s']:.0f}/s")
     print(f"  cpu core fraction   {result['cpu_core_fraction']:.3f}  (goal <= 0.25)")
     print(f"  refresh p50 / p95   {result['p50_refresh_ms']:.1f} / {result['p95_refresh_ms']:.1f} ms  (goal p95 <= 100)")

@@ -51,6 +51,7 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=int, default=2000)
     p.add_argument("--events-per-s", type=float, default=200.0)
     p.add_argument("--size", default="120x40", help="terminal size WxH")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds after the snapshot before measuring")
     return p
 
 
@@ -75,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         w, _, h = bargs.size.partition("x")
         from console.bench import run_bench
 
-        run_bench(bargs.seconds, bargs.sessions, bargs.events_per_s, (int(w), int(h)), as_json=bargs.json)
+        run_bench(bargs.seconds, bargs.sessions, bargs.events_per_s, (int(w), int(h)), as_json=bargs.json,
+                  warmup=bargs.warmup)
         return 0
     for a in argv:
         if a == "--admin-token" or a.startswith("--admin-token="):

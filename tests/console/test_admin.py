@@ -42,7 +42,7 @@ async def test_admin_calls_paths_bodies_and_token(admin_server: tuple[FakeAdminS
         "/v1/admin/hosts/node-2/drain", "/v1/admin/hosts/node-2/undrain",
         "/v1/admin/sessions/s-001/migrate", "/v1/admin/sessions/s-000/replicate",
     ]
-    assert srv.requests[2]["body"]["target"] == "node-3"
+    assert srv.requests[2]["body"] == {"target": "node-3"}
     assert all(r["auth"] == f"Bearer {TOKEN}" for r in srv.requests)
     assert TOKEN not in repr(client)
 

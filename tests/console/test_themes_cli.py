@@ -120,7 +120,7 @@ def test_bench_prints_json_last_line() -> None:
     """`kvmesh-console bench --json` (shortened) ends with one JSON object carrying the five figures."""
     out = subprocess.run(
         [sys.executable, "-m", "console", "bench", "--json", "--seconds", "1.5", "--sessions", "300",
-         "--events-per-s", "100"],
+         "--events-per-s", "100", "--warmup", "0.3"],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
     result = json.loads(out.strip().splitlines()[-1])
