@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+import h11
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -23,17 +24,44 @@ HEADER_DEADLINE_S = 10.0
 
 
 class HeaderDeadlineH11(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, plus a deadline for a request's headers.
+    """uvicorn's HTTP/1.1 protocol, plus a deadline for each request's headers.
 
-    uvicorn arms its keep-alive timer only after a response, so a client that
-    connects and sends nothing (or trickles its headers) would hold the
-    connection forever. Arming the same timer at connect closes it unless the
-    request's headers are complete in time; uvicorn cancels the timer then.
+    uvicorn has no header-read timeout, and any byte cancels its keep-alive timer,
+    so a client that connects and sends nothing, or trickles its headers, would hold
+    a connection forever. Here every request must have its headers complete within
+    HEADER_DEADLINE_S of the connection opening (or of the previous response).
     """
+
+    _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self._arm_header_deadline()
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(HEADER_DEADLINE_S, self._header_deadline_passed)
+
+    def _header_deadline_passed(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE:  # still no complete request line and headers
+            self.timeout_keep_alive_handler()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._header_timer is not None and self.conn.their_state is not h11.IDLE:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
 
 
 def uvicorn_config(app: FastAPI, cfg: NodeConfig, *, host: str | None = None, port: int | None = None) -> uvicorn.Config:
