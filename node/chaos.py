@@ -94,7 +94,7 @@ STALE_S = 1.5
 # The drill holds the mesh secret, so it can pin a turn to a host the way a peer would.
 FORWARDED_HEADER = "X-Kvmesh-Forwarded"
 THROTTLE_BPS = 1.5e6  # slows a watched transfer to seconds, so a kill lands mid-stream
-HOG_TOKENS = 60_000  # a turn whose prefill keeps the sim busy 3 s: a turn surely in flight on a host
+HOG_TOKENS = 100_000  # a turn whose prefill keeps the sim busy 5 s: a turn surely in flight on a host
 TRANSFER_CHARS = 12_000  # a session big enough for a transfer of ~47 blocks
 # A kill must land before the sender has written the whole replica into its kernel buffers
 # (kvshare.socket_buffer_bytes, 4 MiB, doubled by Linux): what is written is delivered by the
@@ -794,8 +794,8 @@ class Drill:
             self.nodes[n] = NodeProcess(n, path, self.workdir, env=self.env.get(n, {}))
 
     async def start(self) -> None:
+        self._undo = CLEANUP.push(f"mesh of {self.name}", self.close)  # before the first proxy exists
         self.configure()
-        self._undo = CLEANUP.push(f"mesh of {self.name}", self.close)
         for p in self.nodes.values():
             p.start()
         for p in self.nodes.values():
@@ -1038,6 +1038,14 @@ class Scenario:
     env: Callable[[Drill], dict[str, dict[str, str]]] | None = None
 
 
+async def _wait(ev: threading.Event, timeout: float) -> bool:
+    """Wait for a proxy thread's event without a worker thread (Ctrl-C must not wait on one)."""
+    deadline = time.monotonic() + timeout
+    while not ev.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return ev.is_set()
+
+
 async def _hog(d: Drill, host: str, entry: str, seed: int) -> tuple[Conv, asyncio.Task[TurnResult], str]:
     """A session homed on `host`, whose next turn (through `entry`) spends HOG_TOKENS / prefill_tps
     seconds in prefill on `host`: a client's turn surely in flight there. Returns when it started."""
@@ -1061,10 +1069,10 @@ async def _kill_mid_transfer(d: Drill, *, victim_role: Literal["receiver", "send
     hog, hog_task, hog_host = await _hog(d, victim, entry, d.seed + 1)
     d.fault["turn_in_flight_on_victim"] = hog_host == victim
     d.start_load([n for n in NAMES if n != victim])
-    await asyncio.sleep(1.0)
-    watch = d.proxies[(src, dst)].arm(Fault("watch", big.session, at=0.1, rate_bps=THROTTLE_BPS))
+    await asyncio.sleep(0.5)
+    watch = d.proxies[(src, dst)].arm(Fault("watch", big.session, at=0.05, rate_bps=THROTTLE_BPS))
     mig = asyncio.ensure_future(d.migrate(big.session, src, dst))
-    hit = await asyncio.to_thread(watch.fired.wait, 20.0)
+    hit = await _wait(watch.fired, 20.0)
     mid_transfer, hog_running = hit and not mig.done(), not hog_task.done()  # before the kill changes them
     refused0 = await _refusals(d, dst, src)
     await d.kill(victim)

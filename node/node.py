@@ -71,8 +71,9 @@ class TurnRun:
     """A turn running on this host: the engine's event stream plus the bookkeeping around it."""
 
     def __init__(self, node: Node, req: GenerateRequest, prev_host: str | None, predicted: int | None,
-                 messages: list[dict[str, Any]]):
+                 messages: list[dict[str, Any]], seq: int):
         self.node, self.req, self.prev_host, self.predicted, self.messages = node, req, prev_host, predicted, messages
+        self.seq = seq
         self.events = cast(AsyncGenerator[TurnBegin | TextDelta | TurnDone, None], node.engine.generate(req))
         self.begin: TurnStats | None = None
         self.handoff_class: str | None = None
@@ -114,7 +115,8 @@ class Node:
     def __init__(self, cfg: NodeConfig):
         self.cfg = cfg
         self.name = cfg.name
-        self.started = time.time()
+        self.started = time.time()  # wall time, reported as such
+        self._started_mono = time.monotonic()
         self.hub = EventHub(cfg.name)
         self.engine = Engine(cfg.engine)
         self.metrics = Metrics(cfg.name)
@@ -160,11 +162,11 @@ class Node:
     # ---- turns ---------------------------------------------------------------
 
     async def prepare_turn(self, req: GenerateRequest, prev_host: str | None, predicted: int | None,
-                           messages: list[dict[str, Any]]) -> TurnRun:
+                           messages: list[dict[str, Any]], seq: int) -> TurnRun:
         """Bring the best cache this host has into the engine, then start the turn."""
         self.engine.validate(req)
         await self.kvshare.ensure_imported(req.session, np.asarray(req.prompt, dtype=np.int32))
-        run = TurnRun(self, req, prev_host, predicted, messages)
+        run = TurnRun(self, req, prev_host, predicted, messages, seq)
         await run.start()
         return run
 
@@ -188,7 +190,7 @@ class Node:
                                      mismatch_message=msg_idx if cls != "warm" else None,
                                      stale_state=stale and cls == "cold"))
             handoff = (run.prev_host, cls, stale)
-        self.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff)  # type: ignore[arg-type]
+        self.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, run.seq)  # type: ignore[arg-type]
         self.kvshare.after_turn(req.session)
 
     # ---- facts for the mesh view --------------------------------------------
@@ -301,8 +303,9 @@ class Node:
         home = self.mesh.home(session)
         if relay and home is not None and home != self.name:
             return await self._relay(home, f"/v1/peer/sessions/{session}/migrate?target={target}")
+        seq = self.mesh.next_seq(session)
         if target == self.name:
-            self.mesh.book.adopt(session)
+            self.mesh.book.adopt(session, seq)
             return ActionResult(ok=True, message=f"{session} is already homed on {target}")
         if self.engine.resident_tokens(session) == 0:
             return ActionResult(ok=False, message=f"{self.name} holds no cache of {session}")
@@ -311,7 +314,7 @@ class Node:
         ok = res.ok
         msg = f"{res.tokens} tokens now on {target}" if ok else f"replica push failed: {res.reason} {res.message}"
         if ok:
-            adopt = await self._relay(target, f"/v1/peer/sessions/{session}/adopt")
+            adopt = await self._relay(target, f"/v1/peer/sessions/{session}/adopt?seq={seq}")
             ok = adopt.ok
             if not ok:
                 msg = adopt.message
@@ -333,4 +336,4 @@ class Node:
     def health(self) -> dict[str, object]:
         s = self.engine.slots
         return {"status": "draining" if self.mesh.draining else "ok", "node": self.name, "model": self.engine.model_name,
-                "slots": s.slots, "busy": s.busy, "queued": s.queued, "uptime_s": round(time.time() - self.started, 1)}
+                "slots": s.slots, "busy": s.busy, "queued": s.queued, "uptime_s": round(time.monotonic() - self._started_mono, 1)}

@@ -123,8 +123,11 @@ class SessionHolding(_Model):
     resident_tokens: int = 0  # in this host's engine now (asked of the engine)
     store_tokens: int = 0  # in this host's replica store
     store_updated: float | None = None  # wall time the stored replica was last written
-    homed_at: float = 0.0  # wall time of the last turn here (or of a migration here)
-    last_turn_at: float = 0.0  # wall time of the last turn here
+    # Order across hosts comes from the session's turn sequence, never from hosts' clocks:
+    # the entry that places a turn numbers it one past the highest it has heard of.
+    home_seq: int = 0  # sequence of the last turn here, or of a migration here
+    turn_seq: int = 0  # sequence of the last turn here
+    last_turn_at: float = 0.0  # wall time of the last turn here (for display only)
     turns: int = 0
     moves: int = 0
     last_handoff: HandoffClass | None = None

@@ -118,11 +118,11 @@ def router(node: Node) -> APIRouter:
         return await node.host_action("undrain")
 
     @r.post("/v1/peer/sessions/{session}/adopt")
-    async def peer_adopt(session: str, request: Request) -> ActionResult:
+    async def peer_adopt(session: str, request: Request, seq: int = 0) -> ActionResult:
         require_peer(request)
         if not is_valid_session_id(session):
             raise NotFound("invalid session id")
-        node.mesh.book.adopt(session)
+        node.mesh.book.adopt(session, seq or node.mesh.next_seq(session))
         return ActionResult(ok=True, message=f"{node.name} is now home of {session}")
 
     @r.post("/v1/peer/sessions/{session}/migrate")

@@ -33,25 +33,28 @@ def _usage(stats: TurnStats) -> dict[str, Any]:
     }
 
 
-FORWARDED, PREV_HOST, PREDICTED = "X-Kvmesh-Forwarded", "X-Kvmesh-Prev-Host", "X-Kvmesh-Predicted-Reuse"
+FORWARDED, PREV_HOST, PREDICTED, TURN_SEQ = (
+    "X-Kvmesh-Forwarded", "X-Kvmesh-Prev-Host", "X-Kvmesh-Predicted-Reuse", "X-Kvmesh-Turn-Seq")
 
 
-async def _route(node: Node, session: str, prompt_tokens: int, raw_body: bytes, stream: bool) -> Response | tuple[str | None, int | None]:
+async def _route(node: Node, session: str, prompt_tokens: int, raw_body: bytes,
+                 stream: bool) -> Response | tuple[str | None, int | None, int]:
     """Place the turn. Forward it to a peer (and return the peer's response), or return
-    (previous host, predicted reuse) to run it here. A peer that fails before answering
+    (previous host, predicted reuse, turn sequence) to run it here. A peer that fails before answering
     is routed around: nothing the client sent is lost."""
     mesh = node.mesh
     if not mesh.known(session):
         await mesh.refresh(session)
     unavailable: set[str] = set()
+    seq = mesh.next_seq(session)
     while True:
         d = mesh.decide(session, prompt_tokens, unavailable=frozenset(unavailable))
         if d is None or d.host == node.name:
             # No peer can take it (or this host is best): run here, even while draining.
-            return (d.prev_host if d else mesh.last_host(session)), (d.predicted_reused if d else None)
+            return (d.prev_host if d else mesh.last_host(session)), (d.predicted_reused if d else None), seq
         peer = mesh.peers.peers[d.host]
         headers = {"content-type": "application/json", "X-Session-Id": session, FORWARDED: "1",
-                   PREDICTED: str(d.predicted_reused)}
+                   PREDICTED: str(d.predicted_reused), TURN_SEQ: str(seq)}
         if d.prev_host:
             headers[PREV_HOST] = d.prev_host
         if mesh.peer_token:
@@ -68,7 +71,7 @@ async def _route(node: Node, session: str, prompt_tokens: int, raw_body: bytes, 
             continue
         finally:
             peer.pending -= 1
-        mesh.routed[session] = (d.host, time.time())
+        mesh.routed[session] = (d.host, seq)
         return resp
 
 
@@ -114,13 +117,14 @@ def router(node: Node) -> APIRouter:
         if hdrs.get(FORWARDED) and check_peer_token(hdrs.get(PEER_HEADER), node.mesh.secrets):
             prev_host = hdrs.get(PREV_HOST) or None
             predicted = int(hdrs[PREDICTED]) if hdrs.get(PREDICTED, "").isdigit() else None
+            seq = int(hdrs[TURN_SEQ]) if hdrs.get(TURN_SEQ, "").isdigit() else node.mesh.next_seq(session)
         else:
             routed = await _route(node, session, len(prompt), await request.body(), body.stream)
             if isinstance(routed, Response):
                 return routed
-            prev_host, predicted = routed
-        run = await node.prepare_turn(greq, prev_host, predicted, messages)
-        node.mesh.routed[session] = (node.name, time.time())
+            prev_host, predicted, seq = routed
+        run = await node.prepare_turn(greq, prev_host, predicted, messages, seq)
+        node.mesh.routed[session] = (node.name, seq)
         events = run.stream()
         turn_headers = {"X-Kvmesh-Host": node.name, "X-Session-Id": session,
                         "X-Kvmesh-Handoff": run.handoff_class or "none",

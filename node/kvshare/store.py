@@ -790,13 +790,16 @@ class SegmentWriter:
         if self._committed or self._aborted:
             return
         self._aborted = True
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tmp is not None:
-            _unlink_quietly(self._tmp)
-            self._tmp = None
-        self._store._forget_empty_dir(self.session)
+        try:
+            if self._file is not None:
+                f, self._file = self._file, None
+                with contextlib.suppress(OSError):  # closing flushes a buffered tail: ENOSPC again, say
+                    f.close()
+        finally:
+            if self._tmp is not None:
+                _unlink_quietly(self._tmp)
+                self._tmp = None
+            self._store._forget_empty_dir(self.session)
 
     def _close(self, fsync: bool) -> None:
         if self._file is not None:

@@ -14,7 +14,17 @@ from typing import TYPE_CHECKING
 from node.mesh.auth import peer_token
 from node.tls import client_context
 from node.mesh.peers import PeerTable
-from node.mesh.placement import Decision, Holding, HostLoad, Policy, choose, home_of, last_host_of, predict_next
+from node.mesh.placement import (
+    Decision,
+    Holding,
+    HostLoad,
+    Policy,
+    choose,
+    home_of,
+    last_host_of,
+    next_seq,
+    predict_next,
+)
 from node.mesh.sessions import SessionBook
 from node.protocol import (
     ClusterSnapshot,
@@ -44,7 +54,7 @@ class Mesh:
         self.draining = False
         self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, node.engine.kv_bytes_per_token)
         # Where this entry node last sent each session, and when: fresher than any poll.
-        self.routed: dict[str, tuple[str, float]] = {}
+        self.routed: dict[str, tuple[str, int]] = {}  # session -> (host, turn sequence)
         self.decision_s: collections.deque[float] = collections.deque(maxlen=5000)
 
     async def start(self) -> None:
@@ -79,7 +89,7 @@ class Mesh:
         inbound, eta = n.inbound(session)
         return SessionHolding(
             session=session, resident_tokens=n.engine.resident_tokens(session), store_tokens=stored,
-            store_updated=updated, homed_at=rec.homed_at if rec else 0.0,
+            store_updated=updated, home_seq=rec.home_seq if rec else 0, turn_seq=rec.turn_seq if rec else 0,
             last_turn_at=rec.last_turn_at if rec else 0.0, turns=rec.turns if rec else 0,
             moves=rec.moves if rec else 0, last_handoff=rec.last_handoff if rec else None,
             inflight_to=n.inflight_to(session), inbound_tokens=inbound, inbound_eta_s=eta,
@@ -88,7 +98,7 @@ class Mesh:
     def holdings(self, session: str) -> dict[str, Holding]:
         out: dict[str, Holding] = {}
         mine = self.local_holding(session)
-        if mine.resident_tokens or mine.store_tokens or mine.homed_at or mine.inbound_tokens:
+        if mine.resident_tokens or mine.store_tokens or mine.home_seq or mine.inbound_tokens:
             out[self.node.name] = _holding(mine)
         for p in self.peers.peers.values():
             sh = p.sessions.get(session)
@@ -96,16 +106,18 @@ class Mesh:
                 out[p.name] = _holding(sh)
         routed = self.routed.get(session)
         if routed is not None:
-            host, ts = routed
+            host, seq = routed
             cur = out.get(host, Holding())
-            if ts > cur.last_turn_at:
-                out[host] = Holding(cur.resident, cur.stored, cur.inbound, cur.inbound_eta_s,
-                                    max(ts, cur.homed_at), ts)
+            if seq > cur.turn_seq:
+                out[host] = Holding(cur.resident, cur.stored, cur.inbound, cur.inbound_eta_s, max(seq, cur.home_seq), seq)
         return out
 
     def known(self, session: str) -> bool:
         """Whether any host is known to have run this session (as far as this node has heard)."""
-        return any(h.homed_at > 0 for h in self.holdings(session).values())
+        return any(h.home_seq > 0 for h in self.holdings(session).values())
+
+    def next_seq(self, session: str) -> int:
+        return next_seq(self.holdings(session))
 
     async def refresh(self, session: str) -> None:
         """Ask every reachable peer about one session now, rather than wait for the next poll.
@@ -184,13 +196,13 @@ class Mesh:
 
 
 def _holding(sh: SessionHolding) -> Holding:
-    return Holding(sh.resident_tokens, sh.store_tokens, sh.inbound_tokens, sh.inbound_eta_s or 0.0, sh.homed_at,
-                   sh.last_turn_at)
+    return Holding(sh.resident_tokens, sh.store_tokens, sh.inbound_tokens, sh.inbound_eta_s or 0.0, sh.home_seq,
+                   sh.turn_seq)
 
 
 def _session_info(session: str, held: dict[str, SessionHolding], now: float) -> SessionInfo:
-    home = max(held, key=lambda h: held[h].homed_at)
-    if held[home].homed_at == 0:
+    home = max(held, key=lambda h: (held[h].home_seq, h))
+    if held[home].home_seq == 0:
         home = None  # type: ignore[assignment]
     home_tokens = held[home].resident_tokens if home else 0
     others = [(max(sh.store_tokens, sh.resident_tokens), h) for h, sh in held.items() if h != home]
@@ -205,5 +217,5 @@ def _session_info(session: str, held: dict[str, SessionHolding], now: float) -> 
         replica_age_s=round(age, 2) if age is not None else None,
         last_handoff=last.last_handoff if last else None,
         turns=sum(sh.turns for sh in held.values()), moves=sum(sh.moves for sh in held.values()),
-        last_turn_at=last.homed_at if last else 0.0,
+        last_turn_at=max((sh.last_turn_at for sh in held.values()), default=0.0),
     )

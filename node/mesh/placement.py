@@ -45,8 +45,8 @@ class Holding:
     stored: int = 0
     inbound: int = 0
     inbound_eta_s: float = 0.0
-    homed_at: float = 0.0
-    last_turn_at: float = 0.0
+    home_seq: int = 0  # the session's turn sequence when it was last homed here
+    turn_seq: int = 0  # ...when its last turn ran here
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,18 @@ class Decision:
 
 def home_of(holdings: dict[str, Holding]) -> str | None:
     """The host that ran the session last (or had it migrated to it)."""
-    best = max(holdings.items(), key=lambda kv: kv[1].homed_at, default=None)
-    return best[0] if best is not None and best[1].homed_at > 0 else None
+    best = max(holdings.items(), key=lambda kv: (kv[1].home_seq, kv[0]), default=None)
+    return best[0] if best is not None and best[1].home_seq > 0 else None
 
 
 def last_host_of(holdings: dict[str, Holding]) -> str | None:
-    best = max(holdings.items(), key=lambda kv: kv[1].last_turn_at, default=None)
-    return best[0] if best is not None and best[1].last_turn_at > 0 else None
+    best = max(holdings.items(), key=lambda kv: (kv[1].turn_seq, kv[0]), default=None)
+    return best[0] if best is not None and best[1].turn_seq > 0 else None
+
+
+def next_seq(holdings: dict[str, Holding]) -> int:
+    """The sequence number of the session's next turn (or migration), as far as we know."""
+    return 1 + max((max(h.home_seq, h.turn_seq) for h in holdings.values()), default=0)
 
 
 def _estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) -> tuple[float, int]:

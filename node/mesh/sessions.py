@@ -16,8 +16,9 @@ from node.protocol import HandoffClass, HandoffCounters
 @dataclass
 class SessionRecord:
     session: str
-    homed_at: float = 0.0
-    last_turn_at: float = 0.0
+    home_seq: int = 0
+    turn_seq: int = 0
+    last_turn_at: float = 0.0  # wall time, for display
     turns: int = 0
     moves: int = 0
     last_handoff: HandoffClass | None = None
@@ -50,11 +51,14 @@ class SessionBook:
             self.records.move_to_end(session)
         return rec
 
-    def turn_served(self, session: str, prompt_tokens: int, handoff: tuple[str, HandoffClass, bool] | None) -> SessionRecord:
+    def turn_served(self, session: str, prompt_tokens: int, handoff: tuple[str, HandoffClass, bool] | None,
+                    seq: int) -> SessionRecord:
         """Record a turn that ran here; `handoff` = (previous host, class, stale_state) when it moved."""
         rec = self.get(session)
         rec.turns += 1
-        rec.homed_at = rec.last_turn_at = time.time()
+        rec.turn_seq = max(seq, rec.turn_seq + 1)
+        rec.home_seq = max(rec.home_seq, rec.turn_seq)
+        rec.last_turn_at = time.time()
         rec.last_prompt_tokens = prompt_tokens
         if handoff is not None:
             src, cls, stale = handoff
@@ -67,6 +71,7 @@ class SessionBook:
             setattr(lc, cls, getattr(lc, cls) + 1)
         return rec
 
-    def adopt(self, session: str) -> None:
+    def adopt(self, session: str, seq: int) -> None:
         """Make this host the session's home (a migration landed here)."""
-        self.get(session).homed_at = time.time()
+        rec = self.get(session)
+        rec.home_seq = max(rec.home_seq, seq)

@@ -167,11 +167,6 @@ def test_wall_clock_check_finds_wall_durations_only(tmp_path: Path) -> None:
     assert found == {("age", "duration"), ("newest", "ordering")}, found
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: wall clock for durations and cross-host order: node/node.py health() uptime_s = time.time() - "
-    "started; node/mesh/placement.py home_of/last_host_of and node/mesh/mesh.py holdings/_session_info order "
-    "hosts by their own time.time() stamps, so a host whose clock is ahead keeps every session it served "
-    "(a migrate away from it does not move the home; repro: kvmesh chaos --only clock-jump)"))
 def test_node_uses_monotonic_clocks_for_durations_and_order() -> None:
     bad = [f for f in wall_clock_findings(Path(__file__).resolve().parents[2] / "node") if not f["allowed"]]
     assert not bad, "\n".join(f"{f['file']}:{f['line']} {f['function']}: {f['expr']}" for f in bad)
@@ -191,10 +186,6 @@ def tiny_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: node/kvshare/store.py SegmentWriter.abort() sets _aborted, then self._file.close() re-raises the "
-    "ENOSPC of the buffered tail before the temp file is unlinked; later abort() calls are no-ops, so "
-    "'~seg.*.tmp' (and its uncommitted session dir) stay until the next restart (repro: kvmesh chaos --only disk-full)"))
 def test_full_disk_leaves_no_temp_segment(tiny_tmpfs: Path) -> None:
     """Writes that hit ENOSPC at every point of one 100 KiB block: no temp segment may stay."""
     bb = 102400
