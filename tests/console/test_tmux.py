@@ -26,6 +26,7 @@ class Tmux:
 
     def __init__(self) -> None:
         self.socket = f"kvmesh-console-test-{uuid.uuid4().hex[:8]}"
+        self.socket_path: str | None = None
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, check=check,
@@ -49,6 +50,8 @@ class Tmux:
 
     def kill(self) -> None:
         self.run("kill-server", check=False)
+        if self.socket_path:  # kill-server leaves the socket file behind
+            Path(self.socket_path).unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -66,6 +69,7 @@ def test_console_in_tmux_shows_hosts_counters_and_answers_keys(node: FakeEventsS
     cmd = f"{sys.executable} -m console --node {url} --readonly --utc --no-discover"
     try:
         tmux.run("new-session", "-d", "-s", "console", "-x", "80", "-y", "24", "-c", str(REPO), cmd)
+        tmux.socket_path = tmux.run("display-message", "-p", "#{socket_path}").stdout.strip() or None
         screen = tmux.wait_for(lambda s: "node-3" in s and "WARM 50" in s)
         for text in ("node-1", "node-2", "RO", "nodes 1/1", "PART 1", "COLD 1", "s-000"):
             assert text in screen, text
