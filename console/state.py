@@ -16,9 +16,12 @@ Rules this model keeps:
   snapshot's watermark (`SnapshotEvent.seq` from the same node, when the node
   sets it). Applying them again would double-count handoffs and roll hosts back
   to older values.
-- "Latest value" fields (a host's status, a session's home) only move forward in
-  event time, so an event that arrives late cannot overwrite newer state; counts
-  (handoffs, turns) are commutative and always applied.
+- "Latest value" fields (a host's status, a session's home) never go backwards
+  within one node's stream: an event with a lower seq than the last one applied
+  from the same node is late and does not overwrite newer state. Across nodes the
+  order is arrival order, never the hosts' clocks (they can be skewed by seconds;
+  the streams are live to within milliseconds). Counts (handoffs, turns) are
+  commutative and always applied.
 - While paused, events queue in arrival order and are applied in that order on
   resume; nothing is dropped. Connection status is not queued: it is about the
   console's own sockets, and an operator must see a node go away even when paused.
@@ -98,11 +101,17 @@ def normalize_url(url: str) -> str:
     return f"{scheme.lower()}://{host.lower()}{sep}{path}"
 
 
+def _is_late(last: tuple[str, int], ev: Event) -> bool:
+    """Same node, lower seq than what was applied last: a late event (clocks are not consulted)."""
+    return bool(ev.seq) and ev.node == last[0] and ev.seq < last[1]
+
+
 @dataclass(slots=True)
 class HostRow:
     name: str
     info: HostInfo
-    ts: float = 0.0  # event time of the data in `info`; older updates are ignored
+    ts: float = 0.0  # wall time of the data in `info` (display: "missing since")
+    last: tuple[str, int] = ("", 0)  # (node, seq) of the last event applied to this row
     drain_done: int = 0
     drain_total: int = 0
     missing: bool = False  # absent from the latest snapshot: kept on screen, shown stale
@@ -121,7 +130,7 @@ class SessionRow:
     turns: int = 0
     moves: int = 0
     last_turn_at: float = 0.0
-    ts: float = 0.0  # event time of the last "latest value" update
+    last: tuple[str, int] = ("", 0)  # (node, seq) of the last "latest value" update
     active: bool = False  # a turn is running now
     migrating_to: str | None = None
 
@@ -135,7 +144,7 @@ class SessionRow:
             replica_host=info.replica_host, replica_tokens=info.replica_tokens,
             replica_behind_tokens=info.replica_behind_tokens, replica_at=replica_at,
             last_handoff=info.last_handoff, turns=info.turns, moves=info.moves,
-            last_turn_at=info.last_turn_at, ts=snap_ts,
+            last_turn_at=info.last_turn_at,
         )
 
     def freshness(self, now: float) -> tuple[Freshness, float | None]:
@@ -159,6 +168,7 @@ class LinkRow:
     last_transfer_s: float | None = None
     last_transfer_bytes: int | None = None
     last_transfer_at: float | None = None
+    last: tuple[str, int] = ("", 0)  # (node, seq) of the last transfer applied
     goodput_gbps: float | None = None
     snap_bps: float = 0.0  # throughput the node reported in the last snapshot
     snap_ts: float = 0.0
@@ -488,6 +498,7 @@ class ConsoleState:
                 row.info = info
                 row.ts = ts
                 row.missing = False
+                row.last = ("", 0)  # the snapshot is the new baseline (its node may have restarted)
             if info.api:
                 self._maybe_discover(info)
         for name, row in self.hosts.items():
@@ -551,18 +562,25 @@ class ConsoleState:
             s.replica_tokens = s.replica_behind_tokens = 0
             s.replica_at = None
 
+    @staticmethod
+    def _advance(row: SessionRow | HostRow | LinkRow, ev: Event) -> bool:
+        """True (and remember the event) unless it is late within its node's stream."""
+        if _is_late(row.last, ev):
+            return False
+        if ev.seq:
+            row.last = (ev.node, ev.seq)
+        return True
+
     def _on_turn_started(self, ev: TurnStarted) -> None:
         s = self._session(ev.session)
-        if ev.ts >= s.ts:
-            s.ts = ev.ts
+        if self._advance(s, ev):
             self._move_home(s, ev.host)
             s.active = True
 
     def _on_turn_finished(self, ev: TurnFinished) -> None:
         s = self._session(ev.session)
         s.turns += 1
-        if ev.ts >= s.ts:
-            s.ts = ev.ts
+        if self._advance(s, ev):
             self._move_home(s, ev.host)
             s.active = False
             s.last_turn_at = ev.ts
@@ -586,8 +604,7 @@ class ConsoleState:
         setattr(link, ev.cls, getattr(link, ev.cls) + 1)
         s = self._session(ev.session)
         s.moves += 1
-        if ev.ts >= s.ts:
-            s.ts = ev.ts
+        if self._advance(s, ev):
             s.last_handoff = ev.cls
             self._move_home(s, ev.dst)
 
@@ -595,7 +612,7 @@ class ConsoleState:
         link = self._link(ev.src, ev.dst)
         link.bytes_sent += ev.bytes
         link.transfers += 1
-        if link.last_transfer_at is None or ev.ts >= link.last_transfer_at:
+        if self._advance(link, ev):
             link.last_transfer_at = ev.ts
             link.last_transfer_s = ev.seconds
             link.last_transfer_bytes = ev.bytes
@@ -604,10 +621,10 @@ class ConsoleState:
 
     def _on_replica_ready(self, ev: ReplicaReady) -> None:
         s = self._session(ev.session)
-        if s.replica_at is None or ev.ts >= s.replica_at:
+        if self._advance(s, ev):
             s.replica_host = ev.dst
             s.replica_tokens = ev.tokens
-            s.replica_at = ev.ts
+            s.replica_at = ev.ts  # the replica's age is shown in the receiving host's clock
             s.replica_behind_tokens = max(0, s.resident_tokens - ev.tokens)
 
     def _on_replica_imported(self, ev: ReplicaImported) -> None:
@@ -631,10 +648,10 @@ class ConsoleState:
     def _on_host_status(self, ev: HostStatus) -> None:
         row = self.hosts.get(ev.host.name)
         if row is None:
-            self.hosts[ev.host.name] = HostRow(name=ev.host.name, info=ev.host, ts=ev.ts)
+            self.hosts[ev.host.name] = HostRow(name=ev.host.name, info=ev.host, ts=ev.ts, last=(ev.node, ev.seq))
             self._changes.hosts.add(ev.host.name)
             return
-        if ev.ts >= row.ts:
+        if self._advance(row, ev):
             row.info = ev.host
             row.ts = ev.ts
             row.missing = False
@@ -642,9 +659,8 @@ class ConsoleState:
 
     def _on_peer(self, ev: PeerUp | PeerDown) -> None:
         row = self._host(ev.peer)
-        if row is not None and ev.ts >= row.ts:
+        if row is not None and self._advance(row, ev):
             row.info.reachable = isinstance(ev, PeerUp)
-            row.ts = ev.ts
 
     def _on_drain_started(self, ev: DrainStarted) -> None:
         row = self._host(ev.host)
@@ -677,8 +693,7 @@ class ConsoleState:
         s.migrating_to = None
         if ev.ok:
             s.moves += 1
-            if ev.ts >= s.ts:
-                s.ts = ev.ts
+            if self._advance(s, ev):
                 self._move_home(s, ev.dst)
 
     # ---- event log -----------------------------------------------------------------
@@ -793,6 +808,7 @@ class ConsoleState:
 
 
 def _link_from_info(row: LinkRow, info: LinkInfo, ts: float) -> None:
+    row.last = ("", 0)  # the snapshot is the new baseline
     row.bytes_sent = info.bytes_sent
     row.transfers = info.transfers
     row.last_transfer_s = info.last_transfer_s

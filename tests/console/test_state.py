@@ -99,7 +99,7 @@ def test_reconnect_rebuilds_from_new_snapshot(clock: Clock) -> None:
 
 
 def test_out_of_order_events_do_not_roll_back(state: ConsoleState) -> None:
-    """A late, older event cannot overwrite newer state; counts still add up; the log stays in time order."""
+    """A late event (lower seq from the same node) cannot overwrite newer state; counts add up; log in time order."""
     state.node_connected(NODE1)
     state.feed(NODE1, make_snapshot())
     newer = HostStatus(ts=T0 + 20, node="node-2", seq=3, host=host("node-2", 2, busy=3))
@@ -263,3 +263,15 @@ def test_replica_consumed_when_session_moves_onto_it(state: ConsoleState) -> Non
     state.feed(NODE1, handoff(seq=1, session="s-000", src="node-1", dst="node-2"))
     assert (s.home, s.replica_host) == ("node-2", None)
     assert s.freshness(state.clock())[0] == "none"
+
+
+def test_skewed_host_clocks_do_not_block_updates(state: ConsoleState) -> None:
+    """Across nodes the order is arrival, never the hosts' clocks: a host 60 s behind still moves the session."""
+    state.node_connected(NODE1)
+    state.feed(NODE1, make_snapshot())
+    state.feed(NODE1, handoff(seq=5, node="node-3", ts=T0 + 100, session="s-001", src="node-2", dst="node-3"))
+    state.feed(NODE1, handoff(seq=7, node="node-1", ts=T0 + 40, session="s-001", src="node-3", dst="node-1"))
+    assert state.sessions["s-001"].home == "node-1"
+    state.feed(NODE1, HostStatus(ts=T0 + 1, node="node-2", seq=9, host=host("node-2", 2, busy=4)))
+    state.feed(NODE1, HostStatus(ts=T0 - 50, node="node-2", seq=10, host=host("node-2", 2, busy=2)))
+    assert state.hosts["node-2"].info.busy == 2, "node-2's own stream is ordered by seq, its clock stepped back"
