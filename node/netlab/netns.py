@@ -22,8 +22,8 @@ LINK_MBIT = {"1gbit": 1000.0, "10gbit": 10000.0}
 
 
 def tbf_args(rate_mbit: float) -> list[str]:
-    """tbf rate and a burst worth ~10 ms at that rate (never below 64 KiB)."""
-    burst = max(64 << 10, int(rate_mbit * 1e6 / 8 / 100))
+    """tbf rate and a burst worth ~10 ms at that rate (never below 512 KiB: GSO segments are up to 64 KiB)."""
+    burst = max(512 << 10, int(rate_mbit * 1e6 / 8 / 100))  # above a 64 KiB GSO segment, with room
     return ["rate", f"{rate_mbit:g}mbit", "burst", str(burst), "latency", "20ms"]
 
 
