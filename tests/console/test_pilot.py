@@ -30,8 +30,16 @@ def log_texts(app) -> list[str]:  # type: ignore[no-untyped-def]
     return [e.text for e in app.state.log]
 
 
-async def settle(pilot, seconds: float = 0.25) -> None:  # type: ignore[no-untyped-def]
-    await pilot.pause(seconds)
+async def settle(pilot, seconds: float = 0.0) -> None:  # type: ignore[no-untyped-def]
+    """Let queued messages run, finish any admin call in flight, then refresh the view now (not on the timer)."""
+    app = pilot.app
+    await pilot.pause()
+    admin = [w for w in app.workers if w.group == "admin"]
+    if admin:
+        await app.workers.wait_for_complete(admin)
+    if seconds:
+        await pilot.pause(seconds)
+    app.refresh_view()
     await pilot.pause()
 
 
@@ -42,13 +50,13 @@ async def test_drain_confirm_cancel_makes_no_call(clock: Clock) -> None:
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("h", "down", "d")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert isinstance(app.screen, ConfirmScreen)
         assert app.screen.action_spec.targets == ("node-2",)
         assert "Drain node-2?" in str(app.screen.query_one("#confirm-title").render())
         assert isinstance(app.focused, Button) and app.focused.id == "cancel"
         await pilot.press("enter")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert isinstance(app.screen, MainScreen)
         assert admin.calls == []
         assert any("cancelled drain node-2" in t for t in log_texts(app))
@@ -62,7 +70,7 @@ async def test_drain_confirm_sends_and_progress_lands_in_log(clock: Clock) -> No
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("h", "down", "d")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         await pilot.press("right", "enter")
         await settle(pilot)
         assert admin.calls == [("drain", "node-2")]
@@ -99,14 +107,14 @@ async def test_migrate_picker_then_confirm(clock: Clock) -> None:
         await settle(pilot)
         # s-001 is homed on node-2
         await pilot.press("down", "m")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         picker = app.screen
         assert isinstance(picker, TargetPicker)
         assert picker.sessions == ["s-001"]
         options = {name: ok for name, _, ok in picker.hosts}
         assert options == {"node-1": True, "node-2": False, "node-3": True}
         await pilot.press("down", "enter")  # node-1 highlighted first; down skips disabled node-2
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert isinstance(app.screen, ConfirmScreen)
         assert app.screen.action_spec.target_host == "node-3"
         assert app.focused is not None and app.focused.id == "cancel"
@@ -131,9 +139,9 @@ async def test_migrate_picker_escape_cancels(clock: Clock) -> None:
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("m")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         await pilot.press("escape")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert isinstance(app.screen, MainScreen)
         assert admin.calls == []
 
@@ -147,14 +155,14 @@ async def test_readonly_hides_and_refuses_actions(clock: Clock) -> None:
         assert " RO " in str(app.main.query_one(TopBar).render())
         for key in ("d", "u", "m", "r"):
             await pilot.press("h" if key in "du" else "1", key)
-            await settle(pilot, 0.05)
+            await settle(pilot)
             assert isinstance(app.screen, MainScreen), f"{key} must not open anything in read-only mode"
         shown = {ab.binding.action for ab in app.screen.active_bindings.values() if ab.binding.show}
         assert not shown & {"drain", "undrain", "migrate", "replicate"}
         names = [name for name, _, _ in app.palette_commands(include_sessions=True)]
         assert not any(n.split()[0] in ("drain", "undrain", "migrate", "replicate") for n in names)
         app.request_action("drain", ["node-1"])
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert isinstance(app.screen, MainScreen)
         assert any("refused drain" in t for t in log_texts(app))
 
@@ -169,10 +177,10 @@ async def test_filter_narrows_sessions_and_escape_clears(clock: Clock) -> None:
         await pilot.press("slash")
         assert isinstance(app.focused, Input)
         await pilot.press(*"cold")
-        await settle(pilot)
+        await settle(pilot, 0.2)  # the filter is debounced
         assert set(sessions.shown_keys()) == {"s-003"}
         await pilot.press("escape")
-        await settle(pilot)
+        await settle(pilot, 0.2)
         assert sessions.row_count == 6
         assert isinstance(app.focused, SessionsTable)
 
@@ -227,7 +235,7 @@ async def test_space_marks_rows_for_a_batch_action(clock: Clock) -> None:
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("space", "down", "space", "r")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert isinstance(app.screen, ConfirmScreen)
         assert app.screen.action_spec.targets == ("s-000", "s-002")
         await pilot.press("right", "enter")
@@ -241,7 +249,7 @@ async def test_help_lists_every_key(clock: Clock) -> None:
     app, state = make_app(clock, snapshot=make_snapshot())
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("question_mark")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert isinstance(app.screen, HelpScreen)
         text = "\n".join(app.screen.lines)
         for binding in MainScreen.BINDINGS:
@@ -259,7 +267,7 @@ async def test_theme_cycles_through_console_themes(clock: Clock) -> None:
         seen = [app.theme]
         for _ in range(3):
             await pilot.press("t")
-            await settle(pilot, 0.05)
+            await settle(pilot)
             seen.append(app.theme)
         assert seen == ["kvmesh-dark", "kvmesh-light", "kvmesh-cb", "kvmesh-dark"]
 
@@ -271,7 +279,7 @@ async def test_command_palette_drain_by_name_goes_through_confirm(clock: Clock) 
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("ctrl+p")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         await pilot.press(*"drain node-3")
         await settle(pilot, 0.5)
         await pilot.press("enter")
@@ -279,7 +287,7 @@ async def test_command_palette_drain_by_name_goes_through_confirm(clock: Clock) 
         assert isinstance(app.screen, ConfirmScreen)
         assert app.screen.action_spec.kind == "drain" and app.screen.action_spec.targets == ("node-3",)
         await pilot.press("escape")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert admin.calls == []
 
 
@@ -309,10 +317,10 @@ async def test_compact_and_large_layouts(clock: Clock) -> None:
         assert main.has_class("-compact")
         assert main.query_one("#sessions").display and not main.query_one("#counters").display
         await pilot.press("2")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert main.query_one("#links").region.height > 0 and main.query_one("#sessions").region.height == 0
         await pilot.press("3")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert main.query_one("#events").region.height > 0
         await pilot.resize_terminal(120, 40)  # type: ignore[attr-defined]
         await settle(pilot)
@@ -343,13 +351,13 @@ async def test_ascii_mode_draws_only_ascii(clock: Clock) -> None:
         await settle(pilot)
         shots = {"compact": screen_text(app)}
         await pilot.press("h", "d")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         shots["confirm"] = screen_text(app)
         await pilot.press("escape", "1", "m")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         shots["picker"] = screen_text(app)
         await pilot.press("escape", "question_mark")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         shots["help"] = screen_text(app)
         await pilot.press("escape")
         await pilot.resize_terminal(120, 40)  # type: ignore[attr-defined]
@@ -390,7 +398,7 @@ async def test_event_log_scope_order_and_type_filter(clock: Clock) -> None:
         kinds = [e.kind for e in log.entries]
         assert kinds.index("handoff") > kinds.index("drain_started")
         await pilot.press("slash", *"drain_")
-        await settle(pilot)
+        await settle(pilot, 0.2)
         assert [e.kind for e in log.entries] == ["drain_started"]
 
 
@@ -419,10 +427,10 @@ async def test_names_from_the_mesh_are_not_markup(clock: Clock) -> None:
         await settle(pilot)
         assert "gpu[bold]3" in screen_text(app)
         await pilot.press("m")
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert "gpu[bold]3" in screen_text(app)
         await pilot.press("enter")  # hosts are in name order: "gpu[bold]3" first
-        await settle(pilot, 0.05)
+        await settle(pilot)
         assert isinstance(app.screen, ConfirmScreen)
         text = screen_text(app)
         assert "Migrate s-000 to gpu[bold]3?" in text and "Migrate s-000 to gpu[bold]3 " in text  # title, button
