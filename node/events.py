@@ -48,10 +48,14 @@ class EventHub:
         self._subs: set[Subscription] = set()
         self._clock = clock
         self._listeners: list[Callable[[Event], None]] = []
+        self.epoch = clock()
+        self.last_seq = 0
 
     def publish(self, ev: Event) -> Event:
         """Stamp (node, seq, ts) and deliver; never blocks."""
-        ev = ev.model_copy(update={"node": self.node, "seq": next(self._seq), "ts": ev.ts or self._clock()})
+        self.last_seq = next(self._seq)
+        ev = ev.model_copy(update={"node": self.node, "epoch": self.epoch, "seq": self.last_seq,
+                                   "ts": ev.ts or self._clock()})
         if ev.type != "host_status":  # periodic status is coalesced: only the latest matters, not the history
             self.ring.append(ev)
         for sub in list(self._subs):
@@ -61,8 +65,9 @@ class EventHub:
         return ev
 
     def stamp(self, ev: Event) -> Event:
-        """Stamp node and time without publishing (a per-consumer snapshot is not history)."""
-        return ev.model_copy(update={"node": self.node, "ts": self._clock()})
+        """Stamp a per-consumer snapshot without publishing it (it is not history): its seq is
+        the last event it already reflects, so a consumer knows which replayed events are newer."""
+        return ev.model_copy(update={"node": self.node, "epoch": self.epoch, "seq": self.last_seq, "ts": self._clock()})
 
     def on_publish(self, fn: Callable[[Event], None]) -> None:
         """In-process listener (metrics, counters): called synchronously for every event."""

@@ -157,7 +157,8 @@ class _Event(_Model):
     v: int = PROTOCOL_VERSION
     ts: float = 0.0
     node: str = ""
-    seq: int = 0
+    epoch: float = 0.0  # the emitting process's start (wall time): (node, epoch, seq) survives restarts
+    seq: int = 0  # for a snapshot: the last event the snapshot already reflects
     replay: bool = False
 
 
