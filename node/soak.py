@@ -67,12 +67,15 @@ class Soak:
         self.nodes: list[NodeProcess] = []
         self.samples: dict[str, dict[str, dict[str, float]]] = {}  # node -> phase -> sample
         self.rss_max: dict[str, float] = {}
+        self.series: dict[str, list[tuple[float, float, float]]] = {}  # node -> (t, anon RSS, fds)
+        self.t0 = time.monotonic()
 
     def take(self, phase: str) -> None:
         for p in self.nodes:
             s = _sample(p)
             self.samples.setdefault(p.name, {})[phase] = s
             self.rss_max[p.name] = max(self.rss_max.get(p.name, 0.0), s["rss"])
+            self.series.setdefault(p.name, []).append((time.monotonic() - self.t0, s["rss"] - s["shared"], s["fds"]))
 
     async def _watch(self, every_s: float, stop: asyncio.Event) -> None:
         """Sample periodically, so a peak between start and end is seen too."""
@@ -95,7 +98,8 @@ class Soak:
         shape = LoadShape(sessions=a.sessions, target_tokens=a.target_tokens, max_tokens=a.max_tokens, seed=a.seed)
         runner = LoadRunner([n.api for n in self.nodes], shape, time_scale=a.time_scale)
         stop = asyncio.Event()
-        t0 = time.monotonic()
+        t0 = self.t0 = time.monotonic()
+        self.series.clear()
         load = asyncio.ensure_future(runner.run(duration))
         watch = asyncio.ensure_future(self._watch(10.0, stop))
         try:
@@ -115,6 +119,9 @@ class Soak:
             await asyncio.sleep(1.0)  # a couple of status polls: every node's counters are in the view
             cluster = (await http.get(f"{self.nodes[0].api}/v1/cluster")).json()
         return self.report(stats.summary(), elapsed, node_stats, cluster)
+
+    def _trend(self, name: str) -> dict[str, Any]:
+        return _trend_of(self.series.get(name, []))
 
     def report(self, load: dict[str, Any], elapsed: float, node_stats: dict[str, Any],
                cluster: dict[str, Any]) -> dict[str, Any]:
@@ -140,6 +147,7 @@ class Soak:
                 "store_bytes": int(node_stats[p.name]["kvshare"]["store_bytes"]),
                 "store_disk_bytes": _dir_bytes(self.work / f"store-{p.name}"),
                 "engine_turns": int(node_stats[p.name]["engine"]["turns"]),
+                **self._trend(p.name),
             }
         growth = max(n["rss_growth_pct"] for n in nodes.values())
         judged = a.minutes >= GROWTH_MIN_MINUTES
@@ -168,6 +176,30 @@ def _human(r: dict[str, Any]) -> None:
               f"{n['threads_end']}, store {n['store_bytes'] / MIB:.1f} MiB")
     print(f"soak: {'PASS' if r['passed'] else 'FAIL'}"
           + ("" if r["rss_growth_judged"] else f" (RSS growth judged only for runs of {GROWTH_MIN_MINUTES:g}+ minutes)"))
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (x, y) points (0 with fewer than 3)."""
+    if len(points) < 3:
+        return 0.0
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    den = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / den if den else 0.0
+
+
+def _trend_of(series: list[tuple[float, float, float]]) -> dict[str, Any]:
+    """Anonymous RSS and fds at each quarter of the run, and their slope over its second half:
+    a leak keeps climbing there, a warm-up has flattened out."""
+    if not series:
+        return {}
+    end = series[-1][0]
+    quarters = [min(series, key=lambda s: abs(s[0] - end * q / 4)) for q in (1, 2, 3, 4)]
+    half = [s for s in series if s[0] >= end / 2]
+    return {"rss_anon_quarters_mib": [round(s[1] / MIB, 1) for s in quarters],
+            "fds_quarters": [int(s[2]) for s in quarters],
+            "rss_anon_slope_second_half_mib_per_min": round(_slope([(t / 60, a / MIB) for t, a, _ in half]), 3),
+            "fds_slope_second_half_per_min": round(_slope([(t / 60, f) for t, _, f in half]), 2)}
 
 
 def run_soak(args: argparse.Namespace) -> int:
