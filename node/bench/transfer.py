@@ -28,8 +28,11 @@ from node.bench.handoff import wait_peers
 from node.bench import rawtcp
 from node.bench.workload import text
 from node.launcher import NodeProcess, mesh_configs
+from node.mesh.auth import PEER_HEADER, peer_token
+from node.netlab.mesh import LAB_SECRET
 
 BLOCK = 256
+_PEER_TOKEN = peer_token(LAB_SECRET.encode())  # the lab's secret; loopback meshes have none and accept any
 BASE_BLOCKS = 8
 
 
@@ -45,7 +48,9 @@ EXTRA = {"kvshare": {"replicate_min_tokens": 0, "persist_own": False, "fsync": "
 
 
 def _turn(api: str, session: str, messages: list[dict[str, str]]) -> str:
-    r = httpx.post(f"{api}/v1/chat/completions", headers={"X-Session-Id": session}, timeout=120,
+    """A turn that runs on this very node (peer-forwarded), whatever placement would pick."""
+    headers = {"X-Session-Id": session, "X-Kvmesh-Forwarded": "1", PEER_HEADER: _PEER_TOKEN}
+    r = httpx.post(f"{api}/v1/chat/completions", headers=headers, timeout=120,
                    json={"model": "kvmesh-sim", "messages": messages, "max_tokens": 2, "temperature": 0})
     r.raise_for_status()
     return str(r.json()["choices"][0]["message"]["content"])
