@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# The scenarios the suite runs: both proxy faults and a killed node (~80 s on 2 cores).
-SUITE = ("connection-cut", "bit-flip", "receiver-killed")
+# The scenarios the suite runs: both proxy faults, a killed node, an engine that drops every
+# cache at once (~100 s on 2 cores).
+SUITE = ("connection-cut", "bit-flip", "receiver-killed", "evict-all")
 
 
 def run_cli(*args: str, timeout: float) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
