@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import threading
@@ -71,7 +72,18 @@ def _print_counters(api: str, stop_after: float | None) -> None:
                   f"{pct}  {hosts}", flush=True)
 
 
+def _interrupt_on(*signums: int) -> None:
+    """SIGTERM or a hang-up (the SSH session or tmux window closing) stops the demo like
+    Ctrl-C does, so its nodes, which run in sessions of their own, are stopped too."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for s in signums:
+        signal.signal(s, handler)
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    _interrupt_on(signal.SIGTERM, signal.SIGHUP)
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp:
         work = Path(tmp)

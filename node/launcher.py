@@ -7,6 +7,7 @@ signalled, by their own PID.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -50,6 +51,16 @@ def write_toml(path: Path, data: dict[str, Any]) -> None:
     table("", data)
     path.write_text("\n".join(lines) + "\n")
     tomllib.loads(path.read_text())  # what we wrote must read back
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux), so a
+    demo or benchmark killed by a hang-up or SIGKILL never leaves nodes behind."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -113,7 +124,7 @@ class NodeProcess:
                "--ready-file", str(self.ready_file)]
         log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         return self
 

@@ -163,9 +163,11 @@ class Node:
 
     async def prepare_turn(self, req: GenerateRequest, prev_host: str | None, predicted: int | None,
                            messages: list[dict[str, Any]], seq: int) -> TurnRun:
-        """Bring the best cache this host has into the engine, then start the turn."""
+        """Start the turn; once it holds its slot, the engine is brought up to the best cache
+        this host has (a stored replica imported), so no eviction can slip in between."""
         self.engine.validate(req)
-        await self.kvshare.ensure_imported(req.session, np.asarray(req.prompt, dtype=np.int32))
+        prompt = np.asarray(req.prompt, dtype=np.int32)
+        req.prepare = lambda: self.kvshare.ensure_imported(req.session, prompt)
         run = TurnRun(self, req, prev_host, predicted, messages, seq)
         await run.start()
         return run

@@ -11,7 +11,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +40,9 @@ class GenerateRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Awaited once the slot and the session are held, just before the cache is matched:
+    # the node imports a stored replica here, so nothing can evict it in between.
+    prepare: Callable[[], Awaitable[object]] | None = None
 
 
 @dataclass
@@ -283,6 +286,8 @@ class Engine:
         self._locks[req.session] = (lock, users + 1)
         try:
             async with lock:
+                if req.prepare is not None:
+                    await req.prepare()
                 async for ev in self._turn(slot, req, tokens, t0):
                     yield ev
         finally:
