@@ -103,6 +103,8 @@ class NodeProcess:
     workdir: Path
     env: dict[str, str] = field(default_factory=dict)
     prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", "ns1"]
+    cli_args: list[str] = field(default_factory=list)  # `kvmesh` options before `node`, e.g. --log-level
+    inherit_env: bool = True  # False: the child gets `env` only
     proc: subprocess.Popen[bytes] | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -118,12 +120,17 @@ class NodeProcess:
     def api(self) -> str:
         return str(self.info["api"])
 
+    @property
+    def kvshare(self) -> str:
+        return str(self.info["kvshare"])
+
     def start(self) -> NodeProcess:
         self.ready_file.unlink(missing_ok=True)
-        cmd = [*self.prefix, sys.executable, "-m", "node.cli", "node", "--config", str(self.config),
+        cmd = [*self.prefix, sys.executable, "-m", "node.cli", *self.cli_args, "node", "--config", str(self.config),
                "--ready-file", str(self.ready_file)]
+        env = {**os.environ, **self.env} if self.inherit_env else dict(self.env)
         log = open(self.log_file, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         return self

@@ -13,12 +13,8 @@ Every server, process, socket and thread started here is stopped by its owner.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +29,7 @@ import uvicorn
 from node.server import uvicorn_config
 
 from node.config import NodeConfig
-from node.launcher import free_port, write_toml
+from node.launcher import NodeProcess, free_port, write_toml
 from node.mesh.auth import PEER_HEADER, peer_token
 
 MODEL = "kvmesh-sim"
@@ -177,74 +173,15 @@ def stop_server(srv: Server) -> None:
 # ---- real node processes -----------------------------------------------------------------------------------
 
 
-@dataclass
-class Proc:
-    name: str
-    config: Path
-    workdir: Path
-    proc: subprocess.Popen[bytes] | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def log_file(self) -> Path:
-        return self.workdir / f"{self.name}.log"
-
-    @property
-    def ready_file(self) -> Path:
-        return self.workdir / f"{self.name}.ready.json"
-
-    @property
-    def api(self) -> str:
-        return str(self.info["api"])
-
-    @property
-    def kvshare(self) -> str:
-        return str(self.info["kvshare"])
-
-    def start(self) -> Proc:
-        self.ready_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "node.cli", "--log-level", "DEBUG", "node", "--config", str(self.config),
-               "--ready-file", str(self.ready_file)]
-        with open(self.log_file, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(),
-                                         start_new_session=True)
-        return self
-
-    def wait_ready(self, timeout: float = 90.0) -> Proc:
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready_file.exists():
-                self.info = json.loads(self.ready_file.read_text())
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"node {self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            time.sleep(0.05)
-        raise TimeoutError(f"node {self.name} not ready within {timeout:g}s:\n{self.tail()}")
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
-        except FileNotFoundError:
-            return "(no log)"
-
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL: only this process's own PID is signalled."""
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+def Proc(name: str, config: Path, workdir: Path) -> NodeProcess:  # noqa: N802 - reads as the class it builds
+    """A node process at DEBUG log level, with no secrets inherited from the test runner's environment."""
+    return NodeProcess(name, config, workdir, env=clean_env(), inherit_env=False, cli_args=["--log-level", "DEBUG"])
 
 
 @dataclass
 class Mesh:
     workdir: Path
-    nodes: dict[str, Proc]
+    nodes: dict[str, NodeProcess]
     configs: dict[str, dict[str, Any]]
     secret: str
     previous_secret: str
@@ -289,7 +226,7 @@ class Mesh:
     def stop(self) -> None:
         for p in self.nodes.values():
             try:
-                p.stop()
+                p.stop(15.0)
             except Exception:  # noqa: BLE001 - stop the others whatever happens
                 if p.proc is not None and p.proc.poll() is None:
                     p.proc.kill()
@@ -306,7 +243,7 @@ def start_mesh(workdir: Path, names: tuple[str, ...] = ("a", "b"), *, kvshare: d
     admin = "ADMINTOKEN-" + secrets.token_hex(12)
     ports = {n: (free_port(), free_port()) for n in names}
     configs: dict[str, dict[str, Any]] = {}
-    nodes: dict[str, Proc] = {}
+    nodes: dict[str, NodeProcess] = {}
     for n in names:
         peers = [{"name": p, "api": f"http://127.0.0.1:{ports[p][0]}", "kvshare": f"127.0.0.1:{ports[p][1]}"}
                  for p in names if p != n]
@@ -330,7 +267,7 @@ def start_mesh(workdir: Path, names: tuple[str, ...] = ("a", "b"), *, kvshare: d
         for p in nodes.values():
             p.start()
         for p in nodes.values():
-            p.wait_ready()
+            p.wait_ready(90.0)
         mesh.wait_reachable()
     except BaseException:
         print(mesh.logs())
