@@ -19,6 +19,8 @@ class Metrics:
         self.handoffs = Counter("kvmesh_handoffs", "Handoffs served here, by class and link", ["cls", "src", "dst"], registry=r)
         self.stale_cold = Counter("kvmesh_stale_state_cold", "Cold handoffs although a usable replica was stored", registry=r)
         self.turns = Counter("kvmesh_turns", "Turns run on this host", ["ok"], registry=r)
+        self.resumed = Counter("kvmesh_streams_resumed", "Streamed answers continued on another host after "
+                               "their serving host stopped mid-answer (counted on the entry node)", registry=r)
         self.kv_bytes = Counter("kvmesh_kvshare_bytes", "kv_share bytes by peer and direction", ["peer", "direction"], registry=r)
         self.kv_seconds = Counter("kvmesh_kvshare_seconds", "kv_share transfer seconds by peer and direction", ["peer", "direction"], registry=r)
         self.refused = Counter("kvmesh_replicas_refused", "Replicas refused, by reason", ["reason"], registry=r)

@@ -1,10 +1,19 @@
-"""Forward a turn to the peer placement chose, streaming its answer back unchanged."""
+"""Forward a turn to the peer placement chose, and keep a streamed answer whole when that peer dies.
+
+`open_turn` sends the client's body verbatim and returns the peer's open response (or raises
+PeerUnavailable before any byte reached the client, so the caller can place the turn elsewhere).
+`StreamSplice` is the sans-I/O part of a resumed stream: it relays SSE events as they come,
+remembers the text the client has been sent, and when the turn is run again elsewhere it drops
+the new stream's repeat of that text (checking it is the same) so the client sees one answer.
+"""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import httpx
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 
 PASS_HEADERS = ("content-type", "cache-control", "retry-after", "x-session-id", "x-accel-buffering")
 
@@ -17,12 +26,13 @@ class PeerUnavailable(Exception):
         self.peer, self.reason, self.overloaded = peer, reason, overloaded
 
 
-async def forward_turn(client: httpx.AsyncClient, peer: str, api: str, body: bytes, headers: dict[str, str],
-                       *, stream: bool, timeout_s: float) -> Response:
-    """POST the client's body verbatim to the peer; pass status, kvmesh headers and bytes through.
+class ResumeDiverged(Exception):
+    """The turn run again elsewhere did not repeat the text the client already has."""
 
-    Raises PeerUnavailable before any byte reached the client, so the caller can place the turn elsewhere.
-    """
+
+async def open_turn(client: httpx.AsyncClient, peer: str, api: str, body: bytes, headers: dict[str, str],
+                    *, timeout_s: float) -> httpx.Response:
+    """POST the body to the peer; the answer's status is known, its body not yet read."""
     req = client.build_request("POST", f"{api}/v1/chat/completions", content=body, headers=headers,
                                timeout=httpx.Timeout(timeout_s, connect=1.0))
     try:
@@ -32,23 +42,102 @@ async def forward_turn(client: httpx.AsyncClient, peer: str, api: str, body: byt
     if resp.status_code == 429 or resp.status_code >= 500:
         await resp.aclose()
         raise PeerUnavailable(peer, f"answered {resp.status_code}", overloaded=resp.status_code == 429)
-    out_headers = {k: v for k, v in resp.headers.items() if k.lower() in PASS_HEADERS or k.lower().startswith("x-kvmesh-")}
-    if not stream or resp.status_code != 200:
-        try:
-            content = await resp.aread()
-        except httpx.HTTPError as e:
-            raise PeerUnavailable(peer, f"{type(e).__name__} while reading the answer") from None
-        finally:
-            await resp.aclose()
-        return Response(content, status_code=resp.status_code, headers=out_headers)
+    return resp
 
-    async def relay():  # type: ignore[no-untyped-def]
-        try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
-        except httpx.HTTPError:
-            # The serving peer died mid-stream: tell the client in-band (the status is already sent).
-            yield b'data: {"error":{"message":"the serving host stopped mid-answer","type":"server_error","code":"peer_lost"}}\n\n'
-            yield b"data: [DONE]\n\n"
 
-    return StreamingResponse(relay(), status_code=200, headers=out_headers, background=BackgroundTask(resp.aclose))
+def passed_headers(resp: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in resp.headers.items() if k.lower() in PASS_HEADERS or k.lower().startswith("x-kvmesh-")}
+
+
+async def read_whole(peer: str, resp: httpx.Response) -> Response:
+    """A non-streamed answer, passed through once it is whole (a peer dying before then is
+    PeerUnavailable: nothing reached the client)."""
+    try:
+        content = await resp.aread()
+    except httpx.HTTPError as e:
+        raise PeerUnavailable(peer, f"{type(e).__name__} while reading the answer") from None
+    finally:
+        await resp.aclose()
+    return Response(content, status_code=resp.status_code, headers=passed_headers(resp))
+
+
+class StreamSplice:
+    """One client's SSE answer, assembled from the streams of the hosts that ran the turn.
+
+    feed(bytes) -> SSE events for the client. resume() says the stream so far broke off and the
+    turn is running again from its start: the next stream's role chunk and its repeat of the text
+    already sent are dropped, its chunks take the first stream's id, and a repeat that differs
+    raises ResumeDiverged (a sampled turn is only repeatable with its seed).
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self.sent_text: list[str] = []
+        self._skip = ""  # text the current stream must repeat before it says anything new
+        self._resumed = False
+        self._ident: dict[str, Any] = {}  # id, created, model of the first stream
+        self.finished = False  # a finish_reason was relayed: the answer is whole
+        self.done = False  # [DONE] or an in-band error was relayed: the stream is over
+        self.resumes = 0
+
+    def resume(self) -> None:
+        self._buf = b""  # a torn event of the dead stream is dropped
+        self._skip = "".join(self.sent_text)
+        self._resumed = True
+        self.resumes += 1
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out: list[bytes] = []
+        while not self.done:
+            end = self._buf.find(b"\n\n")
+            if end < 0:
+                break
+            event, self._buf = self._buf[: end + 2], self._buf[end + 2:]
+            out.extend(self._event(event))
+        return out
+
+    def _event(self, event: bytes) -> list[bytes]:
+        payload = event.strip()
+        if not payload.startswith(b"data:"):
+            return [event]  # a comment or keep-alive
+        data = payload[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return [event]
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return [event]
+        if not isinstance(obj, dict):
+            return [event]
+        if "error" in obj:
+            self.done = True
+            return [event]
+        if not self._ident:
+            self._ident = {k: obj.get(k) for k in ("id", "created", "model")}
+        choices = obj.get("choices") or []
+        delta = choices[0].get("delta", {}) if choices else {}
+        text = delta.get("content") or ""
+        if choices and choices[0].get("finish_reason"):
+            self.finished = True
+        if not self._resumed:
+            if text:
+                self.sent_text.append(text)
+            return [event]
+        if "role" in delta and not text and not self.finished:
+            return []  # the client has its role chunk
+        if self._skip:
+            n = min(len(self._skip), len(text))
+            if text[:n] != self._skip[:n]:
+                raise ResumeDiverged(f"the repeat says {text[:n]!r} where the client was sent {self._skip[:n]!r}")
+            self._skip, text = self._skip[n:], text[n:]
+            if choices and choices[0].get("finish_reason") and self._skip:
+                raise ResumeDiverged("the repeat finished before reaching the text the client was sent")
+            if not text and not (choices and choices[0].get("finish_reason")):
+                return []
+            delta["content"] = text
+        if text:
+            self.sent_text.append(text)
+        obj.update(self._ident)
+        return [b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"]

@@ -319,7 +319,8 @@ class Mesh:
 
 
 def start_mesh(workdir: Path, *, slots: int = 2, cache_bytes: int = 64 << 20, secret: bool = True,
-               mesh: dict[str, Any] | None = None, kvshare: dict[str, Any] | None = None) -> Mesh:
+               mesh: dict[str, Any] | None = None, kvshare: dict[str, Any] | None = None,
+               sim: dict[str, Any] | None = None) -> Mesh:
     workdir.mkdir(parents=True, exist_ok=True)
     admin_token = "adm-" + secrets.token_hex(12)
     mesh_secret = "msk-" + secrets.token_hex(16) if secret else None
@@ -327,7 +328,7 @@ def start_mesh(workdir: Path, *, slots: int = 2, cache_bytes: int = 64 << 20, se
     if mesh_secret:
         mesh_cfg["secret"] = mesh_secret
     mesh_cfg.update(mesh or {})
-    engine = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_max": 8, "sim": dict(SIM)}
+    engine = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_max": 8, "sim": {**SIM, **(sim or {})}}
     extra = {"kvshare": {"replicate_min_tokens": 1024, "fsync": "never", **(kvshare or {})},
              "mesh": mesh_cfg, "admin_token": admin_token}
     cfgs = mesh_configs(workdir, list(NAMES), engine=engine, extra=extra)

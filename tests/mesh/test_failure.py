@@ -5,9 +5,11 @@ from __future__ import annotations
 import copy
 import time
 
+import pytest
+
 from node.engine.tokenizer import ByteTokenizer
 
-from .helpers import Conversation, Mesh, wait_for, whole_blocks
+from .helpers import MODEL, Conversation, Mesh, wait_for, whole_blocks
 
 
 def test_killed_home_is_routed_around_and_shown_unreachable(make_mesh, events) -> None:  # type: ignore[no-untyped-def]
@@ -52,3 +54,46 @@ def test_killed_home_is_routed_around_and_shown_unreachable(make_mesh, events) -
         assert sorted(h["name"] for h in hosts) == sorted(m.names), "a dead peer must be shown, not hidden"
         assert all(h["reachable"] for h in hosts if h["name"] != home)
         watch[n].wait(lambda e: e.type == "peer_down" and e.peer == home, f"a peer_down event for {home} on {n}")
+
+
+def _metric(m: Mesh, node: str, name: str) -> float:
+    text = m.http.get(m.api(node) + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_stream_continues_on_a_survivor_when_its_host_dies(make_mesh, temperature: float) -> None:  # type: ignore[no-untyped-def]
+    """The serving host is killed mid-answer: the client's stream goes on from a survivor, one whole
+    answer with no error (greedy: the never-failing answer; sampled: the entry's seed repeats it)."""
+    m: Mesh = make_mesh(slots=2, sim={"decode_tps": 25.0})  # 40 ms a token: the kill lands mid-answer
+    conv = Conversation(f"resume-{temperature}", seed=977)
+    home = m.turn(conv, "a").host
+    m.settle(conv)
+    entry = next(n for n in m.names if n != home)
+    sent = copy.deepcopy(conv.messages)
+    stream = m.client(entry).chat.completions.with_raw_response.create(
+        model=MODEL, messages=sent, max_tokens=300, temperature=temperature, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}, extra_headers={"X-Session-Id": conv.session})
+    assert stream.headers["x-kvmesh-host"] == home
+    parts: list[str] = []
+    before_kill, finish, usage, ids = None, None, None, set()
+    for chunk in stream.parse():
+        ids.add(chunk.id)
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            parts.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+        if before_kill is None and sum(1 for p in parts if p) >= 3:
+            assert finish is None, "the answer ended before the kill: pick a longer one"
+            before_kill = "".join(parts)
+            m.nodes[home].kill()
+    answer = "".join(parts)
+    assert before_kill is not None and finish in ("stop", "length") and usage is not None, (answer, finish)
+    assert len(answer) > len(before_kill) and answer.startswith(before_kill), (before_kill, answer)
+    assert len(ids) == 1, f"the resumed chunks must carry the first stream's id: {ids}"
+    assert _metric(m, entry, "kvmesh_streams_resumed_total") == 1
+    if temperature == 0.0:
+        # What a never-failing host answers to the same conversation.
+        ref = m.client(entry).chat.completions.create(model=MODEL, messages=sent, max_tokens=300, temperature=0,  # type: ignore[arg-type]
+                                                      extra_headers={"X-Session-Id": conv.session})
+        assert ref.choices[0].message.content == answer
