@@ -490,7 +490,8 @@ class ImportTxn:
         if need and not engine._make_room(need):
             bm.release(self.block_ids)
             engine.counters.imports_refused += 1
-            raise ImportRefused(f"no room for {need} blocks: every block is held by a running turn", reason="no_room")
+            raise ImportRefused(f"no room for {need} blocks: {bm.num_free} free, every other block held by a running turn "
+                                f"or pinned by a replica push reading it", reason="no_room")
         start = len(self.block_ids)
         self.block_ids += bm.allocate(need)
         self.missing = list(range(start, len(hashes)))
@@ -501,7 +502,7 @@ class ImportTxn:
         return self.engine.pool.bytes_view(self.block_ids[i])
 
     def write(self, i: int, data: memoryview | bytes | np.ndarray) -> None:
-        size = memoryview(data).nbytes
+        size = data.nbytes if isinstance(data, np.ndarray) else memoryview(data).nbytes
         if size != self.engine.block_bytes:
             raise ImportRefused(f"block {i} is {size} bytes; this engine's blocks are {self.engine.block_bytes}", reason="size")
         self.engine.pool.write_bytes(self.block_ids[i], data)

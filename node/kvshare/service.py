@@ -95,6 +95,7 @@ class _Job:
     done: asyncio.Future[PushResult]
     cancel: threading.Event = field(default_factory=threading.Event)
     started: bool = False
+    preempted: bool = False  # stopped to free the pool blocks it pinned for a turn here
     sock: socket.socket | None = None  # while sending: closing it unblocks a stalled send
 
     def supersede(self) -> None:
@@ -291,7 +292,13 @@ class KVShare:
             return 0
         t0 = time.monotonic()
         try:
-            tokens = self.store.import_into(e, session, upto_blocks=stored_blocks)
+            try:
+                tokens = self.store.import_into(e, session, upto_blocks=stored_blocks)
+            except ImportRefused as err:
+                # Pushes pin the pool blocks they send from; a user's turn comes first.
+                if err.reason != "no_room" or not await self._preempt_pushes(session):
+                    raise
+                tokens = self.store.import_into(e, session, upto_blocks=stored_blocks)
         except KVMeshError as err:
             # An optimisation failed: the turn runs with what the engine has.
             log.warning("import of %s from the store failed (%s); running without it", session, err)
@@ -301,6 +308,19 @@ class KVShare:
             self._import_rates.append((stored_blocks * e.block_bytes) / secs)
         self.node.hub.publish(ReplicaImported(session=session, host=self.node.name, tokens=tokens, seconds=round(secs, 4)))
         return tokens
+
+    async def _preempt_pushes(self, session: str, limit_s: float = 2.0) -> bool:
+        """Stop every push in flight so the pool blocks it pins come free; True once they have.
+        Each ends as refused ("preempted"); the session's next turn replicates it again."""
+        jobs = [j for j in self._jobs.values() if j.started and not j.done.done()]
+        if not jobs:
+            return False
+        log.warning("restore of %s needs pool blocks that %d replica push(es) pin: stopping them", session, len(jobs))
+        for j in jobs:
+            j.preempted = True
+            j.supersede()
+        _, pending = await asyncio.wait([asyncio.shield(j.done) for j in jobs], timeout=limit_s)
+        return not pending
 
     def explain_reuse(self, session: str, prompt: np.ndarray, reused: int) -> tuple[int | None, bool, float | None]:
         """(token where the prompt stopped matching the best cache held here, stale-state flag, replica age)."""
@@ -396,6 +416,9 @@ class KVShare:
             assert self._loop is not None
             result = await self._loop.run_in_executor(self._send_pool, self._send_blocking, peer.cfg.kvshare, offer,
                                                       toks, blocks, job)
+        if job.preempted and not result.ok:
+            result = PushResult(False, reason="preempted", bytes_sent=result.bytes_sent,
+                                message="a turn on this host needed the pool blocks the push was sending from")
         st = self.out[job.target]
         if result.ok:
             st.add(result.bytes_sent, result.seconds)

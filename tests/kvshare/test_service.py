@@ -28,7 +28,6 @@ from .service_helpers import (
     read_reply,
     start_pair,
     wait_for,
-    whole,
 )
 
 # Framing of one transfer (node/kvshare/wire.py): OFFER prefix 18 B + header JSON + 4 B per token + 16 B per hash
@@ -306,3 +305,42 @@ def test_replica_lands_in_the_store_when_the_engine_has_no_room(tight_pair: Pair
     assert p.holding("b", hog.session)["resident_tokens"] == 0
     assert not (p.store_dir("b") / hog.session).exists()
     assert p.temp_files("b") == []
+
+
+@pytest.fixture(scope="module")
+def tight_sender(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """a with a pool of only 40 blocks (its pushes to b cross the proxy), b with 64 MiB."""
+    bb = engine_facts(engine_cfg()).block_bytes
+    pair = start_pair(tmp_path_factory.mktemp("tight-sender"),
+                      engines={"a": engine_cfg(cache_bytes=POOL_BLOCKS * bb), "b": engine_cfg()})
+    try:
+        yield pair
+    finally:
+        pair.proxy.resume()
+        pair.stop()
+
+
+def test_restore_preempts_a_push_that_pins_the_pool(tight_sender: Pair) -> None:
+    """A push stalled on the wire pins most of a's pool; a turn on a that must restore a session from a's
+    store stops that push (refused "preempted") instead of running cold, and the turn is warm."""
+    p = tight_sender
+    conv = Conversation("preempt-x", chars=10 * BLOCK)
+    with p.events("a") as ev_a:
+        t = p.turn("a", conv)
+        n = t.prompt_tokens // BLOCK
+        wait_for(lambda: p.holding("a", conv.session)["store_tokens"] == n * BLOCK, "a to persist its session")
+        p.wait_quiet("a")
+        p.proxy.pause()
+        try:
+            filler = Conversation("preempt-filler", chars=(POOL_BLOCKS - 4) * BLOCK)
+            p.turn("a", filler)  # evicts conv from a's engine; its push to b stalls in the proxy
+            assert p.holding("a", conv.session)["resident_tokens"] == 0, "a's engine did not evict the session"
+            wait_for(lambda: p.holding("a", filler.session)["inflight_to"] == "b", "the filler's push to be in flight")
+            conv.grow_to(t.reply, t.prompt_tokens + 30)
+            t2 = p.turn("a", conv)
+            refused = ev_a.wait("replica_refused", session=filler.session)
+        finally:
+            p.proxy.resume()
+    assert refused["reason"] == "preempted", refused
+    assert t2.cached == n * BLOCK, f"{t2.cached} tokens reused; a's store held {n * BLOCK}"
+    assert p.stats("a")["kvshare"]["out"]["b"]["refused"].get("preempted") == 1
