@@ -1,8 +1,8 @@
 """Themes: load the definitions in `themes/`, register them, and derive cell styles.
 
 Theme colours live in `themes/themes.toml` and layout/styling in
-`themes/kvmesh.tcss` (the repository's `themes/` directory, or the directory in
-`KVMESH_THEMES_DIR`). Table cells are Rich `Text`, which cannot use CSS
+`themes/kvmesh.tcss` (see `themes_dir` for where they are found: `KVMESH_THEMES_DIR`,
+the checkout, or an installed wheel's copy). Table cells are Rich `Text`, which cannot use CSS
 variables, so `Palette` turns the active theme's variables into Rich styles; the
 app rebuilds it and re-renders cells when the theme changes.
 """
@@ -10,6 +10,7 @@ app rebuilds it and re-renders cells when the theme changes.
 from __future__ import annotations
 
 import os
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,10 +28,15 @@ _THEME_FIELDS = (
 
 
 def themes_dir() -> Path:
+    """$KVMESH_THEMES_DIR, else the checkout's themes/ (source or editable install), else the
+    copy an installed wheel put under <prefix>/share/kvmesh/themes."""
     env = os.environ.get("KVMESH_THEMES_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "themes"
+    checkout = Path(__file__).resolve().parent.parent / "themes"
+    if checkout.is_dir():
+        return checkout
+    return Path(sys.prefix) / "share" / "kvmesh" / "themes"
 
 
 def css_path() -> Path:

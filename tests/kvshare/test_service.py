@@ -182,17 +182,22 @@ def test_replica_on_disk_survives_a_restart_and_is_imported_before_the_turn(kv_p
 POOL_BLOCKS = 40  # b's pool in the tight pair
 
 
-@pytest.fixture(scope="module")
-def tight_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    """a (64 MiB pool) and b with a pool of only 40 blocks."""
+def _tight(tmp_path_factory: pytest.TempPathFactory, tight: str) -> Iterator[Pair]:
+    """A pair where node `tight` has a pool of only POOL_BLOCKS blocks and the other 64 MiB."""
     bb = engine_facts(engine_cfg()).block_bytes
-    pair = start_pair(tmp_path_factory.mktemp("tight-pair"),
-                      engines={"a": engine_cfg(), "b": engine_cfg(cache_bytes=POOL_BLOCKS * bb)})
+    engines = {n: engine_cfg(cache_bytes=POOL_BLOCKS * bb) if n == tight else engine_cfg() for n in ("a", "b")}
+    pair = start_pair(tmp_path_factory.mktemp(f"tight-{tight}"), engines=engines)
     try:
         yield pair
     finally:
         pair.proxy.resume()
         pair.stop()
+
+
+@pytest.fixture(scope="module")
+def tight_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """a (64 MiB pool) and b with a pool of only 40 blocks."""
+    yield from _tight(tmp_path_factory, "b")
 
 
 def test_evicted_replica_is_reimported_from_the_store_before_the_next_turn(tight_pair: Pair) -> None:
@@ -310,14 +315,7 @@ def test_replica_lands_in_the_store_when_the_engine_has_no_room(tight_pair: Pair
 @pytest.fixture(scope="module")
 def tight_sender(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     """a with a pool of only 40 blocks (its pushes to b cross the proxy), b with 64 MiB."""
-    bb = engine_facts(engine_cfg()).block_bytes
-    pair = start_pair(tmp_path_factory.mktemp("tight-sender"),
-                      engines={"a": engine_cfg(cache_bytes=POOL_BLOCKS * bb), "b": engine_cfg()})
-    try:
-        yield pair
-    finally:
-        pair.proxy.resume()
-        pair.stop()
+    yield from _tight(tmp_path_factory, "a")
 
 
 def test_restore_preempts_a_push_that_pins_the_pool(tight_sender: Pair) -> None:
