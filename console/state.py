@@ -18,10 +18,11 @@ Rules this model keeps:
   to older values.
 - "Latest value" fields (a host's status, a session's home) never go backwards
   within one node's stream: an event with a lower seq than the last one applied
-  from the same node is late and does not overwrite newer state. Across nodes the
-  order is arrival order, never the hosts' clocks (they can be skewed by seconds;
-  the streams are live to within milliseconds). Counts (handoffs, turns) are
-  commutative and always applied.
+  from the same node is late and does not overwrite newer state. Across nodes, a
+  session's turns are ordered by their turn sequence (`turn_seq`, the mesh's own
+  order): a late event of an older turn does not move the home back. Otherwise
+  the order is arrival order, never the hosts' clocks (they can be skewed by
+  seconds). Counts (handoffs, turns) are commutative and always applied.
 - While paused, events queue in arrival order and are applied in that order on
   resume; nothing is dropped. Connection status is not queued: it is about the
   console's own sockets, and an operator must see a node go away even when paused.
@@ -131,6 +132,7 @@ class SessionRow:
     moves: int = 0
     last_turn_at: float = 0.0
     last: tuple[str, int] = ("", 0)  # (node, seq) of the last "latest value" update
+    home_seq: int = 0  # turn sequence of the turn that put the session on `home` (the mesh's order)
     active: bool = False  # a turn is running now
     migrating_to: str | None = None
 
@@ -144,7 +146,7 @@ class SessionRow:
             replica_host=info.replica_host, replica_tokens=info.replica_tokens,
             replica_behind_tokens=info.replica_behind_tokens, replica_at=replica_at,
             last_handoff=info.last_handoff, turns=info.turns, moves=info.moves,
-            last_turn_at=info.last_turn_at,
+            last_turn_at=info.last_turn_at, home_seq=info.home_seq,
         )
 
     def freshness(self, now: float) -> tuple[Freshness, float | None]:
@@ -563,6 +565,15 @@ class ConsoleState:
             s.replica_at = None
 
     @staticmethod
+    def _in_turn_order(s: SessionRow, ev: TurnStarted | TurnFinished | Handoff) -> bool:
+        """False for an event of an older turn of the session than the one that set its home (a
+        turn's events come from the host that ran it, so across hosts they can arrive late)."""
+        if ev.turn_seq and ev.turn_seq < s.home_seq:
+            return False
+        s.home_seq = max(s.home_seq, ev.turn_seq)
+        return True
+
+    @staticmethod
     def _advance(row: SessionRow | HostRow | LinkRow, ev: Event) -> bool:
         """True (and remember the event) unless it is late within its node's stream."""
         if _is_late(row.last, ev):
@@ -573,14 +584,14 @@ class ConsoleState:
 
     def _on_turn_started(self, ev: TurnStarted) -> None:
         s = self._session(ev.session)
-        if self._advance(s, ev):
+        if self._advance(s, ev) and self._in_turn_order(s, ev):
             self._move_home(s, ev.host)
             s.active = True
 
     def _on_turn_finished(self, ev: TurnFinished) -> None:
         s = self._session(ev.session)
         s.turns += 1
-        if self._advance(s, ev):
+        if self._advance(s, ev) and self._in_turn_order(s, ev):
             self._move_home(s, ev.host)
             s.active = False
             s.last_turn_at = ev.ts
@@ -604,7 +615,7 @@ class ConsoleState:
         setattr(link, ev.cls, getattr(link, ev.cls) + 1)
         s = self._session(ev.session)
         s.moves += 1
-        if self._advance(s, ev):
+        if self._advance(s, ev) and self._in_turn_order(s, ev):
             s.last_handoff = ev.cls
             self._move_home(s, ev.dst)
 

@@ -85,7 +85,7 @@ class TurnRun:
         self.begin = ev.stats
         n = self.node
         n.hub.publish(TurnStarted(session=self.req.session, host=n.name, prompt_tokens=ev.stats.prompt_tokens,
-                                  cached_tokens=ev.stats.cached_tokens))
+                                  cached_tokens=ev.stats.cached_tokens, turn_seq=self.seq))
         if self.prev_host and self.prev_host != n.name:
             self.handoff_class = classify(ev.stats.cached_tokens / max(1, ev.stats.prompt_tokens))
 
@@ -108,7 +108,8 @@ class TurnRun:
                 if s is not None:
                     self.node.hub.publish(TurnFinished(session=s.session, host=self.node.name, prompt_tokens=s.prompt_tokens,
                                                        cached_tokens=s.cached_tokens, completion_tokens=s.completion_tokens,
-                                                       ttft_s=s.ttft_s, total_s=s.total_s, ok=False))
+                                                       ttft_s=s.ttft_s, total_s=s.total_s, ok=False,
+                                                       turn_seq=self.seq))
 
 
 class Node:
@@ -176,7 +177,7 @@ class Node:
         req = run.req
         self.hub.publish(TurnFinished(session=req.session, host=self.name, prompt_tokens=stats.prompt_tokens,
                                       cached_tokens=stats.cached_tokens, completion_tokens=stats.completion_tokens,
-                                      ttft_s=round(stats.ttft_s, 4), total_s=round(stats.total_s, 4)))
+                                      ttft_s=round(stats.ttft_s, 4), total_s=round(stats.total_s, 4), turn_seq=run.seq))
         handoff = None
         if run.handoff_class is not None and run.prev_host is not None:
             cls = classify(stats.cached_tokens / max(1, stats.prompt_tokens))
@@ -190,7 +191,7 @@ class Node:
                                      predicted_reused_tokens=run.predicted, replica_age_s=age,
                                      mismatch_token=mismatch_tok if cls != "warm" else None,
                                      mismatch_message=msg_idx if cls != "warm" else None,
-                                     stale_state=stale and cls == "cold"))
+                                     stale_state=stale and cls == "cold", turn_seq=run.seq))
             handoff = (run.prev_host, cls, stale)
         self.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, run.seq)  # type: ignore[arg-type]
         self.kvshare.after_turn(req.session)

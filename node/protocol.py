@@ -77,6 +77,7 @@ class SessionInfo(_Model):
     turns: int = 0
     moves: int = 0
     last_turn_at: float = 0.0
+    home_seq: int = 0  # turn sequence that made `home` the home (the mesh's order, not a clock)
 
 
 class LinkInfo(_Model):
@@ -173,6 +174,7 @@ class TurnStarted(_Event):
     host: str
     prompt_tokens: int
     cached_tokens: int
+    turn_seq: int = 0  # the session's turn sequence across the mesh (0: not known)
 
 
 class TurnFinished(_Event):
@@ -185,6 +187,7 @@ class TurnFinished(_Event):
     ttft_s: float
     total_s: float
     ok: bool = True
+    turn_seq: int = 0
 
 
 class Handoff(_Event):
@@ -193,6 +196,7 @@ class Handoff(_Event):
     src: str
     dst: str
     cls: HandoffClass
+    turn_seq: int = 0
     prompt_tokens: int
     reused_tokens: int
     predicted_reused_tokens: int | None = None

@@ -218,4 +218,5 @@ def _session_info(session: str, held: dict[str, SessionHolding], now: float) -> 
         last_handoff=last.last_handoff if last else None,
         turns=sum(sh.turns for sh in held.values()), moves=sum(sh.moves for sh in held.values()),
         last_turn_at=max((sh.last_turn_at for sh in held.values()), default=0.0),
+        home_seq=held[home].home_seq if home else 0,
     )

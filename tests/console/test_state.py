@@ -15,6 +15,7 @@ from node.protocol import (
     ReplicaReady,
     ReplicaSent,
     TurnFinished,
+    TurnStarted,
     Undrained,
 )
 
@@ -275,3 +276,24 @@ def test_skewed_host_clocks_do_not_block_updates(state: ConsoleState) -> None:
     state.feed(NODE1, HostStatus(ts=T0 + 1, node="node-2", seq=9, host=host("node-2", 2, busy=4)))
     state.feed(NODE1, HostStatus(ts=T0 - 50, node="node-2", seq=10, host=host("node-2", 2, busy=2)))
     assert state.hosts["node-2"].info.busy == 2, "node-2's own stream is ordered by seq, its clock stepped back"
+
+
+def test_a_late_event_of_an_older_turn_does_not_move_the_home_back(state: ConsoleState) -> None:
+    """Across hosts a session's turns are ordered by turn_seq: the old host's late turn_finished of turn 7,
+    arriving after turn 8 started elsewhere, neither moves the home back nor marks the session idle."""
+    state.node_connected(NODE1)
+    state.feed(NODE1, make_snapshot())
+    state.feed(NODE1, TurnStarted(ts=T0 + 5, node="node-3", seq=4, session="s-001", host="node-3", prompt_tokens=900,
+                                  cached_tokens=880, turn_seq=8))
+    s = state.sessions["s-001"]
+    assert (s.home, s.active, s.home_seq) == ("node-3", True, 8)
+    late = dict(session="s-001", host="node-1", prompt_tokens=800, cached_tokens=790, completion_tokens=9,
+                ttft_s=0.1, total_s=0.5)
+    state.feed(NODE1, TurnFinished(ts=T0 + 9, node="node-1", seq=20, turn_seq=7, **late))  # type: ignore[arg-type]
+    assert (s.home, s.active) == ("node-3", True)
+    state.feed(NODE1, TurnFinished(ts=T0 + 9, node="node-3", seq=5, session="s-001", host="node-3", prompt_tokens=900,
+                                   cached_tokens=880, completion_tokens=12, ttft_s=0.1, total_s=0.4, turn_seq=8))
+    assert (s.home, s.active, s.resident_tokens) == ("node-3", False, 912)
+    # Turn 9 moves it on, whatever the hosts' clocks say.
+    state.feed(NODE1, handoff(seq=21, node="node-1", ts=T0 - 60, session="s-001", src="node-3", dst="node-1"))
+    assert s.home == "node-1", "an event without a turn_seq (an older node) is applied in arrival order"
