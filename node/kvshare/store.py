@@ -24,11 +24,20 @@ compacted into one when there are many.
 The store is safe to use from several threads: short index operations take one
 lock, commits (the disk work) are serialised by another. One process owns a
 root at a time.
+
+Reads map segment files. At most `max_open_maps` mappings are open across the
+whole store (least recently used closed first), so open files do not grow with
+the sessions held. A mapping is never closed under a view a caller still holds:
+it is dropped from the store and unmapped when the last such view goes. Mapped
+pages a read touched count in the process's RSS while mapped; once views worth
+`trim_bytes` were handed out, every open mapping is told the pages are not
+needed (MADV_DONTNEED: a later read faults them back in from the page cache).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import mmap
 import os
@@ -40,7 +49,7 @@ import warnings
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Literal, cast
@@ -61,6 +70,8 @@ FsyncPolicy = Literal["always", "never"]
 MANIFEST = "manifest.json"
 TEMP_PREFIX = "~"
 MAX_SEGMENTS = 16
+MAX_OPEN_MAPS = 64  # mapped segment files open at once, across the store
+TRIM_BYTES = 16 << 20  # bytes of views handed out between two MADV_DONTNEED passes
 _wall_clock = time.time  # stamps a manifest's "updated" (LRU order after a restart); swappable in tests
 
 
@@ -222,29 +233,57 @@ class _Entry:
     manifest: Manifest
     disk_bytes: int
     verified: bytearray  # 1 = payload digest checked since this process loaded it
-    maps: dict[str, mmap.mmap] = field(default_factory=dict)
+    # Which replica of the session this is: a new one after an eviction (file names start over),
+    # the same across the deltas written to it. Open mappings are keyed by it.
+    incarnation: int = 0
 
 
 class _Corrupt(Exception):
     """A session directory that cannot be trusted; the message says why."""
 
 
-def _close_maps(maps: dict[str, mmap.mmap]) -> None:
-    for mm in maps.values():
-        # A caller may still hold a view of it; then the mapping lives until that view goes.
-        with contextlib.suppress(BufferError):
-            mm.close()
-    maps.clear()
+def _close_map(mm: mmap.mmap) -> bool:
+    """Unmap now; False when a caller still holds a view of it.
+
+    Such a mapping stays valid for that view: the view holds the only reference
+    left, and the mapping (and its file descriptor) is released when it goes."""
+    try:
+        mm.close()
+    except BufferError:
+        return False
+    return True
+
+
+_MADV_DONTNEED: int | None = getattr(mmap, "MADV_DONTNEED", None)
+
+
+def _trim_map(mm: mmap.mmap) -> None:
+    """Drop the pages of a read-only file mapping from this process (they stay in the page cache)."""
+    if _MADV_DONTNEED is not None:
+        with contextlib.suppress(OSError, ValueError):  # ValueError: closed meanwhile
+            mm.madvise(_MADV_DONTNEED)
 
 
 class ReplicaStore:
     """Replicas of sessions on disk, under a byte budget, least recently used evicted first."""
 
-    def __init__(self, root: str | Path, budget_bytes: int, fsync: FsyncPolicy = "always") -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        budget_bytes: int,
+        fsync: FsyncPolicy = "always",
+        *,
+        max_open_maps: int = MAX_OPEN_MAPS,
+        trim_bytes: int = TRIM_BYTES,
+    ) -> None:
         if fsync not in ("always", "never"):
             raise ValueError(f"fsync must be 'always' or 'never', not {fsync!r}")
         if budget_bytes < 0:
             raise ValueError("budget_bytes must be >= 0")
+        if max_open_maps < 1:
+            raise ValueError("max_open_maps must be >= 1")
+        if trim_bytes < 0:
+            raise ValueError("trim_bytes must be >= 0 (0: never trim)")
         self.root = Path(root)
         self.budget_bytes = budget_bytes
         self.fsync: FsyncPolicy = fsync
@@ -255,6 +294,13 @@ class ReplicaStore:
         self._lock = threading.RLock()  # the index
         self._commit_lock = threading.RLock()  # disk changes: commits and evictions
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        # Open segment mappings, (session, file) -> map, least recently used first; under _lock.
+        self.max_open_maps = max_open_maps
+        self.trim_bytes = trim_bytes
+        self._maps: OrderedDict[tuple[str, int, str], mmap.mmap] = OrderedDict()
+        self._incarnations = itertools.count(1)
+        self._viewed = 0  # bytes of views handed out since the last trim
+        self.maps_deferred = 0  # mappings dropped while a caller still held a view (released with it)
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan()
         with self._commit_lock:
@@ -284,6 +330,11 @@ class ReplicaStore:
         """Bytes on disk of every held session (segments, tokens, manifests)."""
         with self._lock:
             return sum(e.disk_bytes for e in self._entries.values())
+
+    def open_maps(self) -> int:
+        """Segment mappings the store holds open now (never more than `max_open_maps`)."""
+        with self._lock:
+            return len(self._maps)
 
     def touch(self, session: str) -> None:
         """Mark the session used now (it becomes the last to be evicted)."""
@@ -470,15 +521,14 @@ class ReplicaStore:
         d = self._dir(w.session)
         live = {s.file for s in manifest.segments} | {manifest.tokens_file}
         verified = bytearray(manifest.n_blocks)
-        maps: dict[str, mmap.mmap] = {}
         with self._lock:
             old = self._entries.get(w.session)
             if old is not None:
                 verified[: w.seg_first] = old.verified[: w.seg_first]
-                maps = {f: mm for f, mm in old.maps.items() if f in live}
-                _close_maps({f: mm for f, mm in old.maps.items() if f not in live})
+                self._close_maps_of(w.session, keep=live)
             verified[w.seg_first :] = b"\x01" * (manifest.n_blocks - w.seg_first)  # checked as they were written
-            self._entries[w.session] = _Entry(manifest, self._disk_bytes(d, manifest), verified, maps)
+            incarnation = old.incarnation if old is not None else next(self._incarnations)
+            self._entries[w.session] = _Entry(manifest, self._disk_bytes(d, manifest), verified, incarnation)
             self._entries.move_to_end(w.session)
         if w.base is not None:
             for f in {s.file for s in w.base.segments} | {w.base.tokens_file}:
@@ -522,6 +572,10 @@ class ReplicaStore:
         except BaseException:
             txn.abort()
             raise
+        finally:
+            # The engine has its copy now: the mapped pages need not count in this process's RSS.
+            with self._lock:
+                self._trim_maps_of(session)
 
     def _verify(self, entry: _Entry, i: int, view: memoryview) -> bool:
         """Block i's payload digest, checked once per process; a mismatch drops the session."""
@@ -535,21 +589,65 @@ class ReplicaStore:
         return True
 
     def _view(self, entry: _Entry, i: int) -> memoryview:
+        """Block i's payload, mapped from its segment (the caller holds _lock)."""
         m = entry.manifest
         if not 0 <= i < m.n_blocks:
             raise IndexError(f"block {i} of {m.session!r}: the replica has {m.n_blocks} blocks")
         seg = m.segment_of(i)
-        mm = entry.maps.get(seg.file)
-        if mm is None:
-            path = self._dir(m.session) / seg.file
-            try:
-                with open(path, "rb") as f:
-                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:
-                raise StoreError(f"segment {seg.file} of {m.session!r} cannot be read: {e}", reason="missing") from e
-            entry.maps[seg.file] = mm
+        mm = self._map(entry, seg.file)
+        if self.trim_bytes:
+            self._viewed += m.block_bytes
+            if self._viewed >= self.trim_bytes:
+                self._trim()
         lo = (i - seg.first) * m.block_bytes
         return memoryview(mm)[lo : lo + m.block_bytes]
+
+    def _map(self, entry: _Entry, file: str) -> mmap.mmap:
+        """The open mapping of one of the entry's segment files, opened (and the least recently
+        used one closed) as needed."""
+        session = entry.manifest.session
+        key = (session, entry.incarnation, file)
+        mm = self._maps.get(key)
+        if mm is not None:
+            self._maps.move_to_end(key)
+            return mm
+        current = self._entries.get(session)
+        if current is None or current.incarnation != entry.incarnation:
+            # Evicted since the caller looked it up: the path may name another replica's file by now.
+            raise StoreError(f"the replica of {session!r} was evicted during the read", reason="missing")
+        path = self._dir(session) / file
+        try:
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise StoreError(f"segment {file} of {session!r} cannot be read: {e}", reason="missing") from e
+        self._maps[key] = mm
+        while len(self._maps) > self.max_open_maps:
+            _, old = self._maps.popitem(last=False)
+            self._release_map(old)
+        return mm
+
+    def _release_map(self, mm: mmap.mmap) -> None:
+        if not _close_map(mm):
+            # A view of it is still in use (a sender, an import): it lives until that view goes.
+            _trim_map(mm)
+            self.maps_deferred += 1
+
+    def _close_maps_of(self, session: str, keep: set[str] | frozenset[str] = frozenset()) -> None:
+        """Close the session's mappings, but those of the files in `keep` (the caller holds _lock)."""
+        for key in [k for k in self._maps if k[0] == session and k[2] not in keep]:
+            self._release_map(self._maps.pop(key))
+
+    def _trim_maps_of(self, session: str) -> None:
+        for (s, _, _), mm in self._maps.items():
+            if s == session:
+                _trim_map(mm)
+
+    def _trim(self) -> None:
+        """Drop the mapped pages reads touched from RSS (the caller holds _lock); views stay valid."""
+        self._viewed = 0
+        for mm in self._maps.values():
+            _trim_map(mm)
 
     # ---- eviction ----------------------------------------------------------------------
 
@@ -574,9 +672,9 @@ class ReplicaStore:
     def _remove(self, session: str) -> bool:
         with self._lock:
             entry = self._entries.pop(session, None)
-        if entry is None:
-            return False
-        _close_maps(entry.maps)
+            if entry is None:
+                return False
+            self._close_maps_of(session)
         self._rmtree(self._dir(session))
         return True
 
@@ -611,8 +709,11 @@ class ReplicaStore:
     def close(self) -> None:
         """Release mapped segments (views still held elsewhere stay valid)."""
         with self._lock:
-            for entry in self._entries.values():
-                _close_maps(entry.maps)
+            maps = list(self._maps.values())
+            self._maps.clear()
+            self._viewed = 0
+            for mm in maps:
+                self._release_map(mm)
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -664,7 +765,8 @@ class ReplicaStore:
             if p.name not in live:
                 log.info("removing %s: no manifest names it", p)
                 _unlink_quietly(p)
-        return _Entry(m, m.nbytes + m.num_tokens * TOKEN_DTYPE.itemsize + len(raw), bytearray(m.n_blocks))
+        return _Entry(m, m.nbytes + m.num_tokens * TOKEN_DTYPE.itemsize + len(raw), bytearray(m.n_blocks),
+                      next(self._incarnations))
 
     @staticmethod
     def _from_model(d: Path, model: _ManifestModel) -> Manifest:

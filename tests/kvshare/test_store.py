@@ -472,6 +472,143 @@ def test_missing_replica_import_is_a_store_error(tmp_path: Path, engine: Engine)
     assert e.value.reason == "missing"
 
 
+# ---- open mappings ----------------------------------------------------------------------------------
+
+
+def mapped_segments(root: Path) -> tuple[int, int]:
+    """(open fds, mappings) of this process on segment files under `root` (deleted ones too)."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)")
+        except OSError:
+            continue
+        if target.startswith(str(root)) and target.endswith(".kv"):
+            fds += 1
+    with open("/proc/self/maps") as f:
+        lines = [line.rstrip().removesuffix(" (deleted)") for line in f if str(root) in line]
+        maps = {line.split()[0] for line in lines if line.endswith(".kv")}  # address ranges
+    return fds, len(maps)
+
+
+def test_open_mappings_are_capped_across_the_store(tmp_path: Path) -> None:
+    """Reading every block of more sessions (and segments) than max_open_maps keeps open segment fds and mappings <= the cap."""
+    store = ReplicaStore(tmp_path, BUDGET, max_open_maps=3)
+    reps = {f"s{k}": make_replica(4, seed=k) for k in range(8)}
+    for session, rep in reps.items():
+        write(store, session, rep)
+    write(store, "s0", grow(reps["s0"], 2, seed=99), first_block=4)  # a second segment
+    reps["s0"] = grow(reps["s0"], 2, seed=99)
+    for _ in range(2):
+        for session, rep in reps.items():
+            assert_holds(store, session, rep)
+            assert store.open_maps() <= 3
+            fds, maps = mapped_segments(tmp_path)
+            assert fds <= 3 and maps <= 3
+    assert store.open_maps() == 3
+    store.close()
+    assert store.open_maps() == 0 and mapped_segments(tmp_path) == (0, 0)
+
+
+def test_reads_stay_correct_after_a_mapping_is_evicted_and_reopened(tmp_path: Path, engine: Engine) -> None:
+    """With one mapping allowed, alternating reads of two sessions close and reopen segments and every byte stays right."""
+    store = ReplicaStore(tmp_path, BUDGET, max_open_maps=1)
+    a, b = make_replica(6, seed=1), make_replica(6, seed=2)
+    write(store, "a", a)
+    write(store, "b", b)
+    for i in range(6):
+        assert bytes(store.block_view("a", i, verify=True)) == a.payloads[i]
+        assert bytes(store.block_view("b", i, verify=True)) == b.payloads[i]
+        assert store.open_maps() == 1
+    run_turn(engine, "e", prompt_tokens(64 * 3 + 5))
+    store_from_engine(store, engine, "e")
+    assert bytes(store.block_view("a", 0)) == a.payloads[0]  # "e"'s mapping is closed
+    fresh = sim_engine()
+    try:
+        assert store.import_into(fresh, "e") == 3 * 64
+        with engine.export("e") as theirs, fresh.export("e") as ours:
+            assert [bytes(x.data) for x in ours] == [bytes(x.data) for x in theirs]
+    finally:
+        fresh.close()
+    assert store.maps_deferred == 0
+
+
+def test_a_view_held_across_an_eviction_stays_valid(tmp_path: Path) -> None:
+    """A view held while its mapping is evicted, its session evicted and the store closed still reads right (no BufferError);
+    the mapping and its fd go when the view goes."""
+    store = ReplicaStore(tmp_path, BUDGET, max_open_maps=1)
+    a, b = make_replica(3, seed=1), make_replica(3, seed=2)
+    write(store, "a", a)
+    write(store, "b", b)
+    held = store.block_view("a", 2)
+    assert bytes(store.block_view("b", 0)) == b.payloads[0]  # evicts "a"'s mapping under the view
+    assert store.maps_deferred == 1 and store.open_maps() == 1
+    assert bytes(held) == a.payloads[2]
+    again = store.block_view("a", 1)  # reopened: a second mapping of the same file
+    store.evict("a")
+    store.close()
+    assert bytes(held) == a.payloads[2] and bytes(again) == a.payloads[1]
+    assert store.open_maps() == 0 and mapped_segments(tmp_path) == (2, 2)
+    del held, again
+    assert mapped_segments(tmp_path) == (0, 0)
+
+
+def test_a_replica_written_again_after_eviction_never_reads_the_old_mapping(tmp_path: Path) -> None:
+    """After evict and a new write (the same file names), reads get the new bytes, a view of the old replica keeps the
+    old ones, and a read through the evicted replica's index entry is refused instead of mapping the new file."""
+    store = ReplicaStore(tmp_path, BUDGET)
+    old, new = make_replica(3, seed=1), make_replica(3, seed=2)
+    write(store, "a", old)
+    held = store.block_view("a", 0, verify=True)
+    stale = store._entries["a"]
+    store.evict("a")
+    write(store, "a", new)
+    assert [bytes(store.block_view("a", i, verify=True)) for i in range(3)] == new.payloads
+    assert bytes(held) == old.payloads[0]
+    with pytest.raises(StoreError) as e, store._lock:
+        store._view(stale, 1)
+    assert e.value.reason == "missing"
+
+
+def test_trimmed_mappings_read_right(tmp_path: Path) -> None:
+    """Dropping mapped pages (trim_bytes reached, after an import) never changes what a view reads, held or new."""
+    store = ReplicaStore(tmp_path, BUDGET, trim_bytes=256)  # a trim at every block read
+    rep = make_replica(5, seed=3)
+    write(store, "s", rep)
+    views = [store.block_view("s", i) for i in range(5)]
+    assert [bytes(v) for v in views] == rep.payloads
+    assert_holds(store, "s", rep)
+
+
+def test_concurrent_reads_with_a_small_cap(tmp_path: Path) -> None:
+    """Threads reading many sessions through two mappings get the right bytes, no errors, and the cap holds."""
+    import threading
+
+    store = ReplicaStore(tmp_path, BUDGET, max_open_maps=2, trim_bytes=4096)
+    reps = {f"s{k}": make_replica(4, seed=k) for k in range(6)}
+    for session, rep in reps.items():
+        write(store, session, rep)
+    errors: list[BaseException] = []
+
+    def reader(k: int) -> None:
+        try:
+            for r in range(50):
+                session = f"s{(k + r) % 6}"
+                views = [store.block_view(session, i) for i in range(4)]
+                assert [bytes(v) for v in views] == reps[session].payloads
+                assert store.open_maps() <= 2
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert store.open_maps() <= 2
+
+
 # ---- session ids ----------------------------------------------------------------------------------
 
 
