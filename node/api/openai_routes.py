@@ -117,7 +117,7 @@ class _Turn:
             while at.resp is not None:
                 reason = "the stream ended before [DONE]"
                 try:
-                    async for chunk in _watched(at.resp, node.mesh.peers.peers[at.host]):
+                    async for chunk in _watched(at.resp, node.mesh.peers.peers[at.host], node.mesh.peers.stale_after_s):
                         for ev in splice.feed(chunk):
                             yield ev
                         if splice.done:
@@ -161,17 +161,19 @@ class _PeerSilent(Exception):
     pass
 
 
-async def _watched(resp: httpx.Response, peer: Peer, every_s: float = 1.0) -> AsyncIterator[bytes]:
-    """The response's raw bytes; gives up (_PeerSilent) once the peer table counts the peer
-    unreachable, rather than wait out the read timeout on a host that stopped answering."""
+async def _watched(resp: httpx.Response, peer: Peer, stale_after_s: float, every_s: float = 1.0) -> AsyncIterator[bytes]:
+    """The response's raw bytes; gives up (_PeerSilent) once the peer's status has not been heard
+    for stale_after_s, rather than wait out the read timeout on a host that stopped answering
+    (one failed call elsewhere is not enough: a slow answer is still an answer)."""
     chunks = resp.aiter_raw()
     while True:
         nxt = asyncio.ensure_future(anext(chunks))
         try:
             while not nxt.done():
                 await asyncio.wait({nxt}, timeout=every_s)
-                if not nxt.done() and not peer.reachable:
-                    raise _PeerSilent(f"{peer.name} is unreachable: {peer.error or 'not heard from'}")
+                silent_s = time.monotonic() - peer.heard_at
+                if not nxt.done() and not peer.reachable and silent_s > stale_after_s:
+                    raise _PeerSilent(f"{peer.name} not heard from for {silent_s:.1f}s: {peer.error or 'no answer'}")
         finally:
             if not nxt.done():
                 nxt.cancel()

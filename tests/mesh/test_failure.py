@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import signal
 import time
 
 import pytest
@@ -61,11 +62,12 @@ def _metric(m: Mesh, node: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_stream_continues_on_a_survivor_when_its_host_dies(make_mesh, temperature: float) -> None:  # type: ignore[no-untyped-def]
-    """The serving host is killed mid-answer: the client's stream goes on from a survivor, one whole
-    answer with no error (greedy: the never-failing answer; sampled: the entry's seed repeats it)."""
-    m: Mesh = make_mesh(slots=2, sim={"decode_tps": 25.0})  # 40 ms a token: the kill lands mid-answer
+@pytest.mark.parametrize(("temperature", "fault"), [(0.0, "kill"), (0.9, "kill"), (0.0, "stop")])
+def test_stream_continues_on_a_survivor_when_its_host_dies(make_mesh, temperature: float, fault: str) -> None:  # type: ignore[no-untyped-def]
+    """The serving host is killed (or stops answering: SIGSTOP) mid-answer: the client's stream goes on
+    from a survivor, one whole answer with no error (greedy: the never-failing answer; sampled: the
+    entry's seed repeats it)."""
+    m: Mesh = make_mesh(slots=2, sim={"decode_tps": 25.0})  # 40 ms a token: the fault lands mid-answer
     conv = Conversation(f"resume-{temperature}", seed=977)
     home = m.turn(conv, "a").host
     m.settle(conv)
@@ -86,7 +88,14 @@ def test_stream_continues_on_a_survivor_when_its_host_dies(make_mesh, temperatur
         if before_kill is None and sum(1 for p in parts if p) >= 3:
             assert finish is None, "the answer ended before the kill: pick a longer one"
             before_kill = "".join(parts)
-            m.nodes[home].kill()
+            if fault == "kill":
+                m.nodes[home].kill()
+            else:
+                stopped = m.nodes[home].proc
+                assert stopped is not None
+                stopped.send_signal(signal.SIGSTOP)
+    if fault == "stop":
+        stopped.send_signal(signal.SIGCONT)  # the stream did not wait for it
     answer = "".join(parts)
     assert before_kill is not None and finish in ("stop", "length") and usage is not None, (answer, finish)
     assert len(answer) > len(before_kill) and answer.startswith(before_kill), (before_kill, answer)
