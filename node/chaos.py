@@ -367,8 +367,9 @@ class LinkProxy:
                         conn.cut()
                         break
                     if f.kind == "flip":
-                        data = bytearray(data)
-                        data[i] ^= 1 << f.bit
+                        flipped = bytearray(data)
+                        flipped[i] ^= 1 << f.bit
+                        data = bytes(flipped)
                         f.info["flipped"] = f"bit {f.bit} of stream byte {target}"
                     self._send(conn, f, data)
                     pos += len(data)
@@ -570,8 +571,9 @@ class _Clocks:
                         fname = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
                         for k in self.returns.get(fname, ()):
                             elts = n.targets[0].elts
-                            if k < len(elts) and isinstance(elts[k], ast.Name):
-                                names.add(elts[k].id)
+                            elt = elts[k] if k < len(elts) else None
+                            if isinstance(elt, ast.Name):
+                                names.add(elt.id)
         return names
 
     def _mark(self, attr: str, value: ast.AST, names: set[str]) -> None:
@@ -639,7 +641,7 @@ def wall_clock_findings(pkg: Path) -> list[dict[str, Any]]:
                     if any(kw.arg == "key" and isinstance(kw.value, ast.Lambda) and clocks.is_wall(kw.value.body, set())
                            for kw in n.keywords):
                         kind = "ordering"
-                if kind is None:
+                if kind is None or not isinstance(n, ast.expr):  # every kind above is an expression
                     continue
                 expr = ast.get_source_segment(src, n) or ""
                 why = WALL_CLOCK_ALLOWED.get((rel, fn.name, expr))
@@ -1376,7 +1378,7 @@ async def sc_clock_jump(d: Drill) -> None:
         await asyncio.sleep(2.0)
         return
     clock = Path(d.fault["clock_file"])
-    jumps = []
+    jumps: list[dict[str, Any]] = []
     for offset, src, dst in (("+3600", v, "node-a"), ("-3600", "node-a", v)):
         clock.write_text(offset + "\n")
         await asyncio.sleep(1.0)
@@ -1480,7 +1482,8 @@ async def run_scenario(sc: Scenario, workdir: Path, seed: int, ref_api: str) -> 
     failures: list[str] = []
     detail: dict[str, Any] = {"name": sc.name, "about": sc.about}
     stores: list[StoreReport] = []
-    compared, mismatches = 0, []
+    compared = 0
+    mismatches: list[dict[str, Any]] = []
     live_temp: dict[str, list[str]] = {}
     serving: dict[str, Any] = {}
     ctx = contextlib.contextmanager(sc.setup)(d) if sc.setup else contextlib.nullcontext()

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import logging
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def uvicorn_config(app: FastAPI, cfg: NodeConfig, *, host: str | None = None, po
     tls = cfg.api.tls
     return uvicorn.Config(
         app, host=host or cfg.api.host, port=cfg.api.port if port is None else port, log_level="warning",
-        access_log=False, timeout_keep_alive=HEADER_DEADLINE_S, lifespan="on", http=HeaderDeadlineH11,
+        access_log=False, timeout_keep_alive=math.ceil(HEADER_DEADLINE_S), lifespan="on", http=HeaderDeadlineH11,
         ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None,
     )
 

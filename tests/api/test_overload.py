@@ -112,7 +112,7 @@ def test_queue_timeout_and_full_queue_give_429(sim_queue):
     """With a queue of 1: one waiter times out with 429; a second, finding the queue full, is 429 at once."""
     srv = sim_queue
     small = {"model": srv.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
-    with holding_stream(srv) as lines:
+    with holding_stream(srv):  # held, never drained: leaving the block hangs it up
         assert _health(srv)["busy"] == 1
 
         def post(i: int) -> httpx.Response:

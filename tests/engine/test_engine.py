@@ -10,7 +10,7 @@ import torch
 
 from node.config import EngineConfig
 from node.engine.engine import Engine, GenerateRequest
-from node.engine.hashing import as_tokens, block_hashes
+from node.engine.hashing import as_tokens
 from node.engine.runner import blocks_for
 from node.errors import ContextLengthExceeded, ImportRefused, InvalidRequest, Overloaded
 

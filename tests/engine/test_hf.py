@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from node.config import EngineConfig
 from node.engine import hf
 from node.engine.engine import Engine
-from node.engine.hf import hf_name, open_checkpoint
+from node.engine.hf import open_checkpoint
 from node.engine.model import fingerprint, preset
 from node.engine.tokenizer import HFTokenizer
 from node.errors import CheckpointError, ConfigError, ImportRefused

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from node.protocol import PROTOCOL_VERSION, SnapshotEvent

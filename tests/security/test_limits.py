@@ -15,7 +15,6 @@ import warnings
 from collections.abc import Callable, Iterator
 
 import httpx
-import pytest
 
 from node.server import HEADER_DEADLINE_S
 

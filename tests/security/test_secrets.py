@@ -80,7 +80,7 @@ def _kv_offer(addr: str, secret: bytes, session: str) -> None:
 def _exercise(m: Mesh, seen: list[str]) -> None:
     """Turns, replicas, drains, a migrate, a replicate and failed auth attempts; every response kept in `seen`."""
     a, b = m.api("a"), m.api("b")
-    admin, peer = m.admin_headers(), m.peer_headers()
+    admin = m.admin_headers()
 
     def keep(r) -> None:  # type: ignore[no-untyped-def]
         seen.append(f"{r.status_code} {dict(r.headers)} {r.text}")
