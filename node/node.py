@@ -248,6 +248,7 @@ class Node:
             "handoffs": m.book.counters.model_dump(),
             "decision_p50_ms": round(m.decision_ms(0.5), 4),
             "decision_p99_ms": round(m.decision_ms(0.99), 4),
+            "decision_cpu_p99_ms": round(m.decision_ms(0.99, cpu=True), 4),
             "decisions": len(m.decision_s),
             "engine": {"turns": self.engine.counters.turns, "prefill_tokens": self.engine.counters.prefill_tokens,
                        "cached_tokens": self.engine.counters.cached_tokens,

@@ -85,6 +85,7 @@ def run_handoff(args: argparse.Namespace) -> int:
         "warm_pct": pct(c["warm"]), "partial_pct": pct(c["partial"]), "cold_pct": pct(c["cold"]),
         "stale_state_cold": c["stale_state_cold"],
         "decision_p99_ms": max(s["decision_p99_ms"] for s in node_stats),
+        "decision_cpu_p99_ms": max(s["decision_cpu_p99_ms"] for s in node_stats),
         "turns": load["turns"], "errors": load["errors"], "duration_s": round(elapsed, 1),
         "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
         "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,

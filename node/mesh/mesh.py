@@ -56,6 +56,7 @@ class Mesh:
         # Where this entry node last sent each session, and when: fresher than any poll.
         self.routed: dict[str, tuple[str, int]] = {}  # session -> (host, turn sequence)
         self.decision_s: collections.deque[float] = collections.deque(maxlen=5000)
+        self.decision_cpu_s: collections.deque[float] = collections.deque(maxlen=5000)
 
     async def start(self) -> None:
         await self.peers.start()
@@ -127,10 +128,12 @@ class Mesh:
         await asyncio.gather(*(self.peers.poll_session(p, session) for p in self.peers.peers.values() if p.reachable))
 
     def decide(self, session: str, prompt_tokens: int, *, unavailable: frozenset[str] = frozenset()) -> Decision | None:
-        t0 = time.perf_counter()
+        # Wall time includes waiting for a core or the GIL; this thread's CPU time is the decision's own cost.
+        t0, c0 = time.perf_counter(), time.thread_time()
         d = choose(self.hosts(), self.holdings(session), prompt_tokens, self.policy, unavailable=unavailable)
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         self.decision_s.append(dt)
+        self.decision_cpu_s.append(dc)
         self.node.metrics.decision.observe(dt)
         return d
 
@@ -143,8 +146,8 @@ class Mesh:
     def predict_next(self, session: str) -> Decision | None:
         return predict_next(self.hosts(), self.holdings(session), self.policy)
 
-    def decision_ms(self, q: float) -> float:
-        xs = sorted(self.decision_s)
+    def decision_ms(self, q: float, *, cpu: bool = False) -> float:
+        xs = sorted(self.decision_cpu_s if cpu else self.decision_s)
         return 1000 * xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
 
     # ---- status and the cluster view ----------------------------------------

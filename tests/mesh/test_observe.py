@@ -130,6 +130,9 @@ def test_metrics_are_prometheus_text(shared_mesh: Mesh) -> None:
         assert inn == m.stats(peer)["kvshare"]["in"][home]["bytes"]
     # The handoff counters agree with the cluster view.
     wait_for(lambda: m.cluster(target)["counters"]["warm"] >= 1, "the cluster to count the handoff")
+    # Every placement decision is timed: wall time and the deciding thread's own CPU time.
+    st = m.stats(home)
+    assert st["decisions"] >= 1 and 0 < st["decision_cpu_p99_ms"] <= st["decision_p99_ms"] + 0.05, st
 
 
 def test_metrics_have_transfer_seconds_for_both_directions(shared_mesh: Mesh) -> None:
