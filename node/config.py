@@ -119,6 +119,8 @@ class KVShareConfig(_Strict):
     tls: TLSConfig | None = None
     connect_timeout_s: float = Field(3.0, gt=0)
     io_timeout_s: float = Field(30.0, gt=0)
+    supersede_stall_s: float = Field(2.0, gt=0, description="a transfer in flight gives way to a newer replica "
+                                     "of its session once it has sent nothing for this long")
 
 
 class NodeConfig(_Strict):

@@ -220,6 +220,11 @@ class Engine:
         seq = self.sessions.get(session)
         return seq.num_tokens if seq else 0
 
+    def block_hash(self, session: str, i: int) -> bytes | None:
+        """The chain hash of the session's i-th full block, if the engine holds that block."""
+        seq = self.sessions.get(session)
+        return seq.hashes[i] if seq is not None and 0 <= i < len(seq.hashes) else None
+
     def session_tokens(self, session: str) -> np.ndarray | None:
         seq = self.sessions.get(session)
         return None if seq is None else seq.tokens

@@ -96,6 +96,8 @@ class _Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     started: bool = False
     preempted: bool = False  # stopped to free the pool blocks it pinned for a turn here
+    offer_tip: tuple[int, bytes] | None = None  # (blocks offered, hash of the last one) once exported
+    progress_at: float = 0.0  # monotonic time the socket last took bytes (sender thread writes it)
     sock: socket.socket | None = None  # while sending: closing it unblocks a stalled send
 
     def supersede(self) -> None:
@@ -352,7 +354,10 @@ class KVShare:
             self._persist_own(session)
 
     def submit(self, session: str, target: str) -> asyncio.Future[PushResult]:
-        """Queue a replica push; a newer one supersedes an older one queued or in flight."""
+        """Queue a replica push; a newer one supersedes an older one queued. One in flight is
+        superseded only if the session no longer extends what it sends, or once it stalls
+        (`supersede_stall_s`): otherwise it finishes and the newer one sends the delta after it.
+        (Restarting a progressing transfer on every turn starves a slow link: nothing lands.)"""
         assert self._loop is not None
         key = (session, target)
         old = self._queued.pop(key, None)
@@ -360,13 +365,23 @@ class KVShare:
             old.done.set_result(PushResult(False, reason="superseded"))
             self._superseded(session, target)
         running = self._jobs.get(key)
-        if running is not None and running.started and not running.cancel.is_set():
-            running.supersede()
-            self._superseded(session, target)
+        if running is not None and running.started and not running.cancel.is_set() and not self._extends(running):
+            self._supersede_running(running)
         job = _Job(session, target, self._loop.create_future())
         self._queued[key] = job
         asyncio.ensure_future(self._run_job(job))
         return job.done
+
+    def _extends(self, job: _Job) -> bool:
+        """Whether the session's blocks in the engine now still start with what `job` sends."""
+        if job.offer_tip is None:
+            return True  # not exported yet: it will send the newest state
+        n, tip = job.offer_tip
+        return self.node.engine.block_hash(job.session, n - 1) == tip
+
+    def _supersede_running(self, job: _Job) -> None:
+        job.supersede()
+        self._superseded(job.session, job.target)
 
     def _superseded(self, session: str, target: str) -> None:
         self.out[target].superseded += 1
@@ -378,15 +393,23 @@ class KVShare:
     async def _run_job(self, job: _Job) -> None:
         assert self._sem is not None
         key = (job.session, job.target)
+        # At most one transfer per (session, target): wait for the running one to end (without
+        # holding a concurrency permit), replacing it if it stalls.
+        while (running := self._jobs.get(key)) is not None and self._queued.get(key) is job:
+            if not running.cancel.is_set() and time.monotonic() - running.progress_at > self.cfg.supersede_stall_s:
+                self._supersede_running(running)
+            await asyncio.sleep(0.02)
+        if self._queued.get(key) is not job:
+            return  # superseded while waiting
         async with self._sem:
-            # At most one transfer per (session, target): wait for the running one to end.
-            while key in self._jobs:
+            while key in self._jobs:  # superseded, still winding down
                 await asyncio.sleep(0.01)
             if self._queued.get(key) is not job:
                 return  # superseded while waiting
             del self._queued[key]
             self._jobs[key] = job
             job.started = True
+            job.progress_at = time.monotonic()
             try:
                 result = await self._send(job)
             except Exception as e:  # noqa: BLE001 - a failed push never fails a turn
@@ -413,6 +436,7 @@ class KVShare:
                                block_bytes=e.block_bytes, n_blocks=len(blocks), generation=self._generation,
                                sent_at=time.time())
             toks = np.ascontiguousarray(tokens[: len(blocks) * bs])
+            job.offer_tip = (len(blocks), blocks[-1].hash)
             assert self._loop is not None
             result = await self._loop.run_in_executor(self._send_pool, self._send_blocking, peer.cfg.kvshare, offer,
                                                       toks, blocks, job)
@@ -461,6 +485,7 @@ class KVShare:
                     try:
                         sock.sendall(hdr)
                         sock.sendall(b.data)
+                        job.progress_at = time.monotonic()
                     except OSError:
                         if job.cancel.is_set():
                             raise _Superseded() from None

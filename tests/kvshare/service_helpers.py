@@ -8,8 +8,8 @@ on the a -> b kv_share path, a /v1/events reader, and a hand-driven kv_share sen
 - Turns are pinned to a node with the peer-forwarding headers (`X-Kvmesh-Forwarded` + the mesh secret's
   peer token): the node runs them itself, without placement, so each test says where a turn runs.
 - `Proxy`: pass-through by default; one-shot faults (flip one bit in a block's payload, or cut the
-  connection inside a block's payload, with a FIN or a RST), a pause gate, and a count of concurrent
-  connections.
+  connection inside a block's payload, with a FIN or a RST), a pause gate, a rate limit, and a count of
+  concurrent connections.
 - `hand_send(...)`: drives `node.kvshare.wire.Sender` over a raw socket with real offers (tokens of a chat
   template, chain hashes seeded with the node's engine fingerprint, sim KV bytes) and optional faults.
 
@@ -169,6 +169,7 @@ class Proxy:
         self.target = target
         self.fault: Fault | None = None
         self.applied: list[Fault] = []
+        self.rate_bps: float | None = None  # sender -> listener bytes per second (None: as fast as it goes)
         self.connections = 0
         self.active = 0
         self.max_active = 0
@@ -321,6 +322,8 @@ class _Conn:
                         return
                 self.u.sendall(buf)
                 pos += len(buf)
+                if self.p.rate_bps:
+                    time.sleep(len(buf) / self.p.rate_bps)
         except OSError:
             self._drop("fin")
         finally:

@@ -99,7 +99,8 @@ def test_delta_replicas_over_growing_turns_carry_only_new_whole_blocks(kv_pair: 
 
 
 def test_newer_replica_supersedes_one_in_flight(kv_pair: Pair) -> None:
-    """A newer replica for the same (session, target) supersedes the one in flight; one transfer at a time; the newest lands."""
+    """A newer replica for the same (session, target) supersedes a stalled one in flight; one transfer at a time;
+    the newest lands."""
     p = kv_pair
     conv = Conversation("supersede-1", chars=2000)
     before = p.stats("a")["kvshare"]["out"].get("b", {}).get("superseded", 0)
@@ -131,8 +132,34 @@ def test_newer_replica_supersedes_one_in_flight(kv_pair: Pair) -> None:
     assert p.temp_files("b") == []
 
 
+def test_a_progressing_transfer_finishes_and_the_newer_replica_sends_only_the_delta(kv_pair: Pair) -> None:
+    """On a slow link a newer turn does not restart a transfer that is still moving bytes: it lands, and the
+    newer replica follows with only the blocks after it (restarting would starve the link: nothing lands)."""
+    p = kv_pair
+    conv = Conversation("slow-link-1", chars=6000)
+    before = p.stats("a")["kvshare"]["out"].get("b", {}).get("superseded", 0)
+    p.proxy.reset_counts()
+    p.proxy.rate_bps = 1e6  # ~2.5 s for the first replica
+    try:
+        with p.events("a") as ev_a, p.events("b") as ev_b:
+            t1 = p.turn("a", conv)
+            wait_for(lambda: p.proxy.connections >= 1, "the first push to connect")
+            conv.grow_to(t1.reply, t1.prompt_tokens + 10 * BLOCK)
+            t2 = p.turn("a", conv)
+            n1, n2 = t1.prompt_tokens // BLOCK, t2.prompt_tokens // BLOCK
+            first = ev_b.wait("replica_ready", session=conv.session, tokens=n1 * BLOCK)
+            second = ev_b.wait("replica_ready", session=conv.session, tokens=n2 * BLOCK)
+            assert not ev_a.all("replica_superseded", session=conv.session)
+    finally:
+        p.proxy.rate_bps = None
+    assert first["blocks"] == n1 and second["blocks"] == n2 - n1, (first, second)
+    assert p.stats("a")["kvshare"]["out"]["b"]["superseded"] == before
+    assert p.proxy.connections == 2 and p.proxy.max_active == 1, "the two transfers overlapped"
+
+
 def test_superseded_counts_each_replica_once(kv_pair: Pair) -> None:
-    """Three quick pushes of one (session, target): two replicas are superseded, counted and announced once each."""
+    """Three quick pushes of one (session, target) while the first stalls: the queued second gives way to the
+    third, the stalled first to the third too; two replicas superseded, counted and announced once each."""
     p = kv_pair
     conv = Conversation("supersede-3", chars=1200)
     before = p.stats("a")["kvshare"]["out"].get("b", {}).get("superseded", 0)
@@ -145,6 +172,8 @@ def test_superseded_counts_each_replica_once(kv_pair: Pair) -> None:
             for _ in range(2):
                 conv.grow_to(t.reply, t.prompt_tokens + 3 * BLOCK)
                 t = p.turn("a", conv)
+            wait_for(lambda: len(ev_a.all("replica_superseded", session=conv.session)) >= 2,
+                     "the stalled transfer to be superseded")
         finally:
             p.proxy.resume()
         n = t.prompt_tokens // BLOCK
