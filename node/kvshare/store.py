@@ -71,7 +71,7 @@ MANIFEST = "manifest.json"
 TEMP_PREFIX = "~"
 MAX_SEGMENTS = 16
 MAX_OPEN_MAPS = 64  # mapped segment files open at once, across the store
-TRIM_BYTES = 16 << 20  # bytes of views handed out between two MADV_DONTNEED passes
+TRIM_BYTES = 4 << 20  # bytes of views handed out between two MADV_DONTNEED passes
 _wall_clock = time.time  # stamps a manifest's "updated" (LRU order after a restart); swappable in tests
 
 
@@ -406,6 +406,10 @@ class ReplicaStore:
         except BaseException:
             writer.abort()
             raise
+        finally:
+            if carry:  # copied into the new segment: the pages read need not stay in RSS
+                with self._lock:
+                    self._trim_maps_of(session)
         return writer
 
     def _checked_tokens(

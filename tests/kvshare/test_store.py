@@ -580,6 +580,43 @@ def test_trimmed_mappings_read_right(tmp_path: Path) -> None:
     assert_holds(store, "s", rep)
 
 
+def resident_segment_kib(root: Path) -> int:
+    """RSS (KiB) of this process's mappings of segment files under `root` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's header line
+                inside = str(root) in line and line.rstrip().removesuffix(" (deleted)").endswith(".kv")
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+def test_pages_read_by_an_import_or_a_rewrite_leave_rss(tmp_path: Path, engine: Engine) -> None:
+    """Mapped pages an import or a rewrite read stop counting in RSS once done (the mappings stay open)."""
+    store = ReplicaStore(tmp_path, BUDGET, trim_bytes=0)  # no trims by volume: only those after an import or a rewrite
+    run_turn(engine, "s1", prompt_tokens(64 * 6 + 3))
+    store_from_engine(store, engine, "s1")
+    m = store.manifest("s1")
+    assert m is not None
+    assert [len(bytes(store.block_view("s1", i))) for i in range(m.n_blocks)] == [m.block_bytes] * m.n_blocks
+    assert resident_segment_kib(tmp_path) > 0
+    fresh = sim_engine()
+    try:
+        assert store.import_into(fresh, "s1") == m.n_blocks * 64
+    finally:
+        fresh.close()
+    assert resident_segment_kib(tmp_path) == 0 and store.open_maps() == 1
+    old = make_replica(6, seed=1)
+    write(store, "r", old)
+    w = begin(store, "r", grow(prefix(old, 3), 4, seed=9), first_block=3)  # blocks 0-2 of the cut segment are read back
+    try:
+        assert w.next_index == 3 and resident_segment_kib(tmp_path) == 0
+    finally:
+        w.abort()
+
+
 def test_concurrent_reads_with_a_small_cap(tmp_path: Path) -> None:
     """Threads reading many sessions through two mappings get the right bytes, no errors, and the cap holds."""
     import threading
