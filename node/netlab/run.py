@@ -12,6 +12,7 @@ times match the full-size experiment; think times are compressed by
 from __future__ import annotations
 
 import argparse
+import collections
 import asyncio
 import json
 import statistics
@@ -28,6 +29,7 @@ from websockets.sync.client import connect
 
 from node.bench.handoff import wait_peers
 from node.bench import rawtcp
+from node.config import EngineConfig
 from node.launcher import NodeProcess
 from node.load import LoadRunner, LoadShape
 from node.netlab.mesh import lab_api, lab_nodes
@@ -156,9 +158,13 @@ def summarize(run: LinkRun, scale: float) -> dict[str, Any]:
     secs = [e["recv_s"] for e in deltas]
     lags = [e["lag_s"] for e in deltas]
     mbps = []
+    superseded, refused = 0, collections.Counter[str]()
     for st in run.stats:
         out = sum(v["bytes"] for v in st["kvshare"]["out"].values())
         mbps.append(round(8 * out / run.duration_s / 1e6, 1) if run.duration_s else 0.0)
+        for v in st["kvshare"]["out"].values():
+            superseded += v.get("superseded", 0)
+            refused.update(v.get("refused", {}))
     p50 = _pct(secs, 0.5)
     return {
         "link": run.link,
@@ -176,6 +182,11 @@ def summarize(run: LinkRun, scale: float) -> dict[str, Any]:
         "ready_lag_p50_s": round(_pct(lags, 0.5) or 0, 4) if lags else None,
         "import_p50_s": round(_pct(run.imported, 0.5) or 0, 4) if run.imported else None,
         "mbps_per_direction": mbps,
+        # Pushes that did not land: replaced by a newer replica while stalled, or refused (by reason).
+        "superseded": superseded,
+        "refused": dict(refused),
+        # Deltas that were whole sessions (the receiver held nothing of it): first copies and re-sends.
+        "whole_session_transfers": sum(1 for e in deltas if e["blocks"] * EngineConfig().block_size >= e["tokens"]),
         "turns": run.load.get("turns"),
         "errors": run.load.get("errors"),
         "duration_s": round(run.duration_s, 1),
