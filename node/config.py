@@ -114,7 +114,7 @@ class KVShareConfig(_Strict):
     store_budget_bytes: int = Field(8 << 30, gt=0)
     fsync: Literal["always", "never"] = "always"
     persist_own: bool = Field(True, description="also keep this host's own sessions in the store")
-    concurrency: int = Field(4, ge=1, le=64, description="transfers to different targets in parallel")
+    concurrency: int = Field(4, ge=1, le=64, description="replica pushes in flight at once (all targets together)")
     socket_buffer_bytes: int = Field(4 << 20, ge=65536)
     tls: TLSConfig | None = None
     connect_timeout_s: float = Field(3.0, gt=0)

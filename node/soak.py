@@ -12,9 +12,14 @@ object on the last stdout line:
 - replica store bytes per node (the store's own count and the bytes on disk);
 - the mesh's handoff counters (GET /v1/cluster).
 
-"Start" is after a warm-up (10% of the run, 5 to 60 s): the first turns fill
-the pre-touched KV pool's bookkeeping, import torch's lazy modules and grow
-Python's heap once; growth after that is what a week-long run would accumulate.
+"Start" is the steady state: after a warm-up (10% of the run, 5 to 60 s) AND
+once every node's replica store has filled to 90% of its byte budget (capped at
+half the run). Until then memory grows by design: the first turns fill the KV
+pool's bookkeeping and import lazy modules, and the store's in-memory index
+(tokens and hashes of every replica it holds) grows with the replicas until the
+budget bounds it. Growth after that is what a week-long run would accumulate.
+Growth from the warm-up alone is reported too (`rss_growth_from_warmup_pct`),
+with each node's anonymous RSS and store bytes per minute (`per_minute`).
 RSS includes the store's mapped segment pages (file-backed, reclaimable); the
 `shared` figure is that part.
 
@@ -44,6 +49,7 @@ from node.load import LoadRunner, LoadShape
 NAMES = ["node-a", "node-b", "node-c"]
 MIB = 1 << 20
 GROWTH_MIN_MINUTES = 10.0  # shorter runs are dominated by warm-up; their growth is reported, not judged
+STORE_FULL = 0.9  # a store at this share of its byte budget is full: its index stops growing
 
 
 def _sample(p: NodeProcess) -> dict[str, float]:
@@ -68,6 +74,8 @@ class Soak:
         self.samples: dict[str, dict[str, dict[str, float]]] = {}  # node -> phase -> sample
         self.rss_max: dict[str, float] = {}
         self.series: dict[str, list[tuple[float, float, float]]] = {}  # node -> (t, anon RSS, fds)
+        self.store_series: dict[str, list[tuple[float, int]]] = {}  # node -> (t, replica store bytes)
+        self.steady_at: float | None = None  # when every store reached STORE_FULL of its budget
         self.t0 = time.monotonic()
 
     def take(self, phase: str) -> None:
@@ -77,13 +85,32 @@ class Soak:
             self.rss_max[p.name] = max(self.rss_max.get(p.name, 0.0), s["rss"])
             self.series.setdefault(p.name, []).append((time.monotonic() - self.t0, s["rss"] - s["shared"], s["fds"]))
 
-    async def _watch(self, every_s: float, stop: asyncio.Event) -> None:
-        """Sample periodically, so a peak between start and end is seen too."""
+    def stores_full(self) -> bool:
+        """Sample every node's store bytes; True when each is at STORE_FULL of its budget."""
+        full = True
+        for p in self.nodes:
+            try:
+                kv = httpx.get(f"{p.api}/v1/stats", timeout=5.0).json()["kvshare"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                return False
+            self.store_series.setdefault(p.name, []).append((time.monotonic() - self.t0, int(kv["store_bytes"])))
+            full = full and kv["store_bytes"] >= STORE_FULL * kv["store_budget_bytes"]
+        return full
+
+    async def _watch(self, every_s: float, stop: asyncio.Event, steady_after: float, steady_by: float) -> None:
+        """Sample periodically, so a peak between start and end is seen too; take the "steady"
+        sample once past the warm-up with every store full (or at steady_by, whichever first)."""
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), every_s)
             except asyncio.TimeoutError:
                 await asyncio.to_thread(self.take, "latest")
+                full = await asyncio.to_thread(self.stores_full)
+                t = time.monotonic() - self.t0
+                if self.steady_at is None and t >= steady_after and (full or t >= steady_by):
+                    self.steady_at = t
+                    self.steady_reason = "stores full" if full else "stores not full by half the run"
+                    await asyncio.to_thread(self.take, "steady")
 
     async def run(self) -> dict[str, Any]:
         a = self.args
@@ -101,7 +128,7 @@ class Soak:
         t0 = self.t0 = time.monotonic()
         self.series.clear()
         load = asyncio.ensure_future(runner.run(duration))
-        watch = asyncio.ensure_future(self._watch(10.0, stop))
+        watch = asyncio.ensure_future(self._watch(10.0, stop, warmup, duration / 2))
         try:
             done, _ = await asyncio.wait({load}, timeout=warmup)
             if not done:
@@ -123,19 +150,31 @@ class Soak:
     def _trend(self, name: str) -> dict[str, Any]:
         return _trend_of(self.series.get(name, []))
 
+    def _per_minute(self, name: str) -> list[list[float]]:
+        """[minute, anonymous RSS MiB, store MiB], one row a minute: does memory follow the store's fill?"""
+        rows: list[list[float]] = []
+        stores = self.store_series.get(name, [])
+        for t, anon, _ in self.series.get(name, []):
+            if not rows or t >= 60.0 * len(rows):
+                st = min(stores, key=lambda x: abs(x[0] - t))[1] if stores else 0
+                rows.append([round(t / 60, 1), round(anon / MIB, 1), round(st / MIB, 1)])
+        return rows
+
     def report(self, load: dict[str, Any], elapsed: float, node_stats: dict[str, Any],
                cluster: dict[str, Any]) -> dict[str, Any]:
         a = self.args
         nodes: dict[str, Any] = {}
         for p in self.nodes:
             s = self.samples[p.name]
-            start, end = s.get("start", s["ready"]), s["end"]
+            warm, end = s.get("start", s["ready"]), s["end"]
+            start = s.get("steady", warm)
             nodes[p.name] = {
                 "pid": p.proc.pid if p.proc else None,
                 "rss_ready_mib": round(s["ready"]["rss"] / MIB, 1),
                 "rss_start_mib": round(start["rss"] / MIB, 1), "rss_end_mib": round(end["rss"] / MIB, 1),
                 "rss_max_mib": round(self.rss_max[p.name] / MIB, 1),
                 "rss_growth_pct": round(100.0 * (end["rss"] - start["rss"]) / start["rss"], 2),
+                "rss_growth_from_warmup_pct": round(100.0 * (end["rss"] - warm["rss"]) / warm["rss"], 2),
                 "rss_shared_end_mib": round(end["shared"] / MIB, 1),
                 # Anonymous memory (RSS less file-backed pages such as mapped store segments): a leak shows here.
                 "rss_anon_start_mib": round((start["rss"] - start["shared"]) / MIB, 1),
@@ -148,6 +187,7 @@ class Soak:
                 "store_disk_bytes": _dir_bytes(self.work / f"store-{p.name}"),
                 "engine_turns": int(node_stats[p.name]["engine"]["turns"]),
                 **self._trend(p.name),
+                "per_minute": self._per_minute(p.name),
             }
         growth = max(n["rss_growth_pct"] for n in nodes.values())
         judged = a.minutes >= GROWTH_MIN_MINUTES
@@ -162,6 +202,8 @@ class Soak:
             "nodes": nodes, "store_bytes_total": sum(n["store_bytes"] for n in nodes.values()),
             "rss_growth_max_pct": growth, "rss_anon_growth_max_pct": max(n["rss_anon_growth_pct"] for n in nodes.values()),
             "rss_growth_judged": judged,
+            "steady_after_s": round(self.steady_at, 1) if self.steady_at is not None else None,
+            "steady_reason": getattr(self, "steady_reason", "run too short"),
         }
         result["passed"] = load["errors"] == 0 and load["turns"] > 0 and (not judged or growth < a.max_rss_growth_pct)
         return result

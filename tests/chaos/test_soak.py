@@ -22,3 +22,7 @@ def test_soak_half_a_minute() -> None:
         assert n["threads_end"] > 0 and n["store_bytes"] >= 0, (name, n)
     assert r["store_bytes_total"] > 0, "no replica reached any store"
     assert r["rss_growth_judged"] is False  # a 30 s run is warm-up; growth is judged on 10+ minutes
+    for name, n in r["nodes"].items():
+        # One row a minute (the first at the start): minute, anonymous RSS, store MiB.
+        assert n["per_minute"] and all(len(row) == 3 and row[1] > 100 for row in n["per_minute"]), (name, n)
+    assert r["steady_reason"] in ("stores full", "stores not full by half the run", "run too short"), r
