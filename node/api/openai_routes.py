@@ -90,7 +90,7 @@ class _Turn:
                                        timeout_s=node.cfg.mesh.forward_timeout_s)
                 if not self.stream or resp.status_code != 200:
                     answer = await read_whole(d.host, resp)
-                    mesh.routed[session] = (d.host, self.seq)
+                    mesh.note_routed(session, d.host, self.seq)
                     return answer
             except PeerUnavailable as e:
                 log.warning("turn of %s could not go to %s (%s); placing it again", session, d.host, e.reason)
@@ -100,12 +100,12 @@ class _Turn:
                 continue
             finally:
                 peer.pending -= 1
-            mesh.routed[session] = (d.host, self.seq)
+            mesh.note_routed(session, d.host, self.seq)
             return Placement(d.host, d.prev_host, d.predicted_reused, resp)
 
     async def run_here(self, prev_host: str | None, predicted: int | None) -> TurnRun:
         run = await self.node.prepare_turn(self.greq, prev_host, predicted, self.messages, self.seq)
-        self.node.mesh.routed[self.session] = (self.node.name, self.seq)
+        self.node.mesh.note_routed(self.session, self.node.name, self.seq)
         return run
 
     async def relay(self, first: Placement) -> AsyncIterator[bytes]:
@@ -267,7 +267,7 @@ def router(node: Node) -> APIRouter:
             if greq.seed is None and hdrs.get(SEED, "").lstrip("-").isdigit():
                 greq.seed = int(hdrs[SEED])
             run = await node.prepare_turn(greq, prev_host, predicted, messages, seq)
-            node.mesh.routed[session] = (node.name, seq)
+            node.mesh.note_routed(session, node.name, seq)
         else:
             if greq.seed is None and greq.temperature >= MIN_TEMPERATURE:
                 # The entry picks the seed, so a turn run again elsewhere samples the same answer.

@@ -45,6 +45,7 @@ log = logging.getLogger("kvmesh.kvshare")
 # io_timeout_s) of connecting: each read is bounded by io_timeout_s, this bounds a trickling client.
 MAX_INBOUND_CONNECTIONS = 64
 OFFER_DEADLINE_S = 10.0
+MAX_UNUSED_TRACKED = 10_000  # sessions whose received replica bytes wait to be used (or counted wasted)
 
 # Without a configured mesh secret the mesh is loopback-only; kv_share still signs its frames.
 DEV_SECRET = b"kvmesh-loopback-only-dev-secret"
@@ -738,6 +739,8 @@ class KVShare:
         # A delta builds on the replica before it: those bytes stay useful. Replica bytes
         # are wasted only if the store drops them before any turn here used them.
         self._unused[offer.session] = self._unused.get(offer.session, 0) + received
+        while len(self._unused) > MAX_UNUSED_TRACKED:  # sessions that ended and never came back
+            self.wasted_bytes += self._unused.pop(next(iter(self._unused)))
         self.node.hub.publish(ReplicaReady(session=offer.session, src=offer.sender, dst=self.node.name, tokens=tokens,
                                            bytes=received, lag_s=round(lag, 5), imported=txn is not None,
                                            recv_s=round(last_byte - t_first, 5),

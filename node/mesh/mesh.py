@@ -54,7 +54,8 @@ class Mesh:
         self.draining = False
         self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, node.engine.kv_bytes_per_token)
         # Where this entry node last sent each session, and when: fresher than any poll.
-        self.routed: dict[str, tuple[str, int]] = {}  # session -> (host, turn sequence)
+        # session -> (host, turn sequence) of the last turn this entry placed; LRU, capped like the book
+        self.routed: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
         self.decision_s: collections.deque[float] = collections.deque(maxlen=5000)
         self.decision_cpu_s: collections.deque[float] = collections.deque(maxlen=5000)
 
@@ -112,6 +113,12 @@ class Mesh:
             if seq > cur.turn_seq:
                 out[host] = Holding(cur.resident, cur.stored, cur.inbound, cur.inbound_eta_s, max(seq, cur.home_seq), seq)
         return out
+
+    def note_routed(self, session: str, host: str, seq: int) -> None:
+        self.routed[session] = (host, seq)
+        self.routed.move_to_end(session)
+        while len(self.routed) > self.book.cap:
+            self.routed.popitem(last=False)
 
     def known(self, session: str) -> bool:
         """Whether any host is known to have run this session (as far as this node has heard)."""
