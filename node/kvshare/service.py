@@ -60,7 +60,8 @@ class LinkStats:
     seconds: float = 0.0
     last_s: float | None = None
     last_bytes: int | None = None
-    superseded: int = 0
+    superseded: int = 0  # replicas replaced by a newer one: queued, or in flight (counted in both)
+    superseded_in_flight: int = 0
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     ready_lag_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=256))
     import_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=256))
@@ -253,7 +254,8 @@ class KVShare:
         return {
             "address": self.address,
             "out": {d: {"bytes": s.bytes, "transfers": s.transfers, "seconds": round(s.seconds, 3),
-                        "superseded": s.superseded, "refused": dict(s.refused)} for d, s in self.out.items()},
+                        "superseded": s.superseded, "superseded_in_flight": s.superseded_in_flight,
+                        "refused": dict(s.refused)} for d, s in self.out.items()},
             "in": {src: {"bytes": s.bytes, "transfers": s.transfers, "seconds": round(s.seconds, 3),
                          "ready_lag_p50_s": pct(s.ready_lag_s, 0.5), "ready_lag_max_s": pct(s.ready_lag_s, 1.0),
                          "refused": dict(s.refused)} for src, s in self.inn.items()},
@@ -382,6 +384,7 @@ class KVShare:
 
     def _supersede_running(self, job: _Job) -> None:
         job.supersede()
+        self.out[job.target].superseded_in_flight += 1
         self._superseded(job.session, job.target)
 
     def _superseded(self, session: str, target: str) -> None:

@@ -158,12 +158,13 @@ def summarize(run: LinkRun, scale: float) -> dict[str, Any]:
     secs = [e["recv_s"] for e in deltas]
     lags = [e["lag_s"] for e in deltas]
     mbps = []
-    superseded, refused = 0, collections.Counter[str]()
+    superseded, in_flight, refused = 0, 0, collections.Counter[str]()
     for st in run.stats:
         out = sum(v["bytes"] for v in st["kvshare"]["out"].values())
         mbps.append(round(8 * out / run.duration_s / 1e6, 1) if run.duration_s else 0.0)
         for v in st["kvshare"]["out"].values():
             superseded += v.get("superseded", 0)
+            in_flight += v.get("superseded_in_flight", 0)
             refused.update(v.get("refused", {}))
     p50 = _pct(secs, 0.5)
     return {
@@ -182,8 +183,9 @@ def summarize(run: LinkRun, scale: float) -> dict[str, Any]:
         "ready_lag_p50_s": round(_pct(lags, 0.5) or 0, 4) if lags else None,
         "import_p50_s": round(_pct(run.imported, 0.5) or 0, 4) if run.imported else None,
         "mbps_per_direction": mbps,
-        # Pushes that did not land: replaced by a newer replica while stalled, or refused (by reason).
+        # Pushes that did not land: replaced by a newer replica (queued, or in flight and stalled), or refused.
         "superseded": superseded,
+        "superseded_in_flight": in_flight,
         "refused": dict(refused),
         # Deltas that were whole sessions (the receiver held nothing of it): first copies and re-sends.
         "whole_session_transfers": sum(1 for e in deltas if e["blocks"] * EngineConfig().block_size >= e["tokens"]),

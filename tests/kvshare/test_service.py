@@ -163,6 +163,7 @@ def test_superseded_counts_each_replica_once(kv_pair: Pair) -> None:
     p = kv_pair
     conv = Conversation("supersede-3", chars=1200)
     before = p.stats("a")["kvshare"]["out"].get("b", {}).get("superseded", 0)
+    before_in_flight = p.stats("a")["kvshare"]["out"].get("b", {}).get("superseded_in_flight", 0)
     p.proxy.reset_counts()
     with p.events("a") as ev_a, p.events("b") as ev_b:
         p.proxy.pause()
@@ -180,6 +181,8 @@ def test_superseded_counts_each_replica_once(kv_pair: Pair) -> None:
         ev_b.wait("replica_ready", session=conv.session, tokens=n * BLOCK)
         superseded = ev_a.all("replica_superseded", session=conv.session)
     assert p.stats("a")["kvshare"]["out"]["b"]["superseded"] - before == 2
+    # The queued second gave way to the third; the stalled first was replaced in flight.
+    assert p.stats("a")["kvshare"]["out"]["b"]["superseded_in_flight"] - before_in_flight == 1
     assert len(superseded) == 2, f"{len(superseded)} replica_superseded events for 2 superseded replicas"
 
 
