@@ -161,6 +161,7 @@ class KVShare:
         self._import_rates: collections.deque[float] = collections.deque(maxlen=32)
         self._send_pool = concurrent.futures.ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kvshare-send")
         self._disk = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvshare-disk")
+        self._writes: set[concurrent.futures.Future[None]] = set()  # write-behinds queued or running (they pin blocks)
         self._sem: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: socket.socket | None = None
@@ -301,7 +302,7 @@ class KVShare:
                 tokens = self.store.import_into(e, session, upto_blocks=stored_blocks)
             except ImportRefused as err:
                 # Pushes pin the pool blocks they send from; a user's turn comes first.
-                if err.reason != "no_room" or not await self._preempt_pushes(session):
+                if err.reason != "no_room" or not await self._free_pinned(session):
                     raise
                 tokens = self.store.import_into(e, session, upto_blocks=stored_blocks)
         except KVMeshError as err:
@@ -314,17 +315,23 @@ class KVShare:
         self.node.hub.publish(ReplicaImported(session=session, host=self.node.name, tokens=tokens, seconds=round(secs, 4)))
         return tokens
 
-    async def _preempt_pushes(self, session: str, limit_s: float = 2.0) -> bool:
-        """Stop every push in flight so the pool blocks it pins come free; True once they have.
-        Each ends as refused ("preempted"); the session's next turn replicates it again."""
+    async def _free_pinned(self, session: str, limit_s: float = 2.0) -> bool:
+        """Free the pool blocks kv_share pins so a restore can have them; True if any were pinned.
+
+        Pushes in flight are stopped (each ends refused: "preempted"; the session's next turn
+        replicates it again); store write-behinds, short disk copies, are waited for."""
         jobs = [j for j in self._jobs.values() if j.started and not j.done.done()]
-        if not jobs:
+        writes = [asyncio.wrap_future(f) for f in self._writes]
+        if not jobs and not writes:
             return False
-        log.warning("restore of %s needs pool blocks that %d replica push(es) pin: stopping them", session, len(jobs))
+        log.warning("restore of %s needs pool blocks that %d replica push(es) and %d store write(s) pin",
+                    session, len(jobs), len(writes))
         for j in jobs:
             j.preempted = True
             j.supersede()
-        _, pending = await asyncio.wait([asyncio.shield(j.done) for j in jobs], timeout=limit_s)
+        waits = [asyncio.shield(j.done) for j in jobs] + [asyncio.shield(w) for w in writes]
+        _, pending = await asyncio.wait(waits, timeout=limit_s)
+        await asyncio.sleep(0)  # a write-behind hands its pins back through the loop
         return not pending
 
     def explain_reuse(self, session: str, prompt: np.ndarray, reused: int) -> tuple[int | None, bool, float | None]:
@@ -584,7 +591,9 @@ class KVShare:
             finally:
                 loop.call_soon_threadsafe(e.blocks.release, ids)
 
-        self._disk.submit(write)
+        fut = self._disk.submit(write)
+        self._writes.add(fut)
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._writes.discard, f))  # the set is the loop's
 
     # ---- receiving -------------------------------------------------------------
 
