@@ -21,7 +21,6 @@ from typing import Any, Awaitable, Callable, Iterable
 from textual.app import App
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen
-from textual.command import Provider
 
 from console.actions import MeshAction
 from console.admin import AdminClient, TokenSource
