@@ -20,23 +20,16 @@ are per test, so each starts idle. Test modules do not import this file (two
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from node.server import uvicorn_config
+from node.server import ThreadedServer, serve_in_thread
 
-from node.api.app import create_app
 from node.config import ApiConfig, EngineConfig, NodeConfig, SimConfig
-from node.node import Node
 
 # Sim engine rates for the "fast" server: fast enough that max_tokens=64 takes ~30 ms.
 FAST_SIM = SimConfig(kv_scale=0.01, decode_tps=2000, prefill_tps=1e6)
@@ -45,68 +38,12 @@ FAST_SIM = SimConfig(kv_scale=0.01, decode_tps=2000, prefill_tps=1e6)
 SLOW_SIM = SimConfig(kv_scale=0.01, decode_tps=40, prefill_tps=1e6)
 
 
-@dataclass
-class RunningServer:
-    url: str
-    node: Node
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    @property
-    def v1(self) -> str:
-        return self.url + "/v1"
-
-    @property
-    def model(self) -> str:
-        return self.node.engine.model_name
-
-
-def start_server(cfg: NodeConfig, *, start_timeout_s: float = 60.0) -> RunningServer:
-    """Build the node and serve it with uvicorn on 127.0.0.1:0 in a background thread."""
-    node = Node(cfg)
-    app = create_app(node)
-    server = uvicorn.Server(uvicorn_config(app, cfg, host="127.0.0.1", port=0))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(server.serve())
-        except BaseException as e:  # surfaced to the fixture below
-            failure.append(e)
-        finally:
-            loop.close()
-
-    thread = threading.Thread(target=run, name=f"uvicorn-{cfg.name}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + start_timeout_s
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError(f"server {cfg.name} exited before it started: {failure!r}")
-        if time.monotonic() > deadline:
-            server.should_exit = True
-            raise RuntimeError(f"server {cfg.name} did not start within {start_timeout_s:g}s")
-        time.sleep(0.01)
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    url = f"http://{host}:{port}"
-    node.api_url = url  # as node.server.serve does once bound
-    return RunningServer(url, node, server, thread)
-
-
-def stop_server(srv: RunningServer) -> None:
-    srv.server.should_exit = True
-    srv.thread.join(timeout=30)
-    assert not srv.thread.is_alive(), "the uvicorn thread did not stop"
-
-
-def _serve(cfg: NodeConfig) -> Iterator[RunningServer]:
-    srv = start_server(cfg)
+def _serve(cfg: NodeConfig) -> Iterator[ThreadedServer]:
+    srv = serve_in_thread(cfg)
     try:
         yield srv
     finally:
-        stop_server(srv)
+        srv.stop()
 
 
 def tiny_config(**engine: Any) -> NodeConfig:
@@ -124,35 +61,35 @@ def sim_config(*, sim: SimConfig = FAST_SIM, api: ApiConfig | None = None, name:
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Iterator[RunningServer]:
+def tiny() -> Iterator[ThreadedServer]:
     """The tiny torch engine behind a real server (2 slots, 4096-token context)."""
     yield from _serve(tiny_config())
 
 
 @pytest.fixture()
-def tiny_cold() -> Iterator[RunningServer]:
+def tiny_cold() -> Iterator[ThreadedServer]:
     """A second tiny node (same seeded weights, its own empty cache), for cold-vs-warm comparisons."""
     yield from _serve(tiny_config())
 
 
 @pytest.fixture(scope="module")
-def tiny_url(tiny: RunningServer) -> str:
+def tiny_url(tiny: ThreadedServer) -> str:
     return tiny.url
 
 
 @pytest.fixture(scope="module")
-def sim() -> Iterator[RunningServer]:
+def sim() -> Iterator[ThreadedServer]:
     """The sim engine, fast decode, 2 slots."""
     yield from _serve(sim_config())
 
 
 @pytest.fixture(scope="module")
-def sim_url(sim: RunningServer) -> str:
+def sim_url(sim: ThreadedServer) -> str:
     return sim.url
 
 
 @pytest.fixture()
-def sim_busy() -> Iterator[RunningServer]:
+def sim_busy() -> Iterator[ThreadedServer]:
     """The sim engine, 1 slot, no wait queue, slow decode: a held slot means 429 for the next turn.
 
     Function scope: each overload test starts from an idle server.
@@ -161,24 +98,24 @@ def sim_busy() -> Iterator[RunningServer]:
 
 
 @pytest.fixture()
-def sim_queue() -> Iterator[RunningServer]:
+def sim_queue() -> Iterator[ThreadedServer]:
     """The sim engine, 1 slot, a wait queue of 1 with a short timeout, slow decode."""
     yield from _serve(sim_config(sim=SLOW_SIM, name="api-sim-queue", slots=1, queue_max=1, queue_timeout_s=0.5))
 
 
 @pytest.fixture()
-def sim_one_slot() -> Iterator[RunningServer]:
+def sim_one_slot() -> Iterator[ThreadedServer]:
     """The sim engine, 1 slot, slow decode, a patient queue: a leaked slot shows as a wait then 429."""
     yield from _serve(sim_config(sim=SLOW_SIM, name="api-sim-one", slots=1, queue_max=4, queue_timeout_s=10.0))
 
 
 @pytest.fixture(scope="module")
-def small_body() -> Iterator[RunningServer]:
+def small_body() -> Iterator[ThreadedServer]:
     """The sim engine with a 4 KiB request-body limit."""
     yield from _serve(sim_config(name="api-sim-small", api=ApiConfig(max_body_bytes=4096)))
 
 
-def client_for(srv: RunningServer, **kw: Any) -> openai.OpenAI:
+def client_for(srv: ThreadedServer, **kw: Any) -> openai.OpenAI:
     """The official OpenAI client pointed at a test server (no retries: a 429 must surface)."""
     kw.setdefault("max_retries", 0)
     kw.setdefault("timeout", 60.0)
@@ -186,27 +123,27 @@ def client_for(srv: RunningServer, **kw: Any) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tiny_client(tiny: RunningServer) -> Iterator[openai.OpenAI]:
+def tiny_client(tiny: ThreadedServer) -> Iterator[openai.OpenAI]:
     c = client_for(tiny)
     yield c
     c.close()
 
 
 @pytest.fixture(scope="module")
-def sim_client(sim: RunningServer) -> Iterator[openai.OpenAI]:
+def sim_client(sim: ThreadedServer) -> Iterator[openai.OpenAI]:
     c = client_for(sim)
     yield c
     c.close()
 
 
 @pytest.fixture(scope="module")
-def http_tiny(tiny: RunningServer) -> Iterator[httpx.Client]:
+def http_tiny(tiny: ThreadedServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=tiny.url, timeout=60.0) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def http_sim(sim: RunningServer) -> Iterator[httpx.Client]:
+def http_sim(sim: ThreadedServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=sim.url, timeout=60.0) as c:
         yield c
 
@@ -244,7 +181,7 @@ def make_client() -> Iterator[Any]:
     """`client_for` as a fixture; the clients it made are closed afterwards."""
     made: list[openai.OpenAI] = []
 
-    def make(srv: RunningServer, **kw: Any) -> openai.OpenAI:
+    def make(srv: ThreadedServer, **kw: Any) -> openai.OpenAI:
         made.append(client_for(srv, **kw))
         return made[-1]
 

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from .helpers import Mesh, Server, sim_config, start_mesh, start_server, stop_server
+from node.server import ThreadedServer, serve_in_thread
+
+from .helpers import Mesh, sim_config, start_mesh
 
 FUZZ_ADMIN_TOKEN = "fuzz-admin-token-0123456789"
 KV_IO_TIMEOUT_S = 2.0
@@ -27,15 +29,15 @@ def _no_secrets_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadedServer]:
     store = tmp_path_factory.mktemp("fuzz-store")
     cfg = sim_config("fuzz", admin_token=FUZZ_ADMIN_TOKEN, api={"max_body_bytes": 64 << 10},
                      kvshare={"store_dir": str(store), "replicate_min_tokens": 0})
-    srv = start_server(cfg)
+    srv = serve_in_thread(cfg)
     try:
         yield srv
     finally:
-        stop_server(srv)
+        srv.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,5 @@
 """Helpers for the bad-input and security tests.
 
-- `start_server(cfg)` / `stop_server(srv)`: a node behind a real uvicorn server, in-process, on loopback
-  (its own event loop in a background thread), with the uvicorn settings `node.server.serve` uses.
 - `start_mesh(workdir)`: real `kvmesh node` processes (sim engine) with a mesh secret, a previous secret and
   an admin token, every node at `--log-level DEBUG` so that whatever a node can log is in its log file.
 - `tree(path)`: a snapshot of a directory tree (relative names, sizes), to prove nothing touched a disk.
@@ -12,10 +10,8 @@ Every server, process, socket and thread started here is stopped by its owner.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,9 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from node.server import uvicorn_config
 
 from node.config import NodeConfig
 from node.launcher import NodeProcess, free_port, write_toml
@@ -98,18 +92,6 @@ def chat(messages: list[dict[str, str]] | None = None, **kw: Any) -> dict[str, A
 # ---- in-process servers ----------------------------------------------------------------------------------
 
 
-@dataclass
-class Server:
-    url: str
-    node: Any
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
-
-
 def sim_config(name: str = "sec", *, engine: dict[str, Any] | None = None, **fields: Any) -> NodeConfig:
     """A sim node config (fast, bounded turns); `fields` are NodeConfig fields as plain data."""
     eng: dict[str, Any] = {"kind": "sim", "slots": 2, "queue_max": 8, "queue_timeout_s": 20.0, "cache_bytes": 16 << 20,
@@ -123,51 +105,6 @@ def sim_config(name: str = "sec", *, engine: dict[str, Any] | None = None, **fie
             data[k] = v
     data.setdefault("kvshare", {}).setdefault("fsync", "never")
     return NodeConfig.model_validate(data)
-
-
-def start_server(cfg: NodeConfig, *, port: int = 0, start_timeout_s: float = 60.0) -> Server:
-    """Build the node and serve it with uvicorn on 127.0.0.1:port in a background thread."""
-    from node.api.app import create_app
-    from node.node import Node
-
-    node = Node(cfg)
-    app = create_app(node)
-    server = uvicorn.Server(uvicorn_config(app, cfg, host="127.0.0.1", port=port))
-    # Older uvicorn installs signal handlers from serve(); not from a background thread.
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign,attr-defined]
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(server.serve())
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            failure.append(e)
-        finally:
-            loop.close()
-
-    thread = threading.Thread(target=run, name=f"uvicorn-{cfg.name}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + start_timeout_s
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError(f"server {cfg.name} exited before it started: {failure!r}")
-        if time.monotonic() > deadline:
-            server.should_exit = True
-            thread.join(30)
-            raise RuntimeError(f"server {cfg.name} did not start within {start_timeout_s:g}s")
-        time.sleep(0.01)
-    host, bound = server.servers[0].sockets[0].getsockname()[:2]
-    url = f"http://{host}:{bound}"
-    node.api_url = url
-    return Server(url, node, server, thread)
-
-
-def stop_server(srv: Server) -> None:
-    srv.server.should_exit = True
-    srv.thread.join(timeout=30)
-    assert not srv.thread.is_alive(), "the uvicorn thread did not stop"
 
 
 # ---- real node processes -----------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
 
 from .conftest import FUZZ_ADMIN_TOKEN
-from .helpers import MODEL, Server, openai_error
+from node.server import ThreadedServer
+
+from .helpers import MODEL, openai_error
 
 EXAMPLES_PER_MODE = 20
 
@@ -38,7 +40,7 @@ def _check(resp: Any, what: str) -> None:
             raise AssertionError(f"{what}: HTTP {status} body is not an OpenAI error: {resp.text[:300]!r}") from e
 
 
-def _operations(srv: Server) -> list[Any]:
+def _operations(srv: ThreadedServer) -> list[Any]:
     schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")
     ops, errors = [], []
     for r in schema.get_all_operations():
@@ -51,7 +53,7 @@ def _operations(srv: Server) -> list[Any]:
     return ops
 
 
-def test_every_operation_answers_without_5xx_and_with_openai_shaped_errors(fuzz_server: Server) -> None:
+def test_every_operation_answers_without_5xx_and_with_openai_shaped_errors(fuzz_server: ThreadedServer) -> None:
     """schemathesis, positive and negative, every operation: no 5xx; every 4xx is an OpenAI error with a message."""
     statuses: Counter[tuple[str, int]] = Counter()
     no_negative: list[str] = []
@@ -151,7 +153,7 @@ HOSTILE_BODIES: dict[str, tuple[bytes, str]] = {
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_BODIES))
-def test_hostile_json_bodies_get_4xx_openai_errors_never_5xx(fuzz_server: Server, name: str) -> None:
+def test_hostile_json_bodies_get_4xx_openai_errors_never_5xx(fuzz_server: ThreadedServer, name: str) -> None:
     """Lone surrogates, deep nesting, NaN, huge numbers, bad encodings, wrong types and shapes: never a 5xx; errors OpenAI-shaped."""
     body, ctype = HOSTILE_BODIES[name]
     headers = {"content-type": ctype} if ctype else {}

@@ -31,7 +31,9 @@ from node.engine.hashing import block_hashes
 from node.engine.runner import fill_from_hash
 from node.kvshare import wire
 
-from .helpers import Server, sim_config, start_server, stop_server, tree, wait_for
+from node.server import ThreadedServer, serve_in_thread
+
+from .helpers import sim_config, tree, wait_for
 
 SECRET = "kvshare-fuzz-secret-0123456789"
 FUZZ_SESSION = "kvfuzz-s"
@@ -40,7 +42,7 @@ N_BLOCKS = 3
 
 @dataclass
 class Target:
-    srv: Server
+    srv: ThreadedServer
     store: Path
     addr: tuple[str, int]
     stream: bytes  # a whole valid transfer of FUZZ_SESSION: OFFER | BLOCK... | END
@@ -52,7 +54,7 @@ def _addr(s: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def make_offer(srv: Server, session: str, n_blocks: int, seed: int) -> tuple[wire.Offer, np.ndarray, list[bytes]]:
+def make_offer(srv: ThreadedServer, session: str, n_blocks: int, seed: int) -> tuple[wire.Offer, np.ndarray, list[bytes]]:
     e = srv.node.engine
     toks = np.random.default_rng(seed).integers(0, 256, n_blocks * e.block_size, dtype=np.int32)
     hashes = block_hashes(e.seed_hash, toks, e.block_size)
@@ -68,7 +70,7 @@ def payload(nbytes: int, h: bytes) -> bytes:
     return bytes(buf)
 
 
-def valid_stream(srv: Server, secret: bytes, session: str) -> tuple[bytes, list[int]]:
+def valid_stream(srv: ThreadedServer, secret: bytes, session: str) -> tuple[bytes, list[int]]:
     """OFFER + every BLOCK + END of one transfer, as a sender that was told first_missing=0 would send it."""
     offer, toks, hashes = make_offer(srv, session, N_BLOCKS, seed=7)
     tx = wire.Sender(secret)
@@ -92,12 +94,12 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     store = tmp_path_factory.mktemp("kvfuzz-store")
     cfg = sim_config("kvfuzz", mesh={"secret": SECRET},
                      kvshare={"store_dir": str(store), "io_timeout_s": 2.0, "socket_buffer_bytes": 65536})
-    srv = start_server(cfg)
+    srv = serve_in_thread(cfg)
     try:
         stream, frames = valid_stream(srv, SECRET.encode(), FUZZ_SESSION)
         yield Target(srv, store, _addr(srv.node.kvshare.address), stream, frames)
     finally:
-        stop_server(srv)
+        srv.stop()
 
 
 def send_and_close(addr: tuple[str, int], data: bytes, timeout: float = 10.0) -> bytes:

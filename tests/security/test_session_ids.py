@@ -19,7 +19,9 @@ import pytest
 
 from node.protocol import is_valid_session_id
 
-from .helpers import MODEL, SAFE_ID, Server, chat, openai_error, sim_config, start_server, stop_server, tree, wait_for
+from node.server import ThreadedServer, serve_in_thread
+
+from .helpers import MODEL, SAFE_ID, chat, openai_error, sim_config, tree, wait_for
 
 # The prompt must fill a KV block (64 tokens) so that every served turn writes its session to the store.
 LONG = "Please summarise the following text about replicas and caches. " * 4
@@ -45,15 +47,15 @@ HOSTILE: dict[str, bytes] = {
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ThreadedServer, Path]]:
     root = tmp_path_factory.mktemp("sid")
     store = root / "store"
     cfg = sim_config("sid", kvshare={"store_dir": str(store), "replicate_min_tokens": 0, "persist_own": True})
-    srv = start_server(cfg)
+    srv = serve_in_thread(cfg)
     try:
         yield srv, store
     finally:
-        stop_server(srv)
+        srv.stop()
 
 
 def _snapshot(store: Path) -> tuple[dict[str, int], dict[str, int]]:
@@ -77,7 +79,7 @@ def _raw(url: str, request: bytes) -> tuple[int, bytes]:
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_session_header_is_refused_naming_the_header_before_touching_disk(node: tuple[Server, Path], name: str) -> None:
+def test_hostile_session_header_is_refused_naming_the_header_before_touching_disk(node: tuple[ThreadedServer, Path], name: str) -> None:
     """X-Session-Id with traversal, huge, empty or non-ASCII values: 400 naming X-Session-Id; store and its parent unchanged."""
     srv, store = node
     value = HOSTILE[name]
@@ -91,7 +93,7 @@ def test_hostile_session_header_is_refused_naming_the_header_before_touching_dis
     assert all(is_valid_session_id(s) for s in srv.node.engine.sessions)
 
 
-def test_nul_byte_in_session_header_is_refused_before_the_app(node: tuple[Server, Path]) -> None:
+def test_nul_byte_in_session_header_is_refused_before_the_app(node: tuple[ThreadedServer, Path]) -> None:
     """A NUL byte in X-Session-Id (sent raw: clients refuse to) is refused with 400 at the HTTP layer; nothing on disk."""
     srv, store = node
     before = _snapshot(store)
@@ -115,7 +117,7 @@ PATH_IDS = {
 
 @pytest.mark.parametrize("route", ["/v1/peer/sessions/{s}/adopt", "/v1/peer/sessions/{s}/replicate",
                                    "/v1/peer/sessions/{s}/migrate?target=sid", "/v1/admin/sessions/{s}/replicate"])
-def test_hostile_session_ids_in_paths_are_refused_before_touching_disk(node: tuple[Server, Path], route: str) -> None:
+def test_hostile_session_ids_in_paths_are_refused_before_touching_disk(node: tuple[ThreadedServer, Path], route: str) -> None:
     """Session ids in peer and admin paths (NUL, traversal, huge, UTF-8): a 4xx error, the store untouched, no such session recorded."""
     srv, store = node
     before = _snapshot(store)
@@ -141,7 +143,7 @@ USERS = {
 }
 
 
-def test_user_values_become_safe_session_ids_and_name_only_safe_directories(node: tuple[Server, Path]) -> None:
+def test_user_values_become_safe_session_ids_and_name_only_safe_directories(node: tuple[ThreadedServer, Path]) -> None:
     """`user` with traversal, NUL, unicode, 512 chars: the turn runs under a hashed safe id (response header), the only directories created are those ids."""
     srv, store = node
     seen: dict[str, str] = {}
