@@ -301,7 +301,7 @@ class KVShare:
             try:
                 tokens = self.store.import_into(e, session, upto_blocks=stored_blocks)
             except ImportRefused as err:
-                # Pushes pin the pool blocks they send from; a user's turn comes first.
+                # Pushes and store write-behinds pin the pool blocks they read; a user's turn comes first.
                 if err.reason != "no_room" or not await self._free_pinned(session):
                     raise
                 tokens = self.store.import_into(e, session, upto_blocks=stored_blocks)
@@ -316,7 +316,8 @@ class KVShare:
         return tokens
 
     async def _free_pinned(self, session: str, limit_s: float = 2.0) -> bool:
-        """Free the pool blocks kv_share pins so a restore can have them; True if any were pinned.
+        """Free the pool blocks kv_share pins so a restore can have them; True once they are free
+        (False when kv_share pinned nothing, or they did not come free within limit_s).
 
         Pushes in flight are stopped (each ends refused: "preempted"; the session's next turn
         replicates it again); store write-behinds, short disk copies, are waited for."""
