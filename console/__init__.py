@@ -1,4 +1,4 @@
 """kvmesh-console: the Textual operator console of a kvmesh mesh.
 
-Imports from `node` are limited to `node.protocol` (the wire contract).
+Imports from `kvmesh.node` are limited to `kvmesh.node.protocol` (the wire contract).
 """

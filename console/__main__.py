@@ -1,9 +1,9 @@
-"""`python -m console` runs the console (same as `kvmesh-console`)."""
+"""`python -m kvmesh.console` runs the console (same as `kvmesh-console`)."""
 
 from __future__ import annotations
 
 import sys
 
-from console.cli import main
+from kvmesh.console.cli import main
 
 sys.exit(main())

@@ -18,7 +18,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import ValidationError
 
-from node.protocol import ActionResult, MigrateCommand
+from kvmesh.node.protocol import ActionResult, MigrateCommand
 
 TOKEN_ENV = "KVMESH_ADMIN_TOKEN"
 

@@ -22,20 +22,20 @@ from textual.app import App
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 
-from console.actions import MeshAction
-from console.admin import AdminClient, TokenSource
-from console.config import ConsoleConfig
-from console.format import glyphs_for
-from console.ingest import stream_node
-from console.palette import MeshCommands
-from console.screens.confirm import ConfirmScreen
-from console.screens.main import VIEWS, MainScreen
-from console.screens.picker import TargetPicker
-from console.state import ConsoleState
-from console.theme import DEFAULT_THEME, THEME_NAMES, Palette, css_path, fill_kvm_variables, load_themes
-from console.widgets.hosts import HostsTable
-from console.widgets.sessions import SessionsTable
-from node.protocol import ActionResult
+from kvmesh.console.actions import MeshAction
+from kvmesh.console.admin import AdminClient, TokenSource
+from kvmesh.console.config import ConsoleConfig
+from kvmesh.console.format import glyphs_for
+from kvmesh.console.ingest import stream_node
+from kvmesh.console.palette import MeshCommands
+from kvmesh.console.screens.confirm import ConfirmScreen
+from kvmesh.console.screens.main import VIEWS, MainScreen
+from kvmesh.console.screens.picker import TargetPicker
+from kvmesh.console.state import ConsoleState
+from kvmesh.console.theme import DEFAULT_THEME, THEME_NAMES, Palette, css_path, fill_kvm_variables, load_themes
+from kvmesh.console.widgets.hosts import HostsTable
+from kvmesh.console.widgets.sessions import SessionsTable
+from kvmesh.node.protocol import ActionResult
 
 Source = Callable[[ConsoleState], Awaitable[None]]
 # Below this many sessions a full collection is quick and freezing is not worth its one-off cost.

@@ -23,10 +23,10 @@ import resource
 import time
 from typing import Any
 
-from console.app import KvmeshConsole
-from console.config import ConsoleConfig
-from console.state import ConsoleState
-from console.synthetic import SyntheticMesh, run_synthetic
+from kvmesh.console.app import KvmeshConsole
+from kvmesh.console.config import ConsoleConfig
+from kvmesh.console.state import ConsoleState
+from kvmesh.console.synthetic import SyntheticMesh, run_synthetic
 
 WARMUP_S = 2.0
 

@@ -17,9 +17,9 @@ import sys
 import time
 from typing import Sequence
 
-from console.admin import TOKEN_ENV, AdminClient, TokenError, load_admin_token
-from console.config import ConsoleConfig, load_config_file
-from console.theme import THEME_NAMES
+from kvmesh.console.admin import TOKEN_ENV, AdminClient, TokenError, load_admin_token
+from kvmesh.console.config import ConsoleConfig, load_config_file
+from kvmesh.console.theme import THEME_NAMES
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "bench":
         bargs = _bench_parser().parse_args(argv[1:])
         w, _, h = bargs.size.partition("x")
-        from console.bench import run_bench
+        from kvmesh.console.bench import run_bench
 
         run_bench(bargs.seconds, bargs.sessions, bargs.events_per_s, (int(w), int(h)), as_json=bargs.json,
                   warmup=bargs.warmup)
@@ -96,8 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_console(cfg: ConsoleConfig) -> int:
-    from console.app import KvmeshConsole
-    from console.state import ConsoleState
+    from kvmesh.console.app import KvmeshConsole
+    from kvmesh.console.state import ConsoleState
 
     token = None
     admin = None
@@ -110,7 +110,7 @@ def run_console(cfg: ConsoleConfig) -> int:
     sources = None
     state = ConsoleState()
     if cfg.demo:
-        from console.synthetic import SyntheticMesh, run_synthetic
+        from kvmesh.console.synthetic import SyntheticMesh, run_synthetic
 
         cfg.discover = False
         mesh = SyntheticMesh(sessions=200, hosts=4, t0=time.time())

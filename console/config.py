@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from console.theme import DEFAULT_THEME
+from kvmesh.console.theme import DEFAULT_THEME
 
 Layout = Literal["auto", "compact", "large"]
 

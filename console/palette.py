@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 if TYPE_CHECKING:
-    from console.app import KvmeshConsole
+    from kvmesh.console.app import KvmeshConsole
 
 # Fuzzy-matching every session on each keystroke is fine for thousands of them;
 # showing more than this many hits helps nobody.

@@ -41,8 +41,8 @@ from typing import Callable, Literal
 
 from pydantic import ValidationError
 
-from console.format import CLASS_WORDS, UNICODE, Glyphs, fmt_bytes, fmt_seconds, fmt_tokens
-from node.protocol import (
+from kvmesh.console.format import CLASS_WORDS, UNICODE, Glyphs, fmt_bytes, fmt_seconds, fmt_tokens
+from kvmesh.node.protocol import (
     PROTOCOL_VERSION,
     ClusterSnapshot,
     DrainCompleted,

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-from node.protocol import (
+from kvmesh.node.protocol import (
     ClusterSnapshot,
     Event,
     Handoff,

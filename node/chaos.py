@@ -76,11 +76,11 @@ from typing import Any, Literal
 import httpx
 import numpy as np
 
-from node.bench.workload import system_prompt, text
-from node.engine.hashing import TOKEN_DTYPE, block_hashes, chain_seed, payload_digest
-from node.launcher import NodeProcess, free_port, write_toml
-from node.load import LoadRunner, LoadShape
-from node.mesh.auth import PEER_HEADER, peer_token
+from kvmesh.node.bench.workload import system_prompt, text
+from kvmesh.node.engine.hashing import TOKEN_DTYPE, block_hashes, chain_seed, payload_digest
+from kvmesh.node.launcher import NodeProcess, free_port, write_toml
+from kvmesh.node.load import LoadRunner, LoadShape
+from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 NAMES = ("node-a", "node-b", "node-c")
 MODEL = "kvmesh-sim"

@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from node.errors import ConfigError
+from kvmesh.node.errors import ConfigError
 
 
 def _node_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -22,8 +22,8 @@ def _node_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from node.config import load_config
-    from node.server import serve
+    from kvmesh.node.config import load_config
+    from kvmesh.node.server import serve
 
     cfg = load_config(args.config, _node_overrides(args))
     asyncio.run(serve(cfg, ready_file=args.ready_file))
@@ -31,26 +31,26 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from node.demo import run_demo
+    from kvmesh.node.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from node import bench
+    from kvmesh.node import bench
 
     return bench.run(args)
 
 
 def cmd_netlab(args: argparse.Namespace) -> int:
-    from node.netlab.run import run_netlab
+    from kvmesh.node.netlab.run import run_netlab
 
     return run_netlab(args)
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from node.bench import emit
-    from node.load import LoadRunner, LoadShape
+    from kvmesh.node.bench import emit
+    from kvmesh.node.load import LoadRunner, LoadShape
 
     shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, max_tokens=args.max_tokens,
                       seed=args.seed)
@@ -66,13 +66,13 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from node.chaos import run_chaos
+    from kvmesh.node.chaos import run_chaos
 
     return run_chaos(args)
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from node.soak import run_soak
+    from kvmesh.node.soak import run_soak
 
     return run_soak(args)
 

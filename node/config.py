@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from node.errors import ConfigError
+from kvmesh.node.errors import ConfigError
 
 
 class _Strict(BaseModel):

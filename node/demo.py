@@ -23,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from node.bench.handoff import start_mesh, wait_peers
-from node.launcher import NodeProcess
-from node.load import LoadRunner, LoadShape
+from kvmesh.node.bench.handoff import start_mesh, wait_peers
+from kvmesh.node.launcher import NodeProcess
+from kvmesh.node.load import LoadRunner, LoadShape
 
 
 class _Workload:
@@ -110,7 +110,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 token_file = work / "admin-token"
                 token_file.write_text(token)
                 os.chmod(token_file, 0o600)
-                from console.cli import main as console_main
+                from kvmesh.console.cli import main as console_main
 
                 console_main([*(f"--node={a}" for a in apis), f"--admin-token-file={token_file}"])
         except KeyboardInterrupt:

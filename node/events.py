@@ -13,7 +13,7 @@ import itertools
 import time
 from collections.abc import Callable
 
-from node.protocol import Event
+from kvmesh.node.protocol import Event
 
 
 class Subscription:

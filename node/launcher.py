@@ -126,7 +126,7 @@ class NodeProcess:
 
     def start(self) -> NodeProcess:
         self.ready_file.unlink(missing_ok=True)
-        cmd = [*self.prefix, sys.executable, "-m", "node.cli", *self.cli_args, "node", "--config", str(self.config),
+        cmd = [*self.prefix, sys.executable, "-m", "kvmesh.node.cli", *self.cli_args, "node", "--config", str(self.config),
                "--ready-file", str(self.ready_file)]
         env = {**os.environ, **self.env} if self.inherit_env else dict(self.env)
         log = open(self.log_file, "ab")

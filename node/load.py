@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from node.bench.workload import system_prompt, text
+from kvmesh.node.bench.workload import system_prompt, text
 
 
 @dataclass

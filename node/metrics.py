@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from node.protocol import Event
+from kvmesh.node.protocol import Event
 
 if TYPE_CHECKING:
-    from node.node import Node
+    from kvmesh.node.node import Node
 
 
 class Metrics:

@@ -19,15 +19,15 @@ import numpy as np
 import psutil
 import torch
 
-from node.config import NodeConfig
-from node.engine.engine import Engine, GenerateRequest, TextDelta, TurnBegin, TurnDone, TurnStats
-from node.errors import InvalidRequest
-from node.events import EventHub
-from node.kvshare.service import KVShare
-from node.mesh.auth import PEER_HEADER
-from node.mesh.mesh import Mesh
-from node.metrics import Metrics
-from node.protocol import (
+from kvmesh.node.config import NodeConfig
+from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnBegin, TurnDone, TurnStats
+from kvmesh.node.errors import InvalidRequest
+from kvmesh.node.events import EventHub
+from kvmesh.node.kvshare.service import KVShare
+from kvmesh.node.mesh.auth import PEER_HEADER
+from kvmesh.node.mesh.mesh import Mesh
+from kvmesh.node.metrics import Metrics
+from kvmesh.node.protocol import (
     ActionResult,
     DrainCompleted,
     DrainProgress,

@@ -18,9 +18,9 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from node.api.app import create_app
-from node.config import NodeConfig
-from node.node import Node
+from kvmesh.node.api.app import create_app
+from kvmesh.node.config import NodeConfig
+from kvmesh.node.node import Node
 
 log = logging.getLogger("kvmesh.server")
 

@@ -42,9 +42,9 @@ from typing import Any
 import httpx
 import psutil
 
-from node.bench.handoff import start_mesh, wait_peers
-from node.launcher import NodeProcess
-from node.load import LoadRunner, LoadShape
+from kvmesh.node.bench.handoff import start_mesh, wait_peers
+from kvmesh.node.launcher import NodeProcess
+from kvmesh.node.load import LoadRunner, LoadShape
 
 NAMES = ["node-a", "node-b", "node-c"]
 MIB = 1 << 20

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ssl
 
-from node.config import TLSConfig
+from kvmesh.node.config import TLSConfig
 
 
 def server_context(tls: TLSConfig) -> ssl.SSLContext:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from node.config import EngineConfig, NodeConfig, SimConfig, load_config
-from node.errors import ConfigError
+from kvmesh.node.config import EngineConfig, NodeConfig, SimConfig, load_config
+from kvmesh.node.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import psutil
 
 def test_headless_demo_prints_counters_and_leaves_nothing_running() -> None:
     """The headless demo serves turns, shows handoff counters each second, and stops its nodes at the end."""
-    r = subprocess.run([sys.executable, "-m", "node.cli", "demo", "--headless", "--seconds", "12", "--sessions", "8"],
+    r = subprocess.run([sys.executable, "-m", "kvmesh.node.cli", "demo", "--headless", "--seconds", "12", "--sessions", "8"],
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]

@@ -13,7 +13,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
-from console.actions import MeshAction
+from kvmesh.console.actions import MeshAction
 
 MAX_LISTED = 10
 

@@ -8,8 +8,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from console.actions import MESH_ACTIONS
-from console.screens.ascii import use_ascii_scrollbars
+from kvmesh.console.actions import MESH_ACTIONS
+from kvmesh.console.screens.ascii import use_ascii_scrollbars
 
 
 def format_key(key: str) -> str:

@@ -25,20 +25,20 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
-from console.actions import MESH_ACTIONS
-from console.screens.ascii import use_ascii_scrollbars
-from console.format import Glyphs, fmt_clock
-from console.state import Changes, ConsoleState
-from console.theme import Palette
-from console.widgets.counters import CountersLine, CountersPanel
-from console.widgets.eventlog import EventLog
-from console.widgets.hosts import HostsTable
-from console.widgets.links import LinksTable
-from console.widgets.sessions import SessionsTable
-from console.widgets.topbar import TopBar
+from kvmesh.console.actions import MESH_ACTIONS
+from kvmesh.console.screens.ascii import use_ascii_scrollbars
+from kvmesh.console.format import Glyphs, fmt_clock
+from kvmesh.console.state import Changes, ConsoleState
+from kvmesh.console.theme import Palette
+from kvmesh.console.widgets.counters import CountersLine, CountersPanel
+from kvmesh.console.widgets.eventlog import EventLog
+from kvmesh.console.widgets.hosts import HostsTable
+from kvmesh.console.widgets.links import LinksTable
+from kvmesh.console.widgets.sessions import SessionsTable
+from kvmesh.console.widgets.topbar import TopBar
 
 if TYPE_CHECKING:
-    from console.app import KvmeshConsole
+    from kvmesh.console.app import KvmeshConsole
 
 VIEWS: tuple[str, ...] = ("sessions", "links", "events")
 
@@ -172,7 +172,7 @@ class MainScreen(Screen[None]):
         await self.app.action_quit()
 
     def action_help(self) -> None:
-        from console.screens.help import HelpScreen
+        from kvmesh.console.screens.help import HelpScreen
 
         self.console_app.push_modal(HelpScreen(list(self.BINDINGS), self.readonly))  # type: ignore[arg-type]
 

@@ -15,7 +15,7 @@ from textual.screen import ModalScreen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
 
-from console.screens.ascii import use_ascii_scrollbars
+from kvmesh.console.screens.ascii import use_ascii_scrollbars
 
 
 class TargetPicker(ModalScreen["str | None"]):

@@ -14,9 +14,9 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Digits, Static
 
-from console.format import CLASS_WORDS, Glyphs, fmt_pct
-from console.state import ConsoleState, LinkKey
-from console.theme import Palette
+from kvmesh.console.format import CLASS_WORDS, Glyphs, fmt_pct
+from kvmesh.console.state import ConsoleState, LinkKey
+from kvmesh.console.theme import Palette
 
 
 class CountersPanel(Vertical):

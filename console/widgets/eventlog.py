@@ -16,9 +16,9 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from console.format import Glyphs, fmt_clock, truncate
-from console.state import ConsoleState, LogEntry
-from console.theme import Palette
+from kvmesh.console.format import Glyphs, fmt_clock, truncate
+from kvmesh.console.state import ConsoleState, LogEntry
+from kvmesh.console.theme import Palette
 
 SCOPES: tuple[str, ...] = ("mesh", "all", "actions")
 ACTION_KINDS = frozenset({

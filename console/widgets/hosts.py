@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from console.format import Glyphs, fmt_bps, fmt_clock, fmt_mem, slot_bar, truncate
-from console.state import ConsoleState
-from console.theme import Palette
-from console.widgets.table import Cell, Column, KeyedTable
+from kvmesh.console.format import Glyphs, fmt_bps, fmt_clock, fmt_mem, slot_bar, truncate
+from kvmesh.console.state import ConsoleState
+from kvmesh.console.theme import Palette
+from kvmesh.console.widgets.table import Cell, Column, KeyedTable
 
 
 class HostsTable(KeyedTable):

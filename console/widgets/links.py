@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from console.format import Glyphs, fmt_bytes, fmt_mbps, fmt_seconds, sparkline, truncate
-from console.state import ConsoleState, LinkKey, LinkRow
-from console.theme import Palette
-from console.widgets.table import Cell, Column, KeyedTable
+from kvmesh.console.format import Glyphs, fmt_bytes, fmt_mbps, fmt_seconds, sparkline, truncate
+from kvmesh.console.state import ConsoleState, LinkKey, LinkRow
+from kvmesh.console.theme import Palette
+from kvmesh.console.widgets.table import Cell, Column, KeyedTable
 
 SPARK_WIDTH = 10
 

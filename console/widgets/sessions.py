@@ -15,10 +15,10 @@ from typing import Callable
 
 from rich.text import Text
 
-from console.format import CLASS_WORDS, Glyphs, fmt_age, fmt_tokens, truncate
-from console.state import Changes, ConsoleState, SessionRow
-from console.theme import Palette
-from console.widgets.table import Cell, Column, KeyedTable
+from kvmesh.console.format import CLASS_WORDS, Glyphs, fmt_age, fmt_tokens, truncate
+from kvmesh.console.state import Changes, ConsoleState, SessionRow
+from kvmesh.console.theme import Palette
+from kvmesh.console.widgets.table import Cell, Column, KeyedTable
 
 SORTS: tuple[str, ...] = ("session", "home", "tokens", "behind", "age", "last", "turns", "moves")
 _CLASS_RANK = {"cold": 0, "partial": 1, "warm": 2}

@@ -5,9 +5,9 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from console.format import Glyphs, fmt_clock
-from console.state import ConsoleState
-from console.theme import Palette
+from kvmesh.console.format import Glyphs, fmt_clock
+from kvmesh.console.state import ConsoleState
+from kvmesh.console.theme import Palette
 
 
 class TopBar(Static):

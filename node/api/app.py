@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from node.api.errors import BodyLimit, install_error_handlers
-from node.api.mesh_routes import router as mesh_router
-from node.api.openai_routes import router as openai_router
-from node.node import Node
+from kvmesh.node.api.errors import BodyLimit, install_error_handlers
+from kvmesh.node.api.mesh_routes import router as mesh_router
+from kvmesh.node.api.openai_routes import router as openai_router
+from kvmesh.node.node import Node
 
 
 def create_app(node: Node) -> FastAPI:

@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from node.api.schema import ErrorBody, ErrorDetail
-from node.errors import KVMeshError, Overloaded
+from kvmesh.node.api.schema import ErrorBody, ErrorDetail
+from kvmesh.node.errors import KVMeshError, Overloaded
 
 log = logging.getLogger("kvmesh.api")
 

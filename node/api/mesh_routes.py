@@ -13,11 +13,11 @@ from typing import Any
 from fastapi import APIRouter, Body, Header, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response
 
-from node.errors import Conflict, NotFound, Unauthorized
-from node.mesh.auth import PEER_HEADER, check_bearer, check_peer_token
-from node.metrics import render_metrics
-from node.node import Node
-from node.protocol import ActionResult, MigrateCommand, SnapshotEvent, is_valid_session_id
+from kvmesh.node.errors import Conflict, NotFound, Unauthorized
+from kvmesh.node.mesh.auth import PEER_HEADER, check_bearer, check_peer_token
+from kvmesh.node.metrics import render_metrics
+from kvmesh.node.node import Node
+from kvmesh.node.protocol import ActionResult, MigrateCommand, SnapshotEvent, is_valid_session_id
 
 log = logging.getLogger("kvmesh.api.mesh")
 

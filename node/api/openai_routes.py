@@ -17,14 +17,14 @@ import httpx
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from node.api.schema import ChatCompletionRequest
-from node.engine.engine import GenerateRequest, TextDelta, TurnStats
-from node.engine.sampling import MIN_TEMPERATURE
-from node.errors import InvalidRequest, KVMeshError, ModelNotFound
-from node.mesh.auth import PEER_HEADER, check_peer_token
-from node.mesh.forward import PeerUnavailable, ResumeDiverged, StreamSplice, open_turn, passed_headers, read_whole
-from node.mesh.peers import Peer
-from node.node import Node, TurnRun, derive_session_id
+from kvmesh.node.api.schema import ChatCompletionRequest
+from kvmesh.node.engine.engine import GenerateRequest, TextDelta, TurnStats
+from kvmesh.node.engine.sampling import MIN_TEMPERATURE
+from kvmesh.node.errors import InvalidRequest, KVMeshError, ModelNotFound
+from kvmesh.node.mesh.auth import PEER_HEADER, check_peer_token
+from kvmesh.node.mesh.forward import PeerUnavailable, ResumeDiverged, StreamSplice, open_turn, passed_headers, read_whole
+from kvmesh.node.mesh.peers import Peer
+from kvmesh.node.node import Node, TurnRun, derive_session_id
 
 log = logging.getLogger("kvmesh.api")
 

@@ -17,15 +17,15 @@ def emit(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.bench == "ttft":
-        from node.bench.ttft import run_ttft
+        from kvmesh.node.bench.ttft import run_ttft
 
         return run_ttft(args)
     if args.bench == "handoff":
-        from node.bench.handoff import run_handoff
+        from kvmesh.node.bench.handoff import run_handoff
 
         return run_handoff(args)
     if args.bench == "transfer":
-        from node.bench.transfer import run_transfer
+        from kvmesh.node.bench.transfer import run_transfer
 
         return run_transfer(args)
     raise SystemExit(f"unknown benchmark {args.bench!r}")

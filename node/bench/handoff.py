@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 
-from node.bench import emit
-from node.launcher import NodeProcess, mesh_configs
-from node.load import LoadRunner, LoadShape
+from kvmesh.node.bench import emit
+from kvmesh.node.launcher import NodeProcess, mesh_configs
+from kvmesh.node.load import LoadRunner, LoadShape
 
 
 def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cache_bytes: int,

@@ -1,6 +1,6 @@
 """Raw single-stream TCP between two hosts: the yardstick kv_share is measured against.
 
-`python -m node.bench.rawtcp recv HOST PORT BYTES` receives into a pre-touched
+`python -m kvmesh.node.bench.rawtcp recv HOST PORT BYTES` receives into a pre-touched
 buffer and prints the seconds from first to last byte; `... send HOST PORT BYTES`
 sends 4 MiB slices of a pre-touched buffer with sendall. Same buffer sizes and
 socket options as kv_share, so the comparison is like for like.
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from node.launcher import free_port
+from kvmesh.node.launcher import free_port
 
 CHUNK = 4 << 20
 SOCK_BUF = 4 << 20
@@ -74,13 +74,13 @@ def measure(nbytes: int, recv_prefix: list[str], send_prefix: list[str], host: s
     """Seconds to move nbytes over one TCP stream, receiver and sender each run as a
     process under its prefix (e.g. `ip netns exec NS`)."""
     port = free_port() if not recv_prefix else 7100
-    rx = subprocess.Popen([*recv_prefix, sys.executable, "-m", "node.bench.rawtcp", "recv", host, str(port), str(nbytes)],
+    rx = subprocess.Popen([*recv_prefix, sys.executable, "-m", "kvmesh.node.bench.rawtcp", "recv", host, str(port), str(nbytes)],
                           stdout=subprocess.PIPE, text=True)
     try:
         assert rx.stdout is not None
         if rx.stdout.readline().strip() != "ready":
             raise RuntimeError("raw TCP receiver did not start")
-        subprocess.run([*send_prefix, sys.executable, "-m", "node.bench.rawtcp", "send", host, str(port), str(nbytes)],
+        subprocess.run([*send_prefix, sys.executable, "-m", "kvmesh.node.bench.rawtcp", "send", host, str(port), str(nbytes)],
                        check=True, capture_output=True, timeout=300)
         out, _ = rx.communicate(timeout=60)
     finally:

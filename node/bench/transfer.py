@@ -23,13 +23,13 @@ from typing import Any
 import httpx
 from websockets.sync.client import connect
 
-from node.bench import emit
-from node.bench.handoff import wait_peers
-from node.bench import rawtcp
-from node.bench.workload import text
-from node.launcher import NodeProcess, mesh_configs
-from node.mesh.auth import PEER_HEADER, peer_token
-from node.netlab.mesh import LAB_SECRET
+from kvmesh.node.bench import emit
+from kvmesh.node.bench.handoff import wait_peers
+from kvmesh.node.bench import rawtcp
+from kvmesh.node.bench.workload import text
+from kvmesh.node.launcher import NodeProcess, mesh_configs
+from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
+from kvmesh.node.netlab.mesh import LAB_SECRET
 
 BLOCK = 256
 _PEER_TOKEN = peer_token(LAB_SECRET.encode())  # the lab's secret; loopback meshes have none and accept any
@@ -111,8 +111,8 @@ def run_transfer(args: argparse.Namespace) -> int:
                 for n in nodes:
                     n.stop()
         else:
-            from node.netlab.mesh import lab_api, lab_nodes
-            from node.netlab.netns import TwoHostLab, can_use_netns
+            from kvmesh.node.netlab.mesh import lab_api, lab_nodes
+            from kvmesh.node.netlab.netns import TwoHostLab, can_use_netns
 
             ok, why = can_use_netns()
             if not ok:

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from node.bench import emit
-from node.bench.workload import grow_conversation, text
-from node.config import EngineConfig, SimConfig
-from node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
-from node.engine.hashing import payload_digest
-from node.engine.hf import open_checkpoint
-from node.engine.tokenizer import HFTokenizer
-from node.kvshare.store import ReplicaStore
+from kvmesh.node.bench import emit
+from kvmesh.node.bench.workload import grow_conversation, text
+from kvmesh.node.config import EngineConfig, SimConfig
+from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
+from kvmesh.node.engine.hashing import payload_digest
+from kvmesh.node.engine.hf import open_checkpoint
+from kvmesh.node.engine.tokenizer import HFTokenizer
+from kvmesh.node.kvshare.store import ReplicaStore
 
 SESSION = "bench-ttft"
 

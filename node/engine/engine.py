@@ -18,17 +18,17 @@ import numpy as np
 import torch
 import xxhash
 
-from node.config import EngineConfig
-from node.engine.blocks import BlockManager, BlockPool
-from node.engine.hashing import as_tokens, block_hashes, chain_seed
-from node.engine.hf import Checkpoint, load_decoder, open_checkpoint
-from node.engine.model import ModelConfig, fingerprint, preset
-from node.engine.runner import Runner, SimCost, SimRunner, TorchRunner, blocks_for
-from node.engine.sampling import sample
-from node.engine.sequence import Match, Sequence
-from node.engine.slots import SlotScheduler
-from node.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from node.errors import ContextLengthExceeded, ImportRefused, InvalidRequest
+from kvmesh.node.config import EngineConfig
+from kvmesh.node.engine.blocks import BlockManager, BlockPool
+from kvmesh.node.engine.hashing import as_tokens, block_hashes, chain_seed
+from kvmesh.node.engine.hf import Checkpoint, load_decoder, open_checkpoint
+from kvmesh.node.engine.model import ModelConfig, fingerprint, preset
+from kvmesh.node.engine.runner import Runner, SimCost, SimRunner, TorchRunner, blocks_for
+from kvmesh.node.engine.sampling import sample
+from kvmesh.node.engine.sequence import Match, Sequence
+from kvmesh.node.engine.slots import SlotScheduler
+from kvmesh.node.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvmesh.node.errors import ContextLengthExceeded, ImportRefused, InvalidRequest
 
 
 @dataclass

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import xxhash
 
-from node.engine.model import Decoder, ModelConfig
-from node.errors import CheckpointError
+from kvmesh.node.engine.model import Decoder, ModelConfig
+from kvmesh.node.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

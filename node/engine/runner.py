@@ -16,8 +16,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from node.engine.blocks import BlockPool
-from node.engine.model import Decoder, ModelConfig
+from kvmesh.node.engine.blocks import BlockPool
+from kvmesh.node.engine.model import Decoder, ModelConfig
 
 
 class Runner(Protocol):

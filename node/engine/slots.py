@@ -6,7 +6,7 @@ import asyncio
 import collections
 import time
 
-from node.errors import Overloaded
+from kvmesh.node.errors import Overloaded
 
 
 class SlotScheduler:

@@ -185,8 +185,8 @@ class HFTokenizer:
         generation_config.json (optional) of a checkpoint directory."""
         from tokenizers import Tokenizer as _Tok
 
-        from node.engine.hf import read_json as _read_json
-        from node.errors import CheckpointError
+        from kvmesh.node.engine.hf import read_json as _read_json
+        from kvmesh.node.errors import CheckpointError
 
         d = Path(path)
         tj = d / "tokenizer.json"
@@ -292,7 +292,7 @@ class HFTokenizer:
     def apply_chat_template(self, messages: Iterable[Mapping[str, Any]]) -> list[int]:
         from jinja2 import TemplateError
 
-        from node.errors import InvalidRequest
+        from kvmesh.node.errors import InvalidRequest
 
         try:
             text = self.render(messages)

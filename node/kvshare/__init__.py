@@ -7,8 +7,8 @@ listener and the planning of what to send live elsewhere and build on these.
 
 from __future__ import annotations
 
-from node.kvshare.store import FsyncPolicy, Manifest, ReplicaStore, Segment, SegmentWriter, StoreError
-from node.kvshare.wire import (
+from kvmesh.node.kvshare.store import FsyncPolicy, Manifest, ReplicaStore, Segment, SegmentWriter, StoreError
+from kvmesh.node.kvshare.wire import (
     BLOCK_HEADER_BYTES,
     VERSION,
     Accepted,

@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from node.engine.engine import ExportedBlock, ImportTxn
-from node.engine.hashing import payload_digest
-from node.errors import ImportRefused, KVMeshError
-from node.kvshare import wire
-from node.kvshare.store import ReplicaStore, SegmentWriter
-from node.tls import client_context, server_context
-from node.protocol import LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaSuperseded
+from kvmesh.node.engine.engine import ExportedBlock, ImportTxn
+from kvmesh.node.engine.hashing import payload_digest
+from kvmesh.node.errors import ImportRefused, KVMeshError
+from kvmesh.node.kvshare import wire
+from kvmesh.node.kvshare.store import ReplicaStore, SegmentWriter
+from kvmesh.node.tls import client_context, server_context
+from kvmesh.node.protocol import LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaSuperseded
 
 if TYPE_CHECKING:
-    from node.node import Node
+    from kvmesh.node.node import Node
 
 log = logging.getLogger("kvmesh.kvshare")
 

@@ -57,12 +57,12 @@ from typing import TYPE_CHECKING, Annotated, Literal, cast
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens, block_hashes, chain_seed, payload_digest
-from node.errors import ImportRefused, KVMeshError
-from node.kvshare.wire import check_session_id, is_valid_session_id
+from kvmesh.node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens, block_hashes, chain_seed, payload_digest
+from kvmesh.node.errors import ImportRefused, KVMeshError
+from kvmesh.node.kvshare.wire import check_session_id, is_valid_session_id
 
 if TYPE_CHECKING:
-    from node.engine.engine import Engine, ImportTxn
+    from kvmesh.node.engine.engine import Engine, ImportTxn
 
 log = logging.getLogger("kvmesh.kvshare.store")
 

@@ -73,9 +73,9 @@ from typing import Any, cast
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, payload_digest
-from node.errors import InvalidRequest, KVMeshError
-from node.protocol import is_valid_session_id
+from kvmesh.node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, payload_digest
+from kvmesh.node.errors import InvalidRequest, KVMeshError
+from kvmesh.node.protocol import is_valid_session_id
 
 MAGIC = b"KVSH"
 VERSION = 1

@@ -11,10 +11,10 @@ import collections
 import time
 from typing import TYPE_CHECKING
 
-from node.mesh.auth import peer_token
-from node.tls import client_context
-from node.mesh.peers import PeerTable
-from node.mesh.placement import (
+from kvmesh.node.mesh.auth import peer_token
+from kvmesh.node.tls import client_context
+from kvmesh.node.mesh.peers import PeerTable
+from kvmesh.node.mesh.placement import (
     Decision,
     Holding,
     HostLoad,
@@ -25,8 +25,8 @@ from node.mesh.placement import (
     next_seq,
     predict_next,
 )
-from node.mesh.sessions import SessionBook
-from node.protocol import (
+from kvmesh.node.mesh.sessions import SessionBook
+from kvmesh.node.protocol import (
     ClusterSnapshot,
     HandoffCounters,
     HostInfo,
@@ -37,7 +37,7 @@ from node.protocol import (
 )
 
 if TYPE_CHECKING:
-    from node.node import Node
+    from kvmesh.node.node import Node
 
 
 class Mesh:

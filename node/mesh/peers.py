@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import httpx
 from pydantic import ValidationError
 
-from node.config import PeerConfig
-from node.mesh.auth import PEER_HEADER
-from node.protocol import Event, PeerDown, PeerStatus, PeerUp, SessionHolding
+from kvmesh.node.config import PeerConfig
+from kvmesh.node.mesh.auth import PEER_HEADER
+from kvmesh.node.protocol import Event, PeerDown, PeerStatus, PeerUp, SessionHolding
 
 log = logging.getLogger("kvmesh.mesh.peers")
 

@@ -10,7 +10,7 @@ import collections
 import time
 from dataclasses import dataclass
 
-from node.protocol import HandoffClass, HandoffCounters
+from kvmesh.node.protocol import HandoffClass, HandoffCounters
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from node.launcher import NodeProcess, write_toml
-from node.netlab.netns import TwoHostLab
+from kvmesh.node.launcher import NodeProcess, write_toml
+from kvmesh.node.netlab.netns import TwoHostLab
 
 API_PORT, KV_PORT = 8000, 7000
 LAB_SECRET = "kvmesh-netlab-mesh-secret-0001"  # the lab's own namespaces only

@@ -27,13 +27,13 @@ from typing import Any
 import httpx
 from websockets.sync.client import connect
 
-from node.bench.handoff import wait_peers
-from node.bench import rawtcp
-from node.config import EngineConfig
-from node.launcher import NodeProcess
-from node.load import LoadRunner, LoadShape
-from node.netlab.mesh import lab_api, lab_nodes
-from node.netlab.netns import TwoHostLab, can_use_netns
+from kvmesh.node.bench.handoff import wait_peers
+from kvmesh.node.bench import rawtcp
+from kvmesh.node.config import EngineConfig
+from kvmesh.node.launcher import NodeProcess
+from kvmesh.node.load import LoadRunner, LoadShape
+from kvmesh.node.netlab.mesh import lab_api, lab_nodes
+from kvmesh.node.netlab.netns import TwoHostLab, can_use_netns
 
 # The field report's 16-session table (see shared/reference/field-report.md).
 REPORT: dict[str, dict[str, Any]] = {

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from node.protocol import is_valid_session_id
+from kvmesh.node.protocol import is_valid_session_id
 
 CHAT = "/v1/chat/completions"
 

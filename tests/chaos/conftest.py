@@ -1,6 +1,6 @@
 """Fixtures for the fault drills: one `kvmesh chaos` run shared by the scenario tests.
 
-The drills run as the operator runs them (`python -m node.cli chaos --json --only ...`, a
+The drills run as the operator runs them (`python -m kvmesh.node.cli chaos --json --only ...`, a
 subprocess that starts and stops its own nodes); each test reads its scenario's entry of the
 JSON line the command prints last.
 """
@@ -23,7 +23,7 @@ SUITE = ("connection-cut", "bit-flip", "receiver-killed", "evict-all")
 
 def run_cli(*args: str, timeout: float) -> tuple[dict[str, Any], subprocess.CompletedProcess[str]]:
     """Run `kvmesh ARGS`; returns the JSON object of its last stdout line and the process."""
-    proc = subprocess.run([sys.executable, "-m", "node.cli", *args], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "kvmesh.node.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
     lines = proc.stdout.strip().splitlines()
     assert lines, f"kvmesh {' '.join(args)} printed nothing; stderr:\n{proc.stderr[-3000:]}"

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from node.chaos import Fault, LinkProxy, parse_offer, verify_store, wall_clock_findings
-from node.engine.hashing import block_hashes, chain_seed, payload_digest
-from node.kvshare import wire
-from node.kvshare.store import ReplicaStore
+from kvmesh.node.chaos import Fault, LinkProxy, parse_offer, verify_store, wall_clock_findings
+from kvmesh.node.engine.hashing import block_hashes, chain_seed, payload_digest
+from kvmesh.node.kvshare import wire
+from kvmesh.node.kvshare.store import ReplicaStore
 
 SECRET = b"a-test-secret-of-some-length"
 FP, BS, BB = "f" * 32, 16, 1024

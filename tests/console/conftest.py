@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kvm_helpers import Clock
 
-from console.state import ConsoleState
+from kvmesh.console.state import ConsoleState
 
 
 @pytest.fixture

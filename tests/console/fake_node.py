@@ -17,7 +17,7 @@ from typing import Any
 
 from websockets.asyncio.server import ServerConnection, serve
 
-from node.protocol import Event, SnapshotEvent
+from kvmesh.node.protocol import Event, SnapshotEvent
 
 
 class FakeEventsServer:

@@ -13,10 +13,10 @@ from typing import Any
 
 from rich.console import Console
 
-from console.app import KvmeshConsole
-from console.config import ConsoleConfig
-from console.state import ConsoleState
-from node.protocol import (
+from kvmesh.console.app import KvmeshConsole
+from kvmesh.console.config import ConsoleConfig
+from kvmesh.console.state import ConsoleState
+from kvmesh.node.protocol import (
     ActionResult,
     ClusterSnapshot,
     Event,

@@ -10,9 +10,9 @@ import pytest
 from fake_node import FakeAdminServer
 from kvm_helpers import Clock, make_app, make_snapshot
 
-from console.admin import AdminClient, TokenError, load_admin_token
-from console.cli import main as cli_main
-from console.screens.confirm import ConfirmScreen
+from kvmesh.console.admin import AdminClient, TokenError, load_admin_token
+from kvmesh.console.cli import main as cli_main
+from kvmesh.console.screens.confirm import ConfirmScreen
 
 pytestmark = pytest.mark.anyio
 TOKEN = "s3cret-admin-token"

@@ -9,12 +9,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from console.admin import AdminClient
-from console.app import KvmeshConsole
-from console.config import ConsoleConfig
-from console.screens.confirm import ConfirmScreen
-from console.state import ConsoleState
-from node.launcher import NodeProcess, mesh_configs
+from kvmesh.console.admin import AdminClient
+from kvmesh.console.app import KvmeshConsole
+from kvmesh.console.config import ConsoleConfig
+from kvmesh.console.screens.confirm import ConfirmScreen
+from kvmesh.console.state import ConsoleState
+from kvmesh.node.launcher import NodeProcess, mesh_configs
 
 pytestmark = pytest.mark.anyio
 TOKEN = "console-e2e-admin-token"

@@ -9,9 +9,9 @@ import pytest
 from fake_node import FakeEventsServer
 from kvm_helpers import T0, Clock, make_snapshot
 
-from console.ingest import Backoff, events_url, stream_node
-from console.state import ConsoleState
-from node.protocol import Handoff, SnapshotEvent
+from kvmesh.console.ingest import Backoff, events_url, stream_node
+from kvmesh.console.state import ConsoleState
+from kvmesh.node.protocol import Handoff, SnapshotEvent
 
 pytestmark = pytest.mark.anyio
 

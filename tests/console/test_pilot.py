@@ -8,15 +8,15 @@ import pytest
 from kvm_helpers import NODE1, T0, Clock, FakeAdmin, FakeSource, make_app, make_snapshot, screen_text
 from textual.widgets import Button, Input
 
-from console.screens.confirm import ConfirmScreen
-from console.screens.help import HelpScreen
-from console.screens.main import MainScreen
-from console.screens.picker import TargetPicker
-from console.widgets.eventlog import EventLog
-from console.widgets.hosts import HostsTable
-from console.widgets.sessions import SessionsTable
-from console.widgets.topbar import TopBar
-from node.protocol import ActionResult, DrainStarted, Handoff, MigrateCompleted, MigrateStarted, TurnFinished
+from kvmesh.console.screens.confirm import ConfirmScreen
+from kvmesh.console.screens.help import HelpScreen
+from kvmesh.console.screens.main import MainScreen
+from kvmesh.console.screens.picker import TargetPicker
+from kvmesh.console.widgets.eventlog import EventLog
+from kvmesh.console.widgets.hosts import HostsTable
+from kvmesh.console.widgets.sessions import SessionsTable
+from kvmesh.console.widgets.topbar import TopBar
+from kvmesh.node.protocol import ActionResult, DrainStarted, Handoff, MigrateCompleted, MigrateStarted, TurnFinished
 
 
 pytestmark = pytest.mark.anyio

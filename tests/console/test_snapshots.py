@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from kvm_helpers import NODE1, NODE2, T0, Clock, make_app, make_snapshot
 
-from console.app import KvmeshConsole
-from console.theme import THEME_NAMES
-from node.protocol import DrainStarted, Handoff, ReplicaSent
+from kvmesh.console.app import KvmeshConsole
+from kvmesh.console.theme import THEME_NAMES
+from kvmesh.node.protocol import DrainStarted, Handoff, ReplicaSent
 
 
 def scenario(theme: str = "kvmesh-dark", ascii_only: bool = False, readonly: bool = False) -> KvmeshConsole:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from console.state import ConsoleState, normalize_url
-from node.protocol import (
+from kvmesh.console.state import ConsoleState, normalize_url
+from kvmesh.node.protocol import (
     DrainProgress,
     DrainStarted,
     Handoff,

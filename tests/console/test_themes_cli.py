@@ -13,12 +13,12 @@ import pytest
 from fake_node import FakeEventsServer
 from kvm_helpers import Clock, make_app, make_snapshot, screen_text
 
-from console.app import KvmeshConsole
-from console.cli import _run_parser, build_config
-from console.config import ConsoleConfig
-from console.format import ASCII, UNICODE, fmt_age, fmt_bps, fmt_bytes, fmt_mem, fmt_tokens, slot_bar, sparkline
-from console.state import ConsoleState
-from console.theme import THEME_NAMES, load_themes
+from kvmesh.console.app import KvmeshConsole
+from kvmesh.console.cli import _run_parser, build_config
+from kvmesh.console.config import ConsoleConfig
+from kvmesh.console.format import ASCII, UNICODE, fmt_age, fmt_bps, fmt_bytes, fmt_mem, fmt_tokens, slot_bar, sparkline
+from kvmesh.console.state import ConsoleState
+from kvmesh.console.theme import THEME_NAMES, load_themes
 
 pytestmark = pytest.mark.anyio
 
@@ -119,7 +119,7 @@ async def test_discovers_peers_from_one_node() -> None:
 def test_bench_prints_json_last_line() -> None:
     """`kvmesh-console bench --json` (shortened) ends with one JSON object carrying the five figures."""
     out = subprocess.run(
-        [sys.executable, "-m", "console", "bench", "--json", "--seconds", "1.5", "--sessions", "300",
+        [sys.executable, "-m", "kvmesh.console", "bench", "--json", "--seconds", "1.5", "--sessions", "300",
          "--events-per-s", "100", "--warmup", "0.3"],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
@@ -136,7 +136,7 @@ def test_an_installed_wheel_carries_the_themes_and_finds_them(tmp_path: Path, mo
     import shutil
     import zipfile
 
-    import console.theme as theme
+    import kvmesh.console.theme as theme
 
     repo = Path(__file__).resolve().parents[2]
     src = tmp_path / "src"  # a copy: the build leaves its build/ and egg-info there, not in the checkout

@@ -14,7 +14,7 @@ import pytest
 from fake_node import FakeEventsServer
 from kvm_helpers import T0, make_snapshot
 
-from node.protocol import Handoff
+from kvmesh.node.protocol import Handoff
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def test_console_in_tmux_shows_hosts_counters_and_answers_keys(node: FakeEventsS
     """In a real 80x24 terminal: hosts and counters appear, p pauses with N pending, 2 shows links, q quits."""
     tmux = Tmux()
     url = f"http://127.0.0.1:{node.port}"
-    cmd = f"{sys.executable} -m console --node {url} --readonly --utc --no-discover"
+    cmd = f"{sys.executable} -m kvmesh.console --node {url} --readonly --utc --no-discover"
     try:
         tmux.run("new-session", "-d", "-s", "console", "-x", "80", "-y", "24", "-c", str(REPO), cmd)
         tmux.socket_path = tmux.run("display-message", "-p", "#{socket_path}").stdout.strip() or None

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from node.config import EngineConfig, SimConfig
-from node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone, TurnStats
+from kvmesh.node.config import EngineConfig, SimConfig
+from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone, TurnStats
 
 
 def _tiny_cfg(**kw: object) -> EngineConfig:

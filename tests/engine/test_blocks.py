@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from node.engine.blocks import BlockManager, BlockPool
+from kvmesh.node.engine.blocks import BlockManager, BlockPool
 
 SHAPE = (2, 2, 2, 4, 8)  # [layers, 2, kv_heads, block, head_dim]
 BS = 4

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from node.config import EngineConfig
-from node.engine.engine import Engine, GenerateRequest
-from node.engine.hashing import as_tokens
-from node.engine.runner import blocks_for
-from node.errors import ContextLengthExceeded, ImportRefused, InvalidRequest, Overloaded
+from kvmesh.node.config import EngineConfig
+from kvmesh.node.engine.engine import Engine, GenerateRequest
+from kvmesh.node.engine.hashing import as_tokens
+from kvmesh.node.engine.runner import blocks_for
+from kvmesh.node.errors import ContextLengthExceeded, ImportRefused, InvalidRequest, Overloaded
 
 SYSTEM = "You are the kvmesh test assistant. Answer tersely, in plain ASCII, and never apologise. " * 3
 FILLER = "the quick brown fox jumps over the lazy dog while the mesh keeps every session warm " * 8

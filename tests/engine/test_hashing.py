@@ -8,7 +8,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens, block_hashes, chain_seed, payload_digest
+from kvmesh.node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens, block_hashes, chain_seed, payload_digest
 
 BS = 16
 

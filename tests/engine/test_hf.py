@@ -22,13 +22,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from node.config import EngineConfig
-from node.engine import hf
-from node.engine.engine import Engine
-from node.engine.hf import open_checkpoint
-from node.engine.model import fingerprint, preset
-from node.engine.tokenizer import HFTokenizer
-from node.errors import CheckpointError, ConfigError, ImportRefused
+from kvmesh.node.config import EngineConfig
+from kvmesh.node.engine import hf
+from kvmesh.node.engine.engine import Engine
+from kvmesh.node.engine.hf import open_checkpoint
+from kvmesh.node.engine.model import fingerprint, preset
+from kvmesh.node.engine.tokenizer import HFTokenizer
+from kvmesh.node.errors import CheckpointError, ConfigError, ImportRefused
 
 CPU = torch.device("cpu")
 # fp32 on the CPU: reuse/import only reorder float sums.
@@ -152,7 +152,7 @@ def engines():  # type: ignore[no-untyped-def]
 
 
 def _turn(engine: Engine, session: str, prompt: list[int], max_tokens: int = 8) -> tuple[str, Any]:
-    from node.engine.engine import GenerateRequest, TextDelta, TurnDone
+    from kvmesh.node.engine.engine import GenerateRequest, TextDelta, TurnDone
 
     async def go() -> tuple[str, Any]:
         text, stats = "", None
@@ -343,7 +343,7 @@ def test_engine_config_kind_and_model() -> None:
         EngineConfig(kind="tiny", model="/x")
     assert EngineConfig(kind="torch", model="/srv/models/Qwen3-8B/").served_model == "Qwen3-8B"
     assert EngineConfig(kind="torch", model="/m", model_name="q").served_model == "q"
-    from node.config import load_config
+    from kvmesh.node.config import load_config
 
     with pytest.raises(ConfigError, match="needs engine.model"):
         load_config(None, {"engine.kind": "torch"})
@@ -438,7 +438,7 @@ def test_decode_batch_equals_per_slot_steps(ckpts: dict[str, Path], variant: str
 def test_concurrent_turns_decode_in_batches(ckpts: dict[str, Path], engines) -> None:  # type: ignore[no-untyped-def]
     """Three turns at once on three slots: their steps share batches, and each turn's text is the
     text it has alone."""
-    from node.engine.engine import GenerateRequest, TextDelta
+    from kvmesh.node.engine.engine import GenerateRequest, TextDelta
 
     e = engines(_cfg(ckpts["qwen3"], slots=3))
     prompts = [e.tokenizer.apply_chat_template([{"role": "user", "content": CORPUS[i] * (i + 1)}]) for i in range(3)]
@@ -465,7 +465,7 @@ def test_bench_ttft_runs_on_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureF
     """`kvmesh bench ttft --json --model DIR`: cold and warm (imported) turns on the checkpoint."""
     import argparse
 
-    from node.bench.ttft import run_ttft
+    from kvmesh.node.bench.ttft import run_ttft
 
     d = write_checkpoint(tmp_path / "bench-qwen3", "qwen3")
     raw = json.loads((d / "config.json").read_text())

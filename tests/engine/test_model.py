@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import node.engine.model as model_mod
-from node.engine.model import Decoder, ModelConfig, apply_rope, fingerprint, preset, rope_tables
+import kvmesh.node.engine.model as model_mod
+from kvmesh.node.engine.model import Decoder, ModelConfig, apply_rope, fingerprint, preset, rope_tables
 
 CPU = torch.device("cpu")
 # fp32 on CPU: chunking only reorders float sums, so results agree far below these.

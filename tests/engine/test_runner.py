@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from node.engine.blocks import BlockPool
-from node.engine.model import preset
-from node.engine.runner import SimCost, SimRunner, TorchRunner, blocks_for, fill_from_hash
+from kvmesh.node.engine.blocks import BlockPool
+from kvmesh.node.engine.model import preset
+from kvmesh.node.engine.runner import SimCost, SimRunner, TorchRunner, blocks_for, fill_from_hash
 
 BS = 16
 CPU = torch.device("cpu")

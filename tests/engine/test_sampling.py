@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from node.engine.sampling import sample
+from kvmesh.node.engine.sampling import sample
 
 VOCAB = 50
 

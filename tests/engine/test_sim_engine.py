@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from node.config import SimConfig
-from node.engine.engine import Engine
-from node.errors import ContextLengthExceeded, ImportRefused
+from kvmesh.node.config import SimConfig
+from kvmesh.node.engine.engine import Engine
+from kvmesh.node.errors import ContextLengthExceeded, ImportRefused
 
 PROMPT_LEN = 200
 

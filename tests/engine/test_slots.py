@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from node.engine.slots import SlotScheduler
-from node.errors import Overloaded
+from kvmesh.node.engine.slots import SlotScheduler
+from kvmesh.node.errors import Overloaded
 
 
 async def _settle() -> None:

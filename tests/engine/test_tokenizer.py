@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.engine.tokenizer import ASSISTANT, BOS, END, SYSTEM, TOOL, USER, VOCAB_SIZE, ByteTokenizer
+from kvmesh.node.engine.tokenizer import ASSISTANT, BOS, END, SYSTEM, TOOL, USER, VOCAB_SIZE, ByteTokenizer
 
 tok = ByteTokenizer()
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from node.engine.engine import Engine
+from kvmesh.node.engine.engine import Engine
 
 from .helpers import sim_engine
 

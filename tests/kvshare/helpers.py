@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from node.config import EngineConfig, SimConfig
-from node.engine.engine import Engine, GenerateRequest
-from node.engine.hashing import block_hashes, chain_seed, payload_digest
+from kvmesh.node.config import EngineConfig, SimConfig
+from kvmesh.node.engine.engine import Engine, GenerateRequest
+from kvmesh.node.engine.hashing import block_hashes, chain_seed, payload_digest
 
 FP = "test-fingerprint"
 

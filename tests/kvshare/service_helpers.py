@@ -36,15 +36,15 @@ import httpx
 import numpy as np
 import pytest
 
-from node.bench.workload import text
-from node.config import EngineConfig
-from node.engine.engine import Engine
-from node.engine.hashing import block_hashes, chain_seed
-from node.engine.runner import fill_from_hash
-from node.engine.tokenizer import ByteTokenizer
-from node.kvshare import wire
-from node.launcher import NodeProcess, free_port, write_toml
-from node.mesh.auth import PEER_HEADER, peer_token
+from kvmesh.node.bench.workload import text
+from kvmesh.node.config import EngineConfig
+from kvmesh.node.engine.engine import Engine
+from kvmesh.node.engine.hashing import block_hashes, chain_seed
+from kvmesh.node.engine.runner import fill_from_hash
+from kvmesh.node.engine.tokenizer import ByteTokenizer
+from kvmesh.node.kvshare import wire
+from kvmesh.node.launcher import NodeProcess, free_port, write_toml
+from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 BLOCK = 64
 MODEL = "kvmesh-sim"

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from node.kvshare import wire
+from kvmesh.node.kvshare import wire
 
 from .service_helpers import (
     BLOCK,

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from node.engine.engine import Engine
-from node.engine.hashing import payload_digest
-from node.errors import ImportRefused
-from node.kvshare import store as store_module
-from node.kvshare.store import MAX_SEGMENTS, Manifest, ReplicaStore, SegmentWriter, StoreError
-from node.kvshare.wire import InvalidSessionId
+from kvmesh.node.engine.engine import Engine
+from kvmesh.node.engine.hashing import payload_digest
+from kvmesh.node.errors import ImportRefused
+from kvmesh.node.kvshare import store as store_module
+from kvmesh.node.kvshare.store import MAX_SEGMENTS, Manifest, ReplicaStore, SegmentWriter, StoreError
+from kvmesh.node.kvshare.wire import InvalidSessionId
 
 from .helpers import FP, Replica, grow, make_replica, prefix, prompt_tokens, run_turn, sim_engine
 

@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from node.engine.hashing import block_hashes, chain_seed
-from node.kvshare import wire
+from kvmesh.node.engine.hashing import block_hashes, chain_seed
+from kvmesh.node.kvshare import wire
 
 from .service_helpers import BLOCK, Conversation, Fault, Pair, hand_offer, hand_send, read_reply, wait_for
 

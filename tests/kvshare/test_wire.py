@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from node.engine.hashing import payload_digest
-from node.kvshare.wire import (
+from kvmesh.node.engine.hashing import payload_digest
+from kvmesh.node.kvshare.wire import (
     MAC_BYTES,
     MAGIC,
     VERSION,

@@ -28,9 +28,9 @@ import httpx
 import openai
 import pytest
 
-from node.bench.workload import grow_conversation, text
-from node.launcher import NodeProcess, mesh_configs
-from node.protocol import parse_event
+from kvmesh.node.bench.workload import grow_conversation, text
+from kvmesh.node.launcher import NodeProcess, mesh_configs
+from kvmesh.node.protocol import parse_event
 
 NAMES = ("a", "b", "c")
 MODEL = "kvmesh-sim"
@@ -285,7 +285,7 @@ class Mesh:
                          f"{e} to see {host} {'draining' if draining else 'undrained'}")
 
     def peer_headers(self) -> dict[str, str]:
-        from node.mesh.auth import PEER_HEADER, peer_token
+        from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
         return {PEER_HEADER: peer_token(self.secret.encode())} if self.secret else {}
 

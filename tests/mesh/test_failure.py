@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from node.engine.tokenizer import ByteTokenizer
+from kvmesh.node.engine.tokenizer import ByteTokenizer
 
 from .helpers import MODEL, Conversation, Mesh, wait_for, whole_blocks
 

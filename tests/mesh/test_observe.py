@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from node.protocol import PROTOCOL_VERSION, SnapshotEvent
+from kvmesh.node.protocol import PROTOCOL_VERSION, SnapshotEvent
 
 from .helpers import Conversation, Mesh, wait_for, whole_blocks
 

@@ -8,8 +8,8 @@ import secrets
 
 import pytest
 
-from node.bench.workload import text
-from node.launcher import NodeProcess, mesh_configs
+from kvmesh.node.bench.workload import text
+from kvmesh.node.launcher import NodeProcess, mesh_configs
 
 from .helpers import Conversation, Mesh, wait_for, whole_blocks
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from node.mesh.forward import ResumeDiverged, StreamSplice
+from kvmesh.node.mesh.forward import ResumeDiverged, StreamSplice
 
 
 def ev(obj: Any) -> bytes:

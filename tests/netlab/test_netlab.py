@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from node.bench import rawtcp
-from node.netlab.netns import TwoHostLab, can_use_netns
+from kvmesh.node.bench import rawtcp
+from kvmesh.node.netlab.netns import TwoHostLab, can_use_netns
 
 USABLE, WHY = can_use_netns()
 needs_netns = pytest.mark.skipif(not USABLE, reason=f"netlab needs network namespaces: {WHY}")
@@ -53,7 +53,7 @@ def test_very_short_netlab_run_reports_table_json_and_png(tmp_path: Path) -> Non
     """`kvmesh netlab` end to end on one link for a few seconds: table, JSON last line, files, no leftovers."""
     before = _netns()
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "node.cli", "netlab", "--links", "10gbit", "--duration", "12",
+    r = subprocess.run([sys.executable, "-m", "kvmesh.node.cli", "netlab", "--links", "10gbit", "--duration", "12",
                         "--sessions", "4", "--target-tokens", "12000", "--cache-mib", "128", "--out", str(out)],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -22,9 +22,9 @@ import httpx
 import pytest
 
 
-from node.config import NodeConfig
-from node.launcher import NodeProcess, free_port, write_toml
-from node.mesh.auth import PEER_HEADER, peer_token
+from kvmesh.node.config import NodeConfig
+from kvmesh.node.launcher import NodeProcess, free_port, write_toml
+from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 MODEL = "kvmesh-sim"
 # Session ids: the one rule (node.protocol.SESSION_ID_RE), anchored.

@@ -21,7 +21,7 @@ from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
 
 from .conftest import FUZZ_ADMIN_TOKEN
-from node.server import ThreadedServer
+from kvmesh.node.server import ThreadedServer
 
 from .helpers import MODEL, openai_error
 

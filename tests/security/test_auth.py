@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from node.mesh.auth import PEER_HEADER, peer_token
+from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 from .helpers import Mesh, chat, openai_error, wait_for
 

@@ -70,7 +70,7 @@ WRONG_SHAPE_SECRETS = ["EnvSecr3t", "Tok3n", "98765432109876543"]
 def _cmd(config: Path) -> list[str]:
     if KVMESH.exists():
         return [str(KVMESH), "node", "--config", str(config)]
-    return [sys.executable, "-m", "node.cli", "node", "--config", str(config)]
+    return [sys.executable, "-m", "kvmesh.node.cli", "node", "--config", str(config)]
 
 
 def _run_all(workdir: Path, files: dict[str, tuple[str, dict[str, str]]]) -> dict[str, subprocess.CompletedProcess[str]]:

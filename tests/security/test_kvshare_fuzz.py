@@ -27,11 +27,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from node.engine.hashing import block_hashes
-from node.engine.runner import fill_from_hash
-from node.kvshare import wire
+from kvmesh.node.engine.hashing import block_hashes
+from kvmesh.node.engine.runner import fill_from_hash
+from kvmesh.node.kvshare import wire
 
-from node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.server import ThreadedServer, serve_in_thread
 
 from .helpers import sim_config, tree, wait_for
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 
-from node.server import HEADER_DEADLINE_S
+from kvmesh.node.server import HEADER_DEADLINE_S
 
 from .conftest import KV_IO_TIMEOUT_S
 from .helpers import Mesh, chat, openai_error, wait_for

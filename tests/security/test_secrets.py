@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from websockets.sync.client import connect
 
-from node.config import load_config
-from node.errors import ConfigError
-from node.kvshare import wire
-from node.mesh.auth import PEER_HEADER, peer_token
+from kvmesh.node.config import load_config
+from kvmesh.node.errors import ConfigError
+from kvmesh.node.kvshare import wire
+from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 from .helpers import Mesh, chat, wait_for
 from .test_auth import undrained_after

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from node.protocol import is_valid_session_id
+from kvmesh.node.protocol import is_valid_session_id
 
-from node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.server import ThreadedServer, serve_in_thread
 
 from .helpers import MODEL, SAFE_ID, chat, openai_error, sim_config, tree, wait_for
 

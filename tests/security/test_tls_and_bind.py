@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from node.bench.workload import grow_conversation
-from node.config import load_config
-from node.errors import ConfigError
-from node.launcher import NodeProcess, free_port, write_toml
+from kvmesh.node.bench.workload import grow_conversation
+from kvmesh.node.config import load_config
+from kvmesh.node.errors import ConfigError
+from kvmesh.node.launcher import NodeProcess, free_port, write_toml
 
 SECRET = "tls-test-mesh-secret-000000"
 
@@ -42,7 +42,7 @@ def test_non_loopback_bind_without_secret_is_refused_with_the_reason() -> None:
 
 def test_non_loopback_bind_refused_at_start_by_the_cli(tmp_path: Path) -> None:
     """`kvmesh node --host 0.0.0.0` without a secret exits non-zero and says why."""
-    r = subprocess.run([sys.executable, "-m", "node.cli", "node", "--host", "0.0.0.0", "--port", "0"],
+    r = subprocess.run([sys.executable, "-m", "kvmesh.node.cli", "node", "--host", "0.0.0.0", "--port", "0"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "mesh.secret" in r.stderr and "loopback" in r.stderr
