@@ -130,24 +130,16 @@ def test_bench_prints_json_last_line() -> None:
     assert 0 < result["cpu_core_fraction"] < 2 and result["max_rss_mb"] > 10
 
 
-def test_an_installed_wheel_carries_the_themes_and_finds_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_installed_wheel_carries_the_themes_and_finds_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               kvmesh_wheel: Path) -> None:
     """The wheel puts themes/ under <prefix>/share/kvmesh/themes, and the console loads them from there
     when it runs from an installed package (no checkout beside it)."""
-    import shutil
     import zipfile
 
     import kvmesh.console.theme as theme
 
     repo = Path(__file__).resolve().parents[2]
-    src = tmp_path / "src"  # a copy: the build leaves its build/ and egg-info there, not in the checkout
-    for part in ("node", "console", "themes"):
-        shutil.copytree(repo / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
-    for f in ("pyproject.toml", "README.md"):
-        shutil.copy(repo / f, src / f)
-    out = tmp_path / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet", "-w", str(out),
-                    str(src)], check=True, capture_output=True, timeout=240)
-    (whl,) = out.glob("kvmesh-*.whl")
+    whl = kvmesh_wheel
     prefix = tmp_path / "prefix"
     with zipfile.ZipFile(whl) as z:
         names = {n.split(".data/data/", 1)[1]: n for n in z.namelist() if ".data/data/" in n}
@@ -157,7 +149,7 @@ def test_an_installed_wheel_carries_the_themes_and_finds_them(tmp_path: Path, mo
             (prefix / "share/kvmesh/themes").mkdir(parents=True, exist_ok=True)
             (prefix / "share/kvmesh/themes" / f).write_bytes(z.read(member))
     monkeypatch.delenv("KVMESH_THEMES_DIR", raising=False)
-    monkeypatch.setattr(theme, "__file__", str(tmp_path / "site-packages" / "console" / "theme.py"))
+    monkeypatch.setattr(theme, "__file__", str(tmp_path / "site-packages" / "kvmesh" / "console" / "theme.py"))
     monkeypatch.setattr(sys, "prefix", str(prefix))
     assert theme.themes_dir() == prefix / "share/kvmesh/themes"
     assert set(THEME_NAMES) <= {t.name for t in load_themes()}
