@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--seed", type=int, default=1)
     so.add_argument("--json", action="store_true")
     so.set_defaults(func=cmd_soak)
+
+    from kvmesh.node.meshinit import add_parser as add_init_parser
+
+    add_init_parser(sub)
     return p
 
 

@@ -1,0 +1,228 @@
+"""`kvmesh init`: write one commented, valid TOML config per host of a new mesh.
+
+A newcomer names the hosts (`--host gpu-1=10.0.0.1 --host gpu-2=10.0.0.2`) and gets, in
+one folder: `<name>.toml` for each host (every other host as a peer, one fresh mesh
+secret shared by all), `admin-token` (the bearer token the console's drain/migrate keys
+send) and `console.toml` (the console pointed at every host). Every file is validated by
+the same loader the node uses before anything is written, and all of them land by
+rename, so a refused call leaves nothing behind and never overwrites without `--force`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import re
+import secrets
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from kvmesh.node.config import NodeConfig, describe
+from kvmesh.node.errors import ConfigError
+
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+ENGINES = ("sim", "tiny", "torch")
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host of the mesh: its name, the address its API binds, and the address kv_share binds."""
+
+    name: str
+    api_addr: str
+    kvshare_addr: str
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """Everything `init` writes, decided before a byte is written."""
+
+    hosts: list[HostSpec]
+    engine: str = "sim"
+    model: str = ""
+    slots: int = 4
+    api_port: int = 8000
+    kvshare_port: int = 9000
+    store_dir: str = "/var/lib/kvmesh/store"
+
+
+def _check_addr(addr: str, spec: str) -> str:
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        # An all-digit last label is a mistyped IPv4 address (10.0.0.300), never a host name.
+        if _HOSTNAME.match(addr) and not addr.rsplit(".", 1)[-1].isdigit():
+            return addr
+        raise ConfigError(f"--host {spec!r}: {addr!r} is neither an IP address nor a host name") from None
+    if ip.version == 6:
+        raise ConfigError(f"--host {spec!r}: IPv6 addresses are not supported yet (kvshare.listen is host:port); "
+                          "use an IPv4 address or a host name")
+    if ip.is_unspecified:
+        raise ConfigError(f"--host {spec!r}: {addr} is not an address peers can reach; give the host's own address")
+    return addr
+
+
+def parse_host(spec: str) -> HostSpec:
+    """`NAME=ADDR` or `NAME=ADDR,KVSHARE_ADDR` (kv_share on its own interface, e.g. to bypass a VPN)."""
+    name, sep, addrs = spec.partition("=")
+    if not sep or not name or not addrs:
+        raise ConfigError(f"--host {spec!r}: expected NAME=ADDRESS, e.g. gpu-1=10.0.0.1")
+    if not _NAME.match(name) or set(name) <= {"."}:
+        raise ConfigError(f"--host {spec!r}: the name {name!r} may hold only letters, digits, '.', '_' and '-' (1-64)")
+    parts = addrs.split(",")
+    if len(parts) > 2:
+        raise ConfigError(f"--host {spec!r}: at most two addresses (API, then kv_share)")
+    api = _check_addr(parts[0].strip(), spec)
+    kv = _check_addr(parts[1].strip(), spec) if len(parts) == 2 else api
+    return HostSpec(name, api, kv)
+
+
+def _q(value: str) -> str:
+    return json.dumps(value)  # a TOML basic string is a JSON string for what we write
+
+
+def render_host(plan: MeshPlan, me: HostSpec, *, secret: str, admin_token: str) -> str:
+    """The commented TOML for one host."""
+    peers = "\n".join(f"[[mesh.peers]]\nname = {_q(p.name)}\napi = {_q(f'http://{p.api_addr}:{plan.api_port}')}\n"
+                      f"kvshare = {_q(f'{p.kvshare_addr}:{plan.kvshare_port}')}\n" for p in plan.hosts if p != me)
+    model = f"model = {_q(plan.model)}\n" if plan.model else ""
+    return f"""\
+# kvmesh node config for host {me.name!r}, written by `kvmesh init`.
+# Start it on that host with:  kvmesh node --config {me.name}.toml
+# Every field is checked at start; a bad one is named with the reason.
+
+name = {_q(me.name)}
+# Bearer token for /v1/admin (drain, undrain, migrate, replicate). The console reads it from
+# the admin-token file beside this one. KVMESH_ADMIN_TOKEN in the environment overrides it.
+admin_token = {_q(admin_token)}
+
+[api]
+# OpenAI-compatible API, peer routes and the console's event stream.
+host = {_q(me.api_addr)}
+port = {plan.api_port}
+
+[engine]
+# sim: a cost model with real KV bytes (try the mesh without a GPU); tiny: a small torch
+# decoder; torch: a local Hugging Face checkpoint directory in `model`.
+kind = {_q(plan.engine)}
+{model}slots = {plan.slots}
+# KV pool: the byte budget for resident session caches (LRU beyond it).
+cache_bytes = {1 << 30}
+
+[kvshare]
+# The replica data plane: its own listener, so it can bind an interface that bypasses a VPN.
+listen = {_q(f'{me.kvshare_addr}:{plan.kvshare_port}')}
+# Replicas on disk (and this host's own long sessions), so a restart or eviction restores them.
+store_dir = {_q(plan.store_dir)}
+store_budget_bytes = {8 << 30}
+# Sessions shorter than this are not replicated (recomputing them is cheap).
+replicate_min_tokens = 8192
+
+[mesh]
+# Shared by every host of this mesh: signs peer calls and kv_share streams. Keep it secret;
+# KVMESH_MESH_SECRET in the environment overrides it.
+secret = {_q(secret)}
+# A peer not heard from for this long is not routed to.
+stale_after_s = 3.0
+
+{peers}"""
+
+
+def render_console(plan: MeshPlan, token_file: Path) -> str:
+    nodes = ", ".join(_q(f"http://{h.api_addr}:{plan.api_port}") for h in plan.hosts)
+    return f"""\
+# kvmesh-console settings, written by `kvmesh init`. Run:  kvmesh-console --config console.toml
+[console]
+nodes = [{nodes}]
+# Without this file the console is read-only; keep it readable by you alone.
+admin_token_file = {_q(str(token_file))}
+"""
+
+
+def plan_files(plan: MeshPlan, out: Path) -> dict[Path, str]:
+    """Every file `init` writes, with its text; validated like a node validates its config."""
+    for flag, port in (("--api-port", plan.api_port), ("--kvshare-port", plan.kvshare_port)):
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"{flag} {port}: a port is 1-65535")
+    if plan.api_port == plan.kvshare_port and any(h.api_addr == h.kvshare_addr for h in plan.hosts):
+        raise ConfigError(f"--api-port and --kvshare-port are both {plan.api_port} on the same address")
+    names = [h.name for h in plan.hosts]
+    if not names:
+        raise ConfigError("name at least one host: --host NAME=ADDRESS")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"host names must differ: {', '.join(sorted({n for n in names if names.count(n) > 1}))} given twice")
+    secret, token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    files = {out / f"{h.name}.toml": render_host(plan, h, secret=secret, admin_token=token) for h in plan.hosts}
+    token_file = (out / "admin-token").resolve()
+    files[out / "admin-token"] = token + "\n"
+    files[out / "console.toml"] = render_console(plan, token_file)
+    return files
+
+
+def _validate(path: Path, text: str) -> None:
+    try:
+        NodeConfig.model_validate(tomllib.loads(text))
+    except ValidationError as e:  # e.g. --slots 0, or --engine torch without --model: the field is named
+        raise ConfigError(describe(e, path.name)) from None
+
+
+def write_files(files: dict[Path, str], *, force: bool) -> None:
+    """Write all or nothing: refuse existing files unless `force`, then land each by rename (mode 0600)."""
+    existing = [p for p in files if p.exists()]
+    if existing and not force:
+        raise ConfigError(f"{', '.join(str(p) for p in existing)} already exist(s); pass --force to overwrite")
+    for path, text in files.items():
+        if path.suffix == ".toml" and path.name != "console.toml":
+            _validate(path, text)
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for path, text in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            staged.append((Path(tmp_name), path))
+            with os.fdopen(fd, "w") as f:  # mkstemp creates it 0600: secrets are never readable by others
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    i = sub.add_parser("init", help="write one commented TOML config per host of a new mesh",
+                       description="Write <name>.toml per host (a fresh mesh secret and admin token), "
+                                   "admin-token and console.toml into --out.")
+    i.add_argument("--host", action="append", required=True, metavar="NAME=ADDR[,KVSHARE_ADDR]",
+                   help="a host of the mesh (repeat); the second address, if given, is where kv_share listens")
+    i.add_argument("--out", type=Path, default=Path("kvmesh-mesh"), help="folder for the files (default: kvmesh-mesh)")
+    i.add_argument("--engine", choices=ENGINES, default="sim")
+    i.add_argument("--model", default="", help="with --engine torch: the checkpoint directory on every host")
+    i.add_argument("--slots", type=int, default=4)
+    i.add_argument("--api-port", type=int, default=8000)
+    i.add_argument("--kvshare-port", type=int, default=9000)
+    i.add_argument("--store-dir", default="/var/lib/kvmesh/store", help="replica store folder on each host")
+    i.add_argument("--force", action="store_true", help="overwrite files that exist")
+    i.set_defaults(func=cmd_init)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    plan = MeshPlan([parse_host(s) for s in args.host], engine=args.engine, model=args.model, slots=args.slots,
+                    api_port=args.api_port, kvshare_port=args.kvshare_port, store_dir=args.store_dir)
+    files = plan_files(plan, args.out)
+    write_files(files, force=args.force)
+    for path in files:
+        print(path)
+    first = plan.hosts[0].name
+    print(f"\nnext: copy {first}.toml to host {first!r} and run `kvmesh node --config {first}.toml` there "
+          f"(likewise for each host); then `kvmesh-console --config {args.out / 'console.toml'}`")
+    return 0
