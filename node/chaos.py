@@ -18,17 +18,17 @@ After each scenario the drill checks, and fails the scenario on any breach:
 - corrupt or partial replicas: once the nodes have stopped, each replica
   store is re-read file by file, independently of `ReplicaStore`: manifest,
   token file against the chained hashes, segment sizes, every block's payload
-  digest, and every block's bytes against the sim engine's content (the block's
-  16-byte chain hash repeated, `node.engine.runner.fill_from_hash`). The
+  digest, and every block's bytes against the sim engine's content (a function
+  of the previous block's hash and the block's tokens, `node.engine.simkv`). The
   receiver writes every imported block behind to its store from its engine
   pool, so a bad byte that reached an engine reaches this check too.
 - identical output: every turn (messages, max_tokens, temperature, seed) is
   replayed on a reference node that never fails and the replies compared.
   The reference runs the same model (same fingerprint) with faster sim rates;
-  the rates set timing only. Caveat: the sim's tokens depend only on the
-  prompt's length and last token, so this check proves the right prompt
-  reached the serving host and sampling is deterministic; KV content is
-  proven by the store re-hash above.
+  the rates set timing only. The sim seeds its logits from a digest of the KV
+  bytes each turn attends, read from its pool, so equal replies mean the
+  serving host attended the same KV as the reference: a wrong, stale or
+  corrupt import would change the reply.
 - leaked temp files: no '~' name in any store once kv_share is idle (checked
   live, and again after a clean stop).
 - serving afterwards: a turn pinned on each node, and one through each node
@@ -78,6 +78,7 @@ import numpy as np
 
 from kvmesh.node.bench.workload import system_prompt, text
 from kvmesh.node.engine.hashing import TOKEN_DTYPE, block_hashes, chain_seed, payload_digest
+from kvmesh.node.engine.simkv import block_bytes as sim_block_bytes
 from kvmesh.node.launcher import NodeProcess, free_port, write_toml
 from kvmesh.node.load import LoadRunner, LoadShape
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
@@ -474,8 +475,9 @@ def _verify_replica(d: Path, rep: StoreReport, sim_content: bool) -> None:
                 data = f.read(bb)
                 if payload_digest(data) != digests[i]:
                     bad(f"{d.name}: block {i} fails its payload digest")
-                elif sim_content and data != hashes[i] * (bb // _HASH):
-                    bad(f"{d.name}: block {i}'s bytes are not its chain hash repeated (corrupt KV)")
+                elif sim_content and data != sim_block_bytes(hashes[i - 1] if i else chain_seed(fp),
+                                                             tokens[i * bs : (i + 1) * bs], bb // bs, bs):
+                    bad(f"{d.name}: block {i}'s bytes are not the sim engine's KV for its tokens (corrupt KV)")
                 rep.blocks += 1
     if end != len(hashes):
         bad(f"{d.name}: segments hold {end} blocks, the manifest lists {len(hashes)}")

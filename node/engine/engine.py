@@ -11,7 +11,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -161,7 +161,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, self.block_size)
         self.runner: Runner
         if cfg.kind == "sim":
-            self.runner = SimRunner(self.pool, SimCost(cfg.sim.prefill_tps, cfg.sim.decode_tps), self.tokenizer.vocab_size)
+            self.runner = SimRunner(self.pool, SimCost(cfg.sim.prefill_tps, cfg.sim.decode_tps), self.tokenizer.vocab_size,
+                                    seed=self.seed_hash, block_size=self.block_size, slots=cfg.slots)
         else:
             weights = load_decoder(self.checkpoint, self.dtype, self.device) if self.checkpoint is not None else None
             self.runner = TorchRunner(
@@ -317,47 +318,13 @@ class Engine:
         committed = False
         pins_held = True  # until _commit takes them over
         try:
-            t1 = time.monotonic()
             stats.cached_tokens = reuse
             yield TurnBegin(stats)
-            await self.runner.load(slot, load_ids, reuse)
-            stats.load_s = time.monotonic() - t1
-            t2 = time.monotonic()
-            logits = await self.runner.forward(slot, tokens[reuse:], reuse)
-            stats.prefill_s = time.monotonic() - t2
-            self._count_prefill(len(tokens) - reuse, stats.prefill_s, reuse)
-            gen = _generator(req.seed)
-            allowed = self._allowed
-            decoder = self.tokenizer.incremental_decoder()
+            logits = await self._prefill(slot, tokens, reuse, load_ids, stats)
             out_ids: list[int] = []
-            text, emitted = "", 0
-            hold = max((len(s) for s in req.stop), default=1) - 1
-            pos = len(tokens)
-            while True:
-                tok = sample(logits, req.temperature, req.top_p, gen, allowed)
-                if not out_ids:
-                    stats.ttft_s = time.monotonic() - t0
-                if tok in self._stop_ids:
-                    stats.finish_reason = "stop"
-                    break
-                out_ids.append(tok)
-                text += decoder.decode(self.tokenizer.token_bytes(tok))
-                cut = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in req.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    text = text[:cut]
-                    stats.finish_reason = "stop"
-                    break
-                if len(text) - hold > emitted:
-                    yield TextDelta(text[emitted : len(text) - hold])
-                    emitted = len(text) - hold
-                if len(out_ids) >= req.max_tokens or pos + 1 >= self.max_context:
-                    stats.finish_reason = "length"
-                    break
-                logits = await self.runner.forward(slot, np.array([tok], dtype=np.int32), pos)
-                pos += 1
-            text += decoder.decode(b"", final=True) if stats.finish_reason == "length" else ""
-            if len(text) > emitted:
-                yield TextDelta(text[emitted:])
+            async with contextlib.aclosing(self._decode(slot, req, len(tokens), logits, out_ids, stats, t0)) as steps:
+                async for delta in steps:
+                    yield delta
             stats.completion_tokens = len(out_ids)
             # KV exists for the prompt and every generated token but the last one.
             kv_tokens = np.concatenate([tokens, np.asarray(out_ids[:-1], dtype=np.int32)]) if out_ids else tokens
@@ -372,6 +339,54 @@ class Engine:
                 self.blocks.release(load_ids)
             if not committed and (s := self.sessions.get(req.session)) is not None:
                 s.busy = False
+
+    async def _prefill(self, slot: int, tokens: np.ndarray, reuse: int, load_ids: list[int], stats: TurnStats) -> torch.Tensor:
+        """Load the reused prefix into the slot, compute the rest; returns the last position's logits."""
+        t1 = time.monotonic()
+        await self.runner.load(slot, load_ids, tokens[:reuse])
+        stats.load_s = time.monotonic() - t1
+        t2 = time.monotonic()
+        logits = await self.runner.forward(slot, tokens[reuse:], reuse)
+        stats.prefill_s = time.monotonic() - t2
+        self._count_prefill(len(tokens) - reuse, stats.prefill_s, reuse)
+        return logits
+
+    async def _decode(self, slot: int, req: GenerateRequest, pos: int, logits: torch.Tensor, out_ids: list[int],
+                      stats: TurnStats, t0: float) -> AsyncGenerator[TextDelta, None]:
+        """Sample from `logits` on, one token per step from position `pos`, until a stop or a limit.
+
+        Appends every sampled token to `out_ids` and sets the stats' TTFT and finish reason.
+        Text is held back by the longest stop string's length less one, so a stop string
+        split across tokens is never streamed."""
+        gen = _generator(req.seed)
+        decoder = self.tokenizer.incremental_decoder()
+        text, emitted = "", 0
+        hold = max((len(s) for s in req.stop), default=1) - 1
+        while True:
+            tok = sample(logits, req.temperature, req.top_p, gen, self._allowed)
+            if not out_ids:
+                stats.ttft_s = time.monotonic() - t0
+            if tok in self._stop_ids:
+                stats.finish_reason = "stop"
+                break
+            out_ids.append(tok)
+            text += decoder.decode(self.tokenizer.token_bytes(tok))
+            cut = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in req.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+                stats.finish_reason = "stop"
+                break
+            if len(text) - hold > emitted:
+                yield TextDelta(text[emitted : len(text) - hold])
+                emitted = len(text) - hold
+            if len(out_ids) >= req.max_tokens or pos + 1 >= self.max_context:
+                stats.finish_reason = "length"
+                break
+            logits = await self.runner.forward(slot, np.array([tok], dtype=np.int32), pos)
+            pos += 1
+        text += decoder.decode(b"", final=True) if stats.finish_reason == "length" else ""
+        if len(text) > emitted:
+            yield TextDelta(text[emitted:])
 
     def _count_prefill(self, n: int, secs: float, reused: int) -> None:
         c = self.counters

@@ -16,6 +16,7 @@ import pytest
 
 from kvmesh.node.chaos import Fault, LinkProxy, parse_offer, verify_store, wall_clock_findings
 from kvmesh.node.engine.hashing import block_hashes, chain_seed, payload_digest
+from kvmesh.node.engine.simkv import block_bytes
 from kvmesh.node.kvshare import wire
 from kvmesh.node.kvshare.store import ReplicaStore
 
@@ -110,8 +111,8 @@ def _store_with_replica(root: Path) -> Path:
     w = store.begin_write("s1", fingerprint=FP, block_size=BS, block_bytes=BB, tokens=tokens, hashes=hashes,
                           first_block=0, generation=1)
     with w:
-        for i, h in enumerate(hashes):
-            data = h * (BB // 16)  # the sim engine's KV bytes: the chain hash repeated
+        for i in range(len(hashes)):
+            data = block_bytes(hashes[i - 1] if i else chain_seed(FP), tokens[i * BS : (i + 1) * BS], BB // BS, BS)
             w.write_block(i, data, payload_digest(data))
         w.commit()
     store.close()

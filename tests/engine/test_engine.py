@@ -79,7 +79,7 @@ def test_reused_prefix_gives_same_logits_as_full_prefill(make_engine, turn) -> N
         m = warm._match("s", tokens)
         reuse = min(m.tokens, len(tokens) - 1)
         warm.runner.ws[0].zero_()  # nothing left over from turn 1: the load must restore it
-        await warm.runner.load(0, m.block_ids[: blocks_for(reuse, warm.block_size)], reuse)
+        await warm.runner.load(0, m.block_ids[: blocks_for(reuse, warm.block_size)], tokens[:reuse])
         return reuse, await warm.runner.forward(0, tokens[reuse:], reuse)
 
     reuse, warm_logits = asyncio.run(reuse_forward())

@@ -171,7 +171,7 @@ def _logits(engine: Engine, prompt: list[int], reuse_blocks: list[int] | None = 
     r = engine.runner
 
     async def go() -> torch.Tensor:
-        await r.load(0, reuse_blocks or [], reuse)
+        await r.load(0, reuse_blocks or [], np.asarray(prompt[:reuse], dtype=np.int32))
         return await r.forward(0, np.asarray(prompt[reuse:], dtype=np.int32), reuse)
 
     return asyncio.run(go())

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from kvmesh.node.engine.blocks import BlockPool
+from kvmesh.node.engine.hashing import block_hashes
 from kvmesh.node.engine.model import preset
-from kvmesh.node.engine.runner import SimCost, SimRunner, TorchRunner, blocks_for, fill_from_hash
+from kvmesh.node.engine.runner import SimCost, SimRunner, TorchRunner, blocks_for
+from kvmesh.node.engine.simkv import block_bytes, kv_words
 
 BS = 16
 CPU = torch.device("cpu")
@@ -62,7 +66,7 @@ def test_torch_runner_store_then_load_restores_workspace() -> None:
             ids = [7, 2, 11, 4]
             for j, bid in enumerate(ids):
                 await r.store(0, bid, j, None)
-            await r.load(1, ids, len(toks))
+            await r.load(1, ids, toks)
             a = await r.forward(0, nxt, len(toks))
             b = await r.forward(1, nxt, len(toks))
             return a, b
@@ -77,44 +81,97 @@ def test_torch_runner_store_then_load_restores_workspace() -> None:
         r.close()
 
 
-def test_sim_runner_logits_are_deterministic() -> None:
-    """Sim logits depend only on (position, last token): same inputs agree, others differ."""
-    pool = BlockPool(4, (BS * 16,), torch.uint8, CPU)
-    r1 = SimRunner(pool, SimCost(prefill_tps=1e9, decode_tps=1e9), 262)
-    r2 = SimRunner(pool, SimCost(prefill_tps=1e9, decode_tps=1e9), 262)
-
-    async def go() -> list[torch.Tensor]:
-        t = np.array([1, 2, 3], dtype=np.int32)
-        return [
-            await r1.forward(0, t, 10),
-            await r2.forward(1, t, 10),
-            await r1.forward(0, np.array([9, 3], dtype=np.int32), 11),  # same end position, same last token
-            await r1.forward(0, t, 11),
-        ]
-
-    a, b, c, d = asyncio.run(go())
-    assert a.shape == (262,)
-    assert torch.equal(a, b) and torch.equal(a, c)
-    assert not torch.equal(a, d)
+SEED = bytes(range(16))
+KVPT = 32  # sim KV bytes per token in these runner tests
 
 
-def test_sim_runner_store_fills_block_from_hash() -> None:
-    """Sim store writes the 16-byte block hash repeated across the block (or the index when unhashed)."""
-    pool = BlockPool(4, (BS * 16,), torch.uint8, CPU)
-    r = SimRunner(pool, SimCost(), 262)
-    h = bytes(range(16))
-    asyncio.run(r.store(0, 2, 0, h))
-    asyncio.run(r.store(0, 3, 5, None))
-    assert bytes(pool.read_bytes(2)) == h * (pool.block_bytes // 16)
-    assert bytes(pool.read_bytes(3)) == (5).to_bytes(16, "little") * (pool.block_bytes // 16)
-    assert int(pool.raw[: 2 * pool.block_bytes].count_nonzero()) == 0
+def _sim_runner(blocks: int = 8) -> SimRunner:
+    pool = BlockPool(blocks, (BS * KVPT,), torch.uint8, CPU)
+    return SimRunner(pool, SimCost(prefill_tps=1e9, decode_tps=1e9), 262, seed=SEED, block_size=BS, slots=2)
 
 
-def test_fill_from_hash_uses_first_16_bytes() -> None:
-    """fill_from_hash tiles exactly the first 16 bytes of the hash over the buffer."""
-    buf = bytearray(64)
-    fill_from_hash(memoryview(buf), bytes(range(20)))
-    assert bytes(buf) == bytes(range(16)) * 4
+def test_sim_kv_bytes_of_a_token_depend_on_its_prefix_only() -> None:
+    """A token's sim KV bytes change with the previous block's hash and any token up to it, never with later ones."""
+    toks = _toks(BS)
+    full = kv_words(SEED, toks, KVPT, BS)
+    assert full.shape == (BS, KVPT // 8)
+    assert np.array_equal(kv_words(SEED, toks[:5], KVPT, BS), full[:5])  # a partial block is the full one's front
+    assert np.array_equal(kv_words(SEED, toks[:9], KVPT, BS, first=5), full[5:9])
+    later = toks.copy()
+    later[7] ^= 1
+    other = kv_words(SEED, later, KVPT, BS)
+    assert np.array_equal(other[:7], full[:7])
+    assert all(not np.array_equal(other[t], full[t]) for t in range(7, BS))
+    moved = kv_words(bytes(16), toks, KVPT, BS)
+    assert all(not np.array_equal(moved[t], full[t]) for t in range(BS))
+
+
+@pytest.mark.parametrize(("kvpt", "bs"), [(400, 256), (20480, 16)])
+def test_sim_kv_bytes_compress_like_bf16_kv(kvpt: int, bs: int) -> None:
+    """Sim blocks are bf16 values with exponents in a narrow band; zlib shrinks them 1.05-1.5x, not to nothing."""
+    words = kv_words(xxhash.xxh3_128_digest(b"block"), _toks(bs), kvpt, bs)
+    raw = words.tobytes()
+    ratio = len(raw) / len(zlib.compress(raw, 6))
+    assert 1.05 <= ratio <= 1.5, ratio
+    exps = (words.view("<u2") >> 7) & 0xFF
+    assert int(exps.min()) == 120 and int(exps.max()) == 127
+
+
+def test_sim_runner_logits_follow_the_kv_in_the_pool() -> None:
+    """Logits after loading stored blocks equal a full prefill's; one flipped pool byte changes them."""
+    r = _sim_runner()
+    toks = _toks(3 * BS + 5)  # 3 full blocks and a partial one
+    ids = [6, 1, 4, 2]
+
+    async def go() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        cold = await r.forward(0, toks, 0)
+        for j, bid in enumerate(ids):
+            await r.store(0, bid, j, r._ctx[0].chain[j] if j < 3 else None)
+        await r.load(1, ids, toks[: 3 * BS + 2])  # the partial block's first two tokens come from the pool too
+        warm = await r.forward(1, toks[3 * BS + 2 :], 3 * BS + 2)
+        r.pool.raw[ids[1] * r.pool.block_bytes + 77] ^= 0x01  # behind the engine's back
+        await r.load(1, ids, toks[: 3 * BS + 2])
+        flipped = await r.forward(1, toks[3 * BS + 2 :], 3 * BS + 2)
+        step = await r.forward(1, toks[:1], len(toks))
+        return cold, warm, flipped, step
+
+    try:
+        cold, warm, flipped, step = asyncio.run(go())
+    finally:
+        r.close()
+    assert cold.shape == (262,)
+    assert torch.equal(cold, warm)
+    assert not torch.equal(cold, flipped)
+    assert not torch.equal(flipped, step)
+
+
+def test_sim_runner_store_writes_sim_kv_bytes() -> None:
+    """Store writes each block's sim KV bytes (partial blocks: their tokens' bytes) and refuses a wrong hash."""
+    r = _sim_runner()
+    toks = _toks(BS + 3)
+    try:
+        asyncio.run(r.forward(0, toks, 0))
+        chain = r._ctx[0].chain
+        assert chain == block_hashes(SEED, toks, BS)
+        asyncio.run(r.store(0, 5, 0, chain[0]))
+        asyncio.run(r.store(0, 2, 1, None))
+        with pytest.raises(RuntimeError):
+            asyncio.run(r.store(0, 3, 0, bytes(16)))
+    finally:
+        r.close()
+    assert bytes(r.pool.read_bytes(5)) == block_bytes(SEED, toks[:BS], KVPT, BS)
+    assert bytes(r.pool.read_bytes(2))[: 3 * KVPT] == block_bytes(chain[0], toks[BS:], KVPT, BS)
+    assert int(r.pool.raw[3 * r.pool.block_bytes : 4 * r.pool.block_bytes].count_nonzero()) == 0
+
+
+def test_sim_runner_refuses_a_forward_that_skips_context() -> None:
+    """A forward must start where the slot's context ends: the digest covers every token once."""
+    r = _sim_runner()
+    try:
+        with pytest.raises(RuntimeError):
+            asyncio.run(r.forward(0, _toks(3), 10))
+    finally:
+        r.close()
 
 
 @pytest.mark.parametrize(("n", "want"), [(0, 0), (1, 1), (16, 1), (17, 2), (48, 3)])

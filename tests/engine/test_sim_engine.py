@@ -1,12 +1,15 @@
-"""The sim engine: same interface, cost model, real KV bytes deterministic from the block hash."""
+"""The sim engine: same interface, cost model, real KV bytes from the hash chain, replies that depend on them."""
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import pytest
 
 from kvmesh.node.config import SimConfig
 from kvmesh.node.engine.engine import Engine
+from kvmesh.node.engine.simkv import block_bytes
 from kvmesh.node.errors import ContextLengthExceeded, ImportRefused
 
 PROMPT_LEN = 200
@@ -28,8 +31,8 @@ def test_sim_geometry_follows_config(make_engine, sim_cfg) -> None:  # type: ign
     assert big.fingerprint != e.fingerprint
 
 
-def test_sim_kv_bytes_are_the_block_hash(make_engine, sim_cfg, turn) -> None:  # type: ignore[no-untyped-def]
-    """Every stored full block holds its chained hash repeated, so two sim engines agree byte for byte."""
+def test_sim_kv_bytes_follow_the_hash_chain(make_engine, sim_cfg, turn) -> None:  # type: ignore[no-untyped-def]
+    """Every stored full block holds simkv's bytes for (previous hash, its tokens), so two sim engines agree byte for byte."""
     a, b = make_engine(cfg=sim_cfg()), make_engine(cfg=sim_cfg())
     p = _prompt(a)
     ra, rb = turn(a, "s", p, max_tokens=10), turn(b, "s", p, max_tokens=10)
@@ -37,10 +40,63 @@ def test_sim_kv_bytes_are_the_block_hash(make_engine, sim_cfg, turn) -> None:  #
     assert a.fingerprint == b.fingerprint
     with a.export("s") as xa, b.export("s") as xb:
         assert len(xa) == a.resident_tokens("s") // a.block_size >= 10
+        prev = a.seed_hash
         for ba, bb in zip(xa, xb):
             assert ba.hash == bb.hash
-            assert bytes(ba.data) == ba.hash * (a.block_bytes // 16)
+            assert bytes(ba.data) == block_bytes(prev, ba.tokens, a.kv_bytes_per_token, a.block_size)
             assert bytes(ba.data) == bytes(bb.data)
+            prev = ba.hash
+
+
+def test_sim_reply_changes_when_a_pooled_block_changes(make_engine, sim_cfg, turn, chat) -> None:  # type: ignore[no-untyped-def]
+    """One byte flipped in a pooled block behind the engine's back changes the next reply; unflipped, it is unchanged."""
+    clean, flipped = make_engine(cfg=sim_cfg()), make_engine(cfg=sim_cfg())
+    msgs = [{"role": "user", "content": "a sim conversation about warm caches " * 5}]
+    p1 = chat(clean, msgs)
+    r1 = turn(clean, "s", p1, max_tokens=8)
+    assert turn(flipped, "s", p1, max_tokens=8).text == r1.text
+    p2 = chat(clean, msgs + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "go on"}])
+    seq = flipped.sessions["s"]
+    bid = seq.block_ids[len(seq.hashes) // 2]  # a full block in the middle of the session
+    flipped.pool.raw[bid * flipped.block_bytes + 5] ^= 0x40
+    r_clean, r_flipped = turn(clean, "s", p2, max_tokens=8), turn(flipped, "s", p2, max_tokens=8)
+    assert r_clean.stats.cached_tokens == r_flipped.stats.cached_tokens > (len(seq.hashes) // 2 + 1) * clean.block_size
+    assert r_clean.text != r_flipped.text
+
+
+def test_sim_reply_is_the_same_prefilled_or_imported_and_differs_on_a_corrupt_import(make_engine, sim_cfg, turn, chat) -> None:  # type: ignore[no-untyped-def]
+    """The next reply is the same whether the KV was prefilled (partial last block included) or imported; a corrupt import changes it."""
+    a, b, bad, cold = (make_engine(cfg=sim_cfg()) for _ in range(4))
+    msgs = [{"role": "user", "content": "a sim conversation about warm caches " * 5}]
+    p1 = chat(a, msgs)
+    r1 = turn(a, "s", p1, max_tokens=8)
+    assert a.resident_tokens("s") % a.block_size, "the test needs a partial last block on the prefilling engine"
+    with a.export("s") as blocks:
+        tokens = np.concatenate([x.tokens for x in blocks])
+        hashes = [x.hash for x in blocks]
+        data = [bytes(x.data) for x in blocks]
+    b.import_blocks("s", a.fingerprint, tokens, hashes, data)
+    corrupt = list(data)
+    corrupt[1] = corrupt[1][:9] + bytes([corrupt[1][9] ^ 0x01]) + corrupt[1][10:]
+    bad.import_blocks("s", a.fingerprint, tokens, hashes, corrupt)
+    p2 = chat(a, msgs + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "go on"}])
+    ra, rb, rbad, rcold = (turn(e, "s", p2, max_tokens=8) for e in (a, b, bad, cold))
+    assert ra.stats.cached_tokens > len(tokens) == rb.stats.cached_tokens == rbad.stats.cached_tokens
+    assert rcold.stats.cached_tokens == 0
+    assert ra.text == rb.text == rcold.text
+    assert rbad.text != ra.text
+
+
+def test_sim_kv_blocks_compress_like_real_kv(make_engine, sim_cfg, turn) -> None:  # type: ignore[no-untyped-def]
+    """Exported sim blocks at the chaos drill's scale shrink 1.05-1.5x under zlib, like lossless bf16 KV, not to nothing."""
+    e = make_engine(cfg=sim_cfg(block_size=256, cache_bytes=16 << 20, sim=SimConfig(kv_scale=0.02, prefill_tps=1e7, decode_tps=1e6)))
+    assert e.kv_bytes_per_token == 400
+    turn(e, "s", [65 + i % 26 for i in range(3 * 256 + 10)], max_tokens=2)
+    with e.export("s") as blocks:
+        assert len(blocks) == 3
+        for x in blocks:
+            raw = bytes(x.data)
+            assert 1.05 <= len(raw) / len(zlib.compress(raw, 6)) <= 1.5
 
 
 def test_sim_export_import_round_trip(make_engine, sim_cfg, turn, check_refs) -> None:  # type: ignore[no-untyped-def]

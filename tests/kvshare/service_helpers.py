@@ -40,7 +40,7 @@ from kvmesh.node.bench.workload import text
 from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
-from kvmesh.node.engine.runner import fill_from_hash
+from kvmesh.node.engine.simkv import block_bytes
 from kvmesh.node.engine.tokenizer import ByteTokenizer
 from kvmesh.node.kvshare import wire
 from kvmesh.node.launcher import NodeProcess, free_port, write_toml
@@ -569,9 +569,9 @@ class HandOffer:
     hashes: list[bytes]
 
     def payload(self, i: int) -> bytearray:
-        buf = bytearray(self.offer.block_bytes)
-        fill_from_hash(memoryview(buf), self.hashes[i])
-        return buf
+        bs = self.offer.block_size
+        prev = self.hashes[i - 1] if i else chain_seed(self.offer.fingerprint)
+        return bytearray(block_bytes(prev, self.tokens[i * bs : (i + 1) * bs], self.offer.block_bytes // bs, bs))
 
 
 def hand_offer(facts: EngineFacts, session: str, tokens: np.ndarray, *, sender: str = "hand", generation: int = 1,

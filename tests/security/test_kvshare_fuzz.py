@@ -27,8 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.node.engine.hashing import block_hashes
-from kvmesh.node.engine.runner import fill_from_hash
+from kvmesh.node.engine.hashing import block_hashes, chain_seed
+from kvmesh.node.engine.simkv import block_bytes
 from kvmesh.node.kvshare import wire
 
 from kvmesh.node.server import ThreadedServer, serve_in_thread
@@ -63,11 +63,11 @@ def make_offer(srv: ThreadedServer, session: str, n_blocks: int, seed: int) -> t
     return offer, toks, hashes
 
 
-def payload(nbytes: int, h: bytes) -> bytes:
-    """A block's sim KV bytes (what a sim engine holds for this chain hash)."""
-    buf = bytearray(nbytes)
-    fill_from_hash(memoryview(buf), h)
-    return bytes(buf)
+def payload(offer: wire.Offer, toks: np.ndarray, hashes: list[bytes], i: int) -> bytes:
+    """Block i's sim KV bytes (what a sim engine holds for these tokens)."""
+    bs = offer.block_size
+    prev = hashes[i - 1] if i else chain_seed(offer.fingerprint)
+    return block_bytes(prev, toks[i * bs : (i + 1) * bs], offer.block_bytes // bs, bs)
 
 
 def valid_stream(srv: ThreadedServer, secret: bytes, session: str) -> tuple[bytes, list[int]]:
@@ -78,7 +78,7 @@ def valid_stream(srv: ThreadedServer, secret: bytes, session: str) -> tuple[byte
     _, offer_mac = wire.encode_offer(offer, toks, hashes, secret)  # HMAC: the same mac the sender keeps
     assert tx.feed(wire.encode_answer(secret, offer_mac, first_missing=0)) == [wire.Accepted(0)]
     for i in range(N_BLOCKS):
-        p = payload(offer.block_bytes, hashes[i])
+        p = payload(offer, toks, hashes, i)
         parts.append(tx.block_header(i, p) + p)
     parts.append(tx.end())
     offsets, at = [], 0
@@ -251,7 +251,7 @@ def test_fuzzed_frames_are_refused_without_a_trace_and_the_listener_keeps_servin
         ev = read_one(s, tx)
         assert ev == wire.Accepted(0), ev
         for i in range(N_BLOCKS):
-            p = payload(offer.block_bytes, hashes[i])
+            p = payload(offer, toks, hashes, i)
             s.sendall(tx.block_header(i, p) + p)
         s.sendall(tx.end())
         done = read_one(s, tx)

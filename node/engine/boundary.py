@@ -1,0 +1,155 @@
+"""The engine boundary: the one small protocol kv_share, mesh and the API program against.
+
+`EngineAPI` lists exactly what those parts use of an engine today, nothing more, so
+every back end (the torch decoder, the sim cost model, the coming llama.cpp one)
+satisfies it by providing these members. Block bookkeeping (pool, chained hashes,
+LRU, pins) exists once in `node.engine.engine.Engine`; back ends differ in how they
+compute a block's bytes and where those bytes live.
+
+Grouped by who uses what (grep of node/kvshare, node/mesh, node/api, node/node.py):
+- identity and geometry (kv_share, mesh, API): fingerprint, block_size, block_bytes,
+  kv_bytes_per_token, model_name, tokenizer;
+- what the engine holds (kv_share, mesh): sessions, cached_prefix, resident_tokens,
+  session_tokens, block_hash;
+- moving KV (kv_share): export (pinned block views), begin_import (an `ImportAPI`),
+  and for the store's write-behind, `blocks` (pin by hash) and `pool` (read bytes);
+- turns (API, through the node): validate, generate;
+- load (mesh placement): slots, prefill_rate.
+`evict` is not here: nothing outside the engine evicts a session today (the engine
+evicts LRU itself and reports it through the node's `on_evict` hook).
+
+Attributes are declared as read-only properties: callers only read them, and a
+plain attribute of the concrete engine satisfies a read-only protocol member.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Collection
+from contextlib import AbstractContextManager
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from kvmesh.node.engine.engine import ExportedBlock, GenerateRequest, TextDelta, TurnBegin, TurnDone
+from kvmesh.node.engine.tokenizer import Tokenizer
+
+
+@runtime_checkable
+class ImportAPI(Protocol):
+    """A replica import in progress: blocks reserved, bytes landing, hashes advertised on commit."""
+
+    @property
+    def missing(self) -> list[int]:
+        """Indices of the blocks the engine lacks, in order: the ones to write."""
+
+    def buffer(self, i: int) -> memoryview:
+        """Writable bytes of block i (raises RuntimeError where the pool is not in host memory)."""
+
+    def write(self, i: int, data: memoryview | bytes | np.ndarray) -> None:
+        """Copy block i's bytes in."""
+
+    def commit(self) -> int:
+        """Advertise the written blocks and make them the session's table; returns its tokens."""
+
+    def abort(self) -> None:
+        """Nothing of this import becomes visible."""
+
+
+@runtime_checkable
+class BlockPins(Protocol):
+    """Pinning blocks by hash, so a reader on another thread keeps them while it reads."""
+
+    def lookup(self, h: bytes, tokens: np.ndarray) -> int | None:
+        """The block holding exactly these tokens under this chain hash, if the pool still has it."""
+
+    def acquire(self, bid: int) -> None:
+        """Take a reference on a block: the pool cannot reuse it until it is released."""
+
+    def release(self, bids: list[int]) -> None:
+        """Drop references taken by `acquire`."""
+
+
+@runtime_checkable
+class PoolBytes(Protocol):
+    """Reading a pinned block's KV bytes."""
+
+    def read_bytes(self, block_id: int) -> memoryview:
+        """One block's bytes: a zero-copy view in host memory, a host copy otherwise."""
+
+
+@runtime_checkable
+class SlotLoad(Protocol):
+    """How busy the engine's slots are (placement's inputs)."""
+
+    @property
+    def slots(self) -> int: ...
+
+    @property
+    def busy(self) -> int: ...
+
+    @property
+    def queued(self) -> int: ...
+
+    def mean_turn_s(self) -> float: ...
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    """An engine as kv_share, mesh and the API see it (see the module docstring)."""
+
+    @property
+    def fingerprint(self) -> str:
+        """Names the model, KV dtype/layout and block size: replicas cross only between equal fingerprints."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def sessions(self) -> Collection[str]:
+        """Ids of the sessions whose caches are resident."""
+
+    def cached_prefix(self, session: str, token_ids: list[int] | np.ndarray) -> int:
+        """How many leading tokens of `token_ids` the engine holds right now (from its own state)."""
+
+    def resident_tokens(self, session: str) -> int: ...
+
+    def session_tokens(self, session: str) -> np.ndarray | None: ...
+
+    def block_hash(self, session: str, i: int) -> bytes | None:
+        """The chain hash of the session's i-th full block, if the engine holds that block."""
+
+    def export(self, session: str, from_block: int = 0) -> AbstractContextManager[list[ExportedBlock]]:
+        """The session's full blocks from `from_block`, pinned while the context is open."""
+
+    def begin_import(self, session: str, fingerprint: str, tokens: np.ndarray, hashes: list[bytes]) -> ImportAPI:
+        """Check a replica's fingerprint and hash chain, then reserve blocks for what is missing."""
+
+    @property
+    def blocks(self) -> BlockPins: ...
+
+    @property
+    def pool(self) -> PoolBytes: ...
+
+    def validate(self, req: GenerateRequest) -> np.ndarray:
+        """The request's prompt as token ids; raises the API's errors for a bad request."""
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
+        """Run one turn: TurnBegin once the slot is held, TextDeltas, then TurnDone."""
+
+    @property
+    def slots(self) -> SlotLoad: ...
+
+    def prefill_rate(self) -> float:
+        """Measured prefill tokens/s, for placement's TTFT estimates."""
