@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvmesh.node.protocol import Event
+from kvmesh.node.engine.engine import Engine
+from kvmesh.node.protocol import (
+    Event,
+    Handoff,
+    ReplicaReady,
+    ReplicaRefused,
+    ReplicaSent,
+    TurnFinished,
+)
 
-if TYPE_CHECKING:
-    from kvmesh.node.node import Node
+E = TypeVar("E")
 
 
 class Metrics:
@@ -37,32 +51,52 @@ class Metrics:
         self.cache_used = Gauge("kvmesh_kv_cache_used_bytes", "KV pool bytes in use", registry=r)
 
     def on_event(self, ev: Event) -> None:
-        t = ev.type
-        if t == "handoff":
-            self.handoffs.labels(ev.cls, ev.src, ev.dst).inc()  # type: ignore[union-attr]
-            if ev.stale_state:  # type: ignore[union-attr]
-                self.stale_cold.inc()
-        elif t == "turn_finished":
-            self.turns.labels(str(ev.ok).lower()).inc()  # type: ignore[union-attr]
-            if ev.ok:  # type: ignore[union-attr]
-                self.ttft.observe(ev.ttft_s)  # type: ignore[union-attr]
-        elif t == "replica_sent":
-            self.kv_bytes.labels(ev.dst, "out").inc(ev.bytes)  # type: ignore[union-attr]
-            self.kv_seconds.labels(ev.dst, "out").inc(ev.seconds)  # type: ignore[union-attr]
-        elif t == "replica_ready":
-            self.kv_bytes.labels(ev.src, "in").inc(ev.bytes)  # type: ignore[union-attr]
-            self.kv_seconds.labels(ev.src, "in").inc(ev.recv_s)  # type: ignore[union-attr]
-            self.ready_lag.observe(ev.lag_s)  # type: ignore[union-attr]
-        elif t == "replica_refused":
-            self.refused.labels(ev.reason).inc()  # type: ignore[union-attr]
+        """Hub listener: count the events that feed a metric (the others pass by)."""
+        handler = _HANDLERS.get(type(ev))
+        if handler is not None:
+            handler(self, ev)
+
+    def _on_handoff(self, ev: Handoff) -> None:
+        self.handoffs.labels(ev.cls, ev.src, ev.dst).inc()
+        if ev.stale_state:
+            self.stale_cold.inc()
+
+    def _on_turn_finished(self, ev: TurnFinished) -> None:
+        self.turns.labels(str(ev.ok).lower()).inc()
+        if ev.ok:
+            self.ttft.observe(ev.ttft_s)
+
+    def _on_replica_sent(self, ev: ReplicaSent) -> None:
+        self.kv_bytes.labels(ev.dst, "out").inc(ev.bytes)
+        self.kv_seconds.labels(ev.dst, "out").inc(ev.seconds)
+
+    def _on_replica_ready(self, ev: ReplicaReady) -> None:
+        self.kv_bytes.labels(ev.src, "in").inc(ev.bytes)
+        self.kv_seconds.labels(ev.src, "in").inc(ev.recv_s)
+        self.ready_lag.observe(ev.lag_s)
+
+    def _on_replica_refused(self, ev: ReplicaRefused) -> None:
+        self.refused.labels(ev.reason).inc()
+
+    def render(self, engine: Engine, store_bytes: int) -> tuple[bytes, str]:
+        """The exposition text (and its content type), gauges read from the engine now."""
+        self.slots_busy.set(engine.slots.busy)
+        self.slots_total.set(engine.slots.slots)
+        self.queue.set(engine.slots.queued)
+        self.store_bytes.set(store_bytes)
+        self.cache_used.set((engine.pool.num_blocks - engine.blocks.num_free) * engine.block_bytes)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def render_metrics(node: Node) -> tuple[bytes, str]:
-    m = node.metrics
-    e = node.engine
-    m.slots_busy.set(e.slots.busy)
-    m.slots_total.set(e.slots.slots)
-    m.queue.set(e.slots.queued)
-    m.store_bytes.set(node.kvshare.store_bytes())
-    m.cache_used.set((e.pool.num_blocks - e.blocks.num_free) * e.block_bytes)
-    return generate_latest(m.registry), CONTENT_TYPE_LATEST
+def _entry(cls: type[E], fn: Callable[[Metrics, E], None]) -> tuple[type[Any], Callable[[Metrics, Any], None]]:
+    """One row of the handler table; typed so a handler can only be filed under the event class it takes."""
+    return cls, fn
+
+
+_HANDLERS: dict[type[Any], Callable[[Metrics, Any], None]] = dict([
+    _entry(Handoff, Metrics._on_handoff),
+    _entry(TurnFinished, Metrics._on_turn_finished),
+    _entry(ReplicaSent, Metrics._on_replica_sent),
+    _entry(ReplicaReady, Metrics._on_replica_ready),
+    _entry(ReplicaRefused, Metrics._on_replica_refused),
+])

@@ -137,7 +137,7 @@ def serve_in_thread(cfg: NodeConfig, *, port: int = 0, start_timeout_s: float = 
         time.sleep(0.01)
     host, bound = server.servers[0].sockets[0].getsockname()[:2]
     url = f"http://{host}:{bound}"
-    node.api_url = url  # as serve() does once bound
+    node.serving_at(url)  # as serve() does once bound
     return ThreadedServer(url, node, server, thread)
 
 
@@ -156,7 +156,7 @@ async def serve(cfg: NodeConfig, *, ready_file: Path | None = None) -> None:
         await task
         raise SystemExit(f"node {cfg.name}: the API server did not start on {cfg.api.host}:{cfg.api.port}")
     host, port = server.servers[0].sockets[0].getsockname()[:2]
-    node.api_url = f"{'https' if cfg.api.tls else 'http'}://{host}:{port}"
+    node.serving_at(f"{'https' if cfg.api.tls else 'http'}://{host}:{port}")
     info = {"name": cfg.name, "api": node.api_url, "kvshare": node.kvshare.address, "pid": os.getpid()}
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")

@@ -1,9 +1,9 @@
-"""The node's HTTP app: OpenAI-compatible API, health, and (as they land) admin, events, metrics."""
+"""The node's HTTP app: OpenAI-compatible API, health, cluster view, events, peer and admin actions, metrics."""
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
@@ -25,7 +25,7 @@ def create_app(node: Node) -> FastAPI:
     app = FastAPI(title="kvmesh node", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=node.cfg.api.max_body_bytes)
     install_error_handlers(app)
-    app.include_router(openai_router(node))
-    app.include_router(mesh_router(node))
-    app.state.node = node
+    app.state.node = node  # what the routes' node_of dependency hands them
+    app.include_router(openai_router)
+    app.include_router(mesh_router)
     return app

@@ -2,168 +2,198 @@
 
 Peer routes need the mesh secret (`X-Kvmesh-Peer-Auth`); admin routes need the
 admin token (`Authorization: Bearer ...`). Neither secret is ever logged or echoed.
+The actions themselves are node.mesh.actions' (`Node.operator`); these routes check
+who is asking, parse, and answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Header, Request, WebSocket, WebSocketDisconnect
+from fastapi import (
+    APIRouter,
+    Body,
+    Depends,
+    Header,
+    Request,
+    WebSocket,
+    WebSocketDisconnect,
+)
 from fastapi.responses import Response
 
+from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.errors import Conflict, NotFound, Unauthorized
+from kvmesh.node.mesh.actions import RelayFailed, relay_action
 from kvmesh.node.mesh.auth import PEER_HEADER, check_bearer, check_peer_token
-from kvmesh.node.metrics import render_metrics
 from kvmesh.node.node import Node
-from kvmesh.node.protocol import ActionResult, MigrateCommand, SnapshotEvent, is_valid_session_id
+from kvmesh.node.protocol import (
+    ActionResult,
+    MigrateCommand,
+    SnapshotEvent,
+    is_valid_session_id,
+)
 
-log = logging.getLogger("kvmesh.api.mesh")
+# A host action answers at once (a drain runs on after it), so a relay of one waits briefly.
+HOST_RELAY_TIMEOUT_S = 10.0
+
+router = APIRouter()
 
 
-def router(node: Node) -> APIRouter:
-    r = APIRouter()
+def _json(body: str) -> Response:
+    return Response(body, media_type="application/json")
+
+
+def _valid_session(session: str) -> str:
+    if not is_valid_session_id(session):
+        raise NotFound("invalid session id")
+    return session
+
+
+def peer_only(request: Request, node: NodeDep) -> Node:
+    """Dependency of peer routes: the caller must present the mesh secret."""
+    if not check_peer_token(request.headers.get(PEER_HEADER), node.mesh.secrets):
+        raise Unauthorized("peer calls need the mesh secret")
+    return node
+
+
+def admin_only(node: NodeDep, authorization: Annotated[str | None, Header()] = None) -> Node:
+    """Dependency of admin routes: the caller must present the admin token."""
     admin_token = node.cfg.admin_token.get_secret_value() if node.cfg.admin_token else None
+    if admin_token is None:
+        raise Unauthorized("admin actions are disabled: this node has no admin_token configured")
+    if not check_bearer(authorization, admin_token):
+        raise Unauthorized("missing or wrong admin token (Authorization: Bearer ...)")
+    return node
 
-    def require_admin(authorization: str | None) -> None:
-        if admin_token is None:
-            raise Unauthorized("admin actions are disabled: this node has no admin_token configured")
-        if not check_bearer(authorization, admin_token):
-            raise Unauthorized("missing or wrong admin token (Authorization: Bearer ...)")
 
-    def require_peer(request: Request) -> None:
-        if not check_peer_token(request.headers.get(PEER_HEADER), node.mesh.secrets):
-            raise Unauthorized("peer calls need the mesh secret")
+PeerNode = Annotated[Node, Depends(peer_only)]
+AdminNode = Annotated[Node, Depends(admin_only)]
 
-    def peer_api(host: str) -> str:
-        if host == node.name:
-            return ""
-        p = node.mesh.peers.peers.get(host)
-        if p is None:
-            raise NotFound(f"no host {host!r} in this mesh; hosts: {', '.join([node.name, *node.mesh.peers.peers])}")
-        return p.cfg.api
 
-    async def on_host(host: str, action: str, request: Request) -> ActionResult:
-        """Run a host action here, or relay it (peer-authenticated) to the host it names."""
-        api = peer_api(host)
-        if not api:
-            return await node.host_action(action)
-        headers = {PEER_HEADER: node.mesh.peer_token} if node.mesh.peer_token else {}
-        try:
-            resp = await node.mesh.peers.client.post(f"{api}/v1/peer/{action}", headers=headers, timeout=10.0)
-        except Exception as e:  # noqa: BLE001 - any transport failure means the same to the operator
-            raise Conflict(f"host {host} did not answer: {type(e).__name__}") from None
-        if resp.status_code != 200:
-            raise Conflict(f"host {host} refused {action}: HTTP {resp.status_code}")
-        return ActionResult.model_validate_json(resp.content)
+def _check_host(node: Node, host: str) -> None:
+    """404 unless `host` is this host or one of its peers."""
+    if host != node.name and host not in node.mesh.peers.peers:
+        raise NotFound(f"no host {host!r} in this mesh; hosts: {', '.join([node.name, *node.mesh.peers.peers])}")
 
-    # ---- read-only views ---------------------------------------------------
 
-    @r.get("/v1/cluster")
-    async def cluster() -> Response:
-        return Response(node.mesh.cluster().model_dump_json(), media_type="application/json")
+# ---- read-only views -------------------------------------------------------
 
-    @r.get("/v1/stats")
-    async def stats() -> dict[str, Any]:
-        return node.stats()
 
-    @r.get("/metrics")
-    async def metrics() -> Response:
-        body, ctype = render_metrics(node)
-        return Response(body, media_type=ctype)
+@router.get("/v1/cluster")
+async def cluster(node: NodeDep) -> Response:
+    return _json(node.mesh.cluster().model_dump_json())
 
-    @r.websocket("/v1/events")
-    async def events(ws: WebSocket) -> None:
-        await ws.accept()
-        sub, replay = node.hub.subscribe()
-        try:
-            snap = node.hub.stamp(SnapshotEvent(cluster=node.mesh.cluster()))
-            await ws.send_text(snap.model_dump_json())
-            for old in replay:
-                await ws.send_text(old.model_dump_json())
-            while True:
-                live = await sub.get()
-                if live is None:
-                    await ws.close(code=1013, reason="consumer too slow; reconnect for a fresh snapshot")
-                    return
-                await ws.send_text(live.model_dump_json())
-        except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
-            return
-        finally:
-            sub.close()
 
-    # ---- peer calls (mesh secret) ------------------------------------------
+@router.get("/v1/stats")
+async def stats(node: NodeDep) -> dict[str, Any]:
+    return node.stats()
 
-    @r.get("/v1/peer/status")
-    async def peer_status(request: Request) -> Response:
-        require_peer(request)
-        return Response(node.mesh.local_status().model_dump_json(), media_type="application/json")
 
-    @r.get("/v1/peer/sessions/{session}")
-    async def peer_session(session: str, request: Request) -> Response:
-        require_peer(request)
-        if not is_valid_session_id(session):
-            raise NotFound("invalid session id")
-        return Response(node.mesh.local_holding(session).model_dump_json(), media_type="application/json")
+@router.get("/metrics")
+async def metrics(node: NodeDep) -> Response:
+    body, ctype = node.render_metrics()
+    return Response(body, media_type=ctype)
 
-    @r.post("/v1/peer/drain")
-    async def peer_drain(request: Request) -> ActionResult:
-        require_peer(request)
-        return await node.host_action("drain")
 
-    @r.post("/v1/peer/undrain")
-    async def peer_undrain(request: Request) -> ActionResult:
-        require_peer(request)
-        return await node.host_action("undrain")
+@router.websocket("/v1/events")
+async def events(ws: WebSocket, node: NodeDep) -> None:
+    """A snapshot of the cluster, the replay ring, then live events (cut off if the consumer lags)."""
+    await ws.accept()
+    sub, replay = node.hub.subscribe()
+    try:
+        snap = node.hub.stamp(SnapshotEvent(cluster=node.mesh.cluster()))
+        await ws.send_text(snap.model_dump_json())
+        for old in replay:
+            await ws.send_text(old.model_dump_json())
+        while True:
+            live = await sub.get()
+            if live is None:
+                await ws.close(code=1013, reason="consumer too slow; reconnect for a fresh snapshot")
+                return
+            await ws.send_text(live.model_dump_json())
+    except (WebSocketDisconnect, RuntimeError, asyncio.CancelledError):
+        return
+    finally:
+        sub.close()
 
-    @r.post("/v1/peer/sessions/{session}/adopt")
-    async def peer_adopt(session: str, request: Request, seq: int = 0) -> ActionResult:
-        require_peer(request)
-        if not is_valid_session_id(session):
-            raise NotFound("invalid session id")
-        node.mesh.book.adopt(session, seq or node.mesh.next_seq(session))
-        return ActionResult(ok=True, message=f"{node.name} is now home of {session}")
 
-    @r.post("/v1/peer/sessions/{session}/migrate")
-    async def peer_migrate(session: str, target: str, request: Request) -> ActionResult:
-        require_peer(request)
-        return await node.migrate(session, target, relay=False)
+# ---- peer calls (mesh secret) ----------------------------------------------
 
-    @r.post("/v1/peer/sessions/{session}/replicate")
-    async def peer_replicate(session: str, request: Request) -> ActionResult:
-        require_peer(request)
-        return await node.replicate_now(session, relay=False)
 
-    # ---- admin (admin token) -----------------------------------------------
+@router.get("/v1/peer/status")
+async def peer_status(node: PeerNode) -> Response:
+    return _json(node.mesh.local_status().model_dump_json())
 
-    @r.post("/v1/admin/hosts/{host}/drain")
-    async def drain(host: str, request: Request, authorization: str | None = Header(None)) -> ActionResult:
-        require_admin(authorization)
-        return await on_host(host, "drain", request)
 
-    @r.post("/v1/admin/hosts/{host}/undrain")
-    async def undrain(host: str, request: Request, authorization: str | None = Header(None)) -> ActionResult:
-        require_admin(authorization)
-        return await on_host(host, "undrain", request)
+@router.get("/v1/peer/sessions/{session}")
+async def peer_session(session: str, node: PeerNode) -> Response:
+    return _json(node.mesh.local_holding(_valid_session(session)).model_dump_json())
 
-    @r.post("/v1/admin/sessions/{session}/migrate")
-    async def migrate(session: str, cmd: MigrateCommand | None = Body(None), target: str | None = None,
-                      authorization: str | None = Header(None)) -> ActionResult:
-        require_admin(authorization)
-        dst = (cmd.target if cmd else None) or target
-        if not dst:
-            raise Conflict('migrate needs a target host: JSON body {"target": "<host>"}')
-        peer_api(dst)  # 404 for an unknown host
-        if not is_valid_session_id(session):
-            raise NotFound("invalid session id")
-        return await node.migrate(session, dst)
 
-    @r.post("/v1/admin/sessions/{session}/replicate")
-    async def replicate(session: str, authorization: str | None = Header(None)) -> ActionResult:
-        require_admin(authorization)
-        if not is_valid_session_id(session):
-            raise NotFound("invalid session id")
-        return await node.replicate_now(session)
+@router.post("/v1/peer/drain")
+async def peer_drain(node: PeerNode) -> ActionResult:
+    return await node.operator.host_action("drain")
 
-    return r
+
+@router.post("/v1/peer/undrain")
+async def peer_undrain(node: PeerNode) -> ActionResult:
+    return await node.operator.host_action("undrain")
+
+
+@router.post("/v1/peer/sessions/{session}/adopt")
+async def peer_adopt(session: str, node: PeerNode, seq: int = 0) -> ActionResult:
+    _valid_session(session)
+    node.mesh.book.adopt(session, seq or node.mesh.next_seq(session))
+    return ActionResult(ok=True, message=f"{node.name} is now home of {session}")
+
+
+@router.post("/v1/peer/sessions/{session}/migrate")
+async def peer_migrate(session: str, target: str, node: PeerNode) -> ActionResult:
+    return await node.operator.migrate(session, target, relay=False)
+
+
+@router.post("/v1/peer/sessions/{session}/replicate")
+async def peer_replicate(session: str, node: PeerNode) -> ActionResult:
+    return await node.operator.replicate_now(session, relay=False)
+
+
+# ---- admin (admin token) -----------------------------------------------------
+
+
+async def _on_host(node: Node, host: str, action: str) -> ActionResult:
+    """Run a host action here, or relay it (peer-authenticated) to the host it names."""
+    _check_host(node, host)
+    if host == node.name:
+        return await node.operator.host_action(action)
+    try:
+        return await relay_action(node.mesh, host, f"/v1/peer/{action}", timeout_s=HOST_RELAY_TIMEOUT_S)
+    except RelayFailed as e:
+        if e.status is not None:
+            raise Conflict(f"host {host} refused {action}: {e.reason}") from None
+        raise Conflict(f"host {host} did not answer: {e.reason}") from None
+
+
+@router.post("/v1/admin/hosts/{host}/drain")
+async def drain(host: str, node: AdminNode) -> ActionResult:
+    return await _on_host(node, host, "drain")
+
+
+@router.post("/v1/admin/hosts/{host}/undrain")
+async def undrain(host: str, node: AdminNode) -> ActionResult:
+    return await _on_host(node, host, "undrain")
+
+
+@router.post("/v1/admin/sessions/{session}/migrate")
+async def migrate(session: str, node: AdminNode, cmd: Annotated[MigrateCommand | None, Body()] = None,
+                  target: str | None = None) -> ActionResult:
+    dst = (cmd.target if cmd else None) or target
+    if not dst:
+        raise Conflict('migrate needs a target host: JSON body {"target": "<host>"}')
+    _check_host(node, dst)
+    return await node.operator.migrate(_valid_session(session), dst)
+
+
+@router.post("/v1/admin/sessions/{session}/replicate")
+async def replicate(session: str, node: AdminNode) -> ActionResult:
+    return await node.operator.replicate_now(_valid_session(session))

@@ -22,22 +22,20 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvmesh.node.engine.engine import ExportedBlock, ImportTxn
+from kvmesh.node.config import KVShareConfig
+from kvmesh.node.engine.engine import Engine, ExportedBlock, ImportTxn
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.errors import ImportRefused, KVMeshError
 from kvmesh.node.kvshare import wire
 from kvmesh.node.kvshare.store import ReplicaStore, SegmentWriter
 from kvmesh.node.tls import client_context, server_context
-from kvmesh.node.protocol import LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaSuperseded
-
-if TYPE_CHECKING:
-    from kvmesh.node.node import Node
+from kvmesh.node.protocol import Event, LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaSuperseded
 
 log = logging.getLogger("kvmesh.kvshare")
 
@@ -137,17 +135,24 @@ class _Plan:
 
 
 class KVShare:
-    def __init__(self, node: Node):
-        self.node = node
-        self.cfg = cfg = node.cfg.kvshare
-        secrets = node.cfg.mesh.secrets()
+    """kv_share of one node. It is given what it uses: the host's name, the engine, its config
+    section, the mesh secrets, a publish function for its events, and a peer resolver (host name
+    -> that host's kv_share address, None for a host outside the mesh)."""
+
+    def __init__(self, name: str, engine: Engine, cfg: KVShareConfig, *, secrets: list[bytes],
+                 publish: Callable[[Event], object], peer_address: Callable[[str], str | None]):
+        self.name = name
+        self.engine = engine
+        self.cfg = cfg
+        self._publish = publish
+        self._peer_address = peer_address
         self.secret = secrets[0] if secrets else DEV_SECRET
         self.previous_secret = secrets[1] if len(secrets) > 1 else None
         self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
         if cfg.store_dir:
             root = Path(cfg.store_dir)
         else:
-            self._tmpdir = tempfile.TemporaryDirectory(prefix=f"kvmesh-store-{node.name}-")
+            self._tmpdir = tempfile.TemporaryDirectory(prefix=f"kvmesh-store-{name}-")
             root = Path(self._tmpdir.name)
         self.store = ReplicaStore(root, cfg.store_budget_bytes, fsync=cfg.fsync)
         self.out: dict[str, LinkStats] = collections.defaultdict(LinkStats)  # by target
@@ -209,7 +214,7 @@ class KVShare:
 
     def store_tokens(self, session: str) -> tuple[int, float | None]:
         m = self.store.manifest(session)
-        if m is None or m.fingerprint != self.node.engine.fingerprint:
+        if m is None or m.fingerprint != self.engine.fingerprint:
             return 0, None
         return m.num_tokens, m.updated
 
@@ -239,7 +244,7 @@ class KVShare:
         return sum(s.rate_bps() for s in self.inn.values()), sum(s.rate_bps() for s in self.out.values())
 
     def links_out(self) -> list[LinkInfo]:
-        me = self.node.name
+        me = self.name
         return [
             LinkInfo(src=me, dst=dst, bytes_sent=s.bytes, transfers=s.transfers, last_transfer_s=s.last_s,
                      last_transfer_bytes=s.last_bytes, throughput_bps=s.rate_bps(),
@@ -272,7 +277,7 @@ class KVShare:
     def _store_match_blocks(self, session: str, prompt: np.ndarray) -> int:
         """Whole blocks of the stored replica that match the prompt's prefix."""
         m = self.store.manifest(session)
-        e = self.node.engine
+        e = self.engine
         if m is None or m.fingerprint != e.fingerprint:
             return 0
         n = min(len(m.tokens), len(prompt))
@@ -290,7 +295,7 @@ class KVShare:
                 await asyncio.wait_for(ib.landed.wait(), wait)
             except asyncio.TimeoutError:
                 log.warning("replica of %s still in flight after %.1fs; running with what is here", session, wait)
-        e = self.node.engine
+        e = self.engine
         held = e.cached_prefix(session, prompt)
         stored_blocks = self._store_match_blocks(session, prompt)
         self._unused.pop(session, None)  # whatever replica is here is now being used
@@ -312,7 +317,7 @@ class KVShare:
         secs = time.monotonic() - t0
         if secs > 0:
             self._import_rates.append((stored_blocks * e.block_bytes) / secs)
-        self.node.hub.publish(ReplicaImported(session=session, host=self.node.name, tokens=tokens, seconds=round(secs, 4)))
+        self._publish(ReplicaImported(session=session, host=self.name, tokens=tokens, seconds=round(secs, 4)))
         return tokens
 
     async def _free_pinned(self, session: str, limit_s: float = 2.0) -> bool:
@@ -337,7 +342,7 @@ class KVShare:
 
     def explain_reuse(self, session: str, prompt: np.ndarray, reused: int) -> tuple[int | None, bool, float | None]:
         """(token where the prompt stopped matching the best cache held here, stale-state flag, replica age)."""
-        e = self.node.engine
+        e = self.engine
         best: np.ndarray | None = e.session_tokens(session)
         m = self.store.manifest(session)
         age = time.time() - m.updated if m is not None else None
@@ -354,13 +359,18 @@ class KVShare:
 
     # ---- after a turn: replicate to the predicted next host ---------------------
 
-    def after_turn(self, session: str) -> None:
-        e = self.node.engine
-        if e.resident_tokens(session) < max(self.cfg.replicate_min_tokens, e.block_size):
+    def worth_replicating(self, session: str) -> bool:
+        """Whether the session's cache here is big enough to replicate (and to keep on disk)."""
+        e = self.engine
+        return e.resident_tokens(session) >= max(self.cfg.replicate_min_tokens, e.block_size)
+
+    def after_turn(self, session: str, target: str | None) -> None:
+        """A turn of `session` ended here: push the replica to `target` (the host placement
+        predicts next, decided where the turn ended), and keep this host's own copy."""
+        if not self.worth_replicating(session):
             return
-        d = self.node.mesh.predict_next(session)
-        if d is not None and d.host != self.node.name:
-            self.submit(session, d.host)
+        if target is not None and target != self.name:
+            self.submit(session, target)
         if self.cfg.persist_own:
             self._persist_own(session)
 
@@ -388,7 +398,7 @@ class KVShare:
         if job.offer_tip is None:
             return True  # not exported yet: it will send the newest state
         n, tip = job.offer_tip
-        return self.node.engine.block_hash(job.session, n - 1) == tip
+        return self.engine.block_hash(job.session, n - 1) == tip
 
     def _supersede_running(self, job: _Job) -> None:
         job.supersede()
@@ -397,7 +407,7 @@ class KVShare:
 
     def _superseded(self, session: str, target: str) -> None:
         self.out[target].superseded += 1
-        self.node.hub.publish(ReplicaSuperseded(session=session, src=self.node.name, dst=target))
+        self._publish(ReplicaSuperseded(session=session, src=self.name, dst=target))
 
     async def push(self, session: str, target: str) -> PushResult:
         return await self.submit(session, target)
@@ -433,9 +443,9 @@ class KVShare:
             job.done.set_result(result)
 
     async def _send(self, job: _Job) -> PushResult:
-        node, e = self.node, self.node.engine
-        peer = node.mesh.peers.peers.get(job.target)
-        if peer is None:
+        e = self.engine
+        addr = self._peer_address(job.target)
+        if addr is None:
             return PushResult(False, reason="unknown_peer", message=f"{job.target} is not a configured peer")
         self._generation += 1
         with e.export(job.session) as blocks:
@@ -444,13 +454,13 @@ class KVShare:
             bs = e.block_size
             tokens = e.session_tokens(job.session)
             assert tokens is not None
-            offer = wire.Offer(session=job.session, sender=node.name, fingerprint=e.fingerprint, block_size=bs,
+            offer = wire.Offer(session=job.session, sender=self.name, fingerprint=e.fingerprint, block_size=bs,
                                block_bytes=e.block_bytes, n_blocks=len(blocks), generation=self._generation,
                                sent_at=time.time())
             toks = np.ascontiguousarray(tokens[: len(blocks) * bs])
             job.offer_tip = (len(blocks), blocks[-1].hash)
             assert self._loop is not None
-            result = await self._loop.run_in_executor(self._send_pool, self._send_blocking, peer.cfg.kvshare, offer,
+            result = await self._loop.run_in_executor(self._send_pool, self._send_blocking, addr, offer,
                                                       toks, blocks, job)
         if job.preempted and not result.ok:
             result = PushResult(False, reason="preempted", bytes_sent=result.bytes_sent,
@@ -458,12 +468,12 @@ class KVShare:
         st = self.out[job.target]
         if result.ok:
             st.add(result.bytes_sent, result.seconds)
-            node.hub.publish(ReplicaSent(session=job.session, src=node.name, dst=job.target, blocks=result.blocks_sent,
-                                         bytes=result.bytes_sent, seconds=round(result.seconds, 4), tokens=result.tokens))
+            self._publish(ReplicaSent(session=job.session, src=self.name, dst=job.target, blocks=result.blocks_sent,
+                                      bytes=result.bytes_sent, seconds=round(result.seconds, 4), tokens=result.tokens))
         elif result.reason != "superseded":
             st.refused[result.reason] += 1
-            node.hub.publish(ReplicaRefused(session=job.session, src=node.name, dst=job.target, reason=result.reason,
-                                            message=result.message))
+            self._publish(ReplicaRefused(session=job.session, src=self.name, dst=job.target, reason=result.reason,
+                                         message=result.message))
         return result
 
     def _send_blocking(self, addr: str, offer: wire.Offer, tokens: np.ndarray, blocks: list[ExportedBlock],
@@ -545,7 +555,7 @@ class KVShare:
     def _persist_own(self, session: str) -> None:
         """Write-behind this host's own session to its store (delta), so an eviction here is
         restored from disk rather than recomputed."""
-        e = self.node.engine
+        e = self.engine
         tokens = e.session_tokens(session)
         if tokens is None:
             return
@@ -560,7 +570,7 @@ class KVShare:
         """Copy blocks [first_block, n) from the engine's pool to the store on the disk thread.
 
         The blocks stay pinned until the disk write ends, so the pool cannot reuse them meanwhile."""
-        e = self.node.engine
+        e = self.engine
         bs = e.block_size
         ids: list[int] = []
         for i in range(first_block, len(hashes)):
@@ -696,7 +706,7 @@ class KVShare:
 
     def _on_offer(self, ev: wire.OfferReceived) -> _Plan:
         """Decide on the loop: refuse, or the first block to send and where payloads land."""
-        e, offer = self.node.engine, ev.offer
+        e, offer = self.engine, ev.offer
         if offer.fingerprint != e.fingerprint:
             return _Plan(refuse=("fingerprint", "model fingerprint differs from this engine's"))
         if offer.block_size != e.block_size or offer.block_bytes != e.block_bytes:
@@ -754,7 +764,7 @@ class KVShare:
         self._unused[offer.session] = self._unused.get(offer.session, 0) + received
         while len(self._unused) > MAX_UNUSED_TRACKED:  # sessions that ended and never came back
             self.wasted_bytes += self._unused.pop(next(iter(self._unused)))
-        self.node.hub.publish(ReplicaReady(session=offer.session, src=offer.sender, dst=self.node.name, tokens=tokens,
+        self._publish(ReplicaReady(session=offer.session, src=offer.sender, dst=self.name, tokens=tokens,
                                            bytes=received, lag_s=round(lag, 5), imported=txn is not None,
                                            recv_s=round(last_byte - t_first, 5),
                                            blocks=offer.n_blocks - plan.first_missing))
@@ -777,7 +787,7 @@ class KVShare:
             if ib is not None:
                 ib.landed.set()
         log.info("refused a replica of %s from %s: %s (%s)", session, src, reason, message)
-        self.node.hub.publish(ReplicaRefused(session=session, src=src, dst=self.node.name, reason=reason,
+        self._publish(ReplicaRefused(session=session, src=src, dst=self.name, reason=reason,
                                              message=message[:200]))
 
 

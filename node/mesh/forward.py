@@ -2,18 +2,24 @@
 
 `open_turn` sends the client's body verbatim and returns the peer's open response (or raises
 PeerUnavailable before any byte reached the client, so the caller can place the turn elsewhere).
-`StreamSplice` is the sans-I/O part of a resumed stream: it relays SSE events as they come,
-remembers the text the client has been sent, and when the turn is run again elsewhere it drops
-the new stream's repeat of that text (checking it is the same) so the client sees one answer.
+`watched` reads the open answer while checking the peer is still heard from. `StreamSplice` is the
+sans-I/O part of a resumed stream: it relays SSE events as they come, remembers the text the client
+has been sent, and when the turn is run again elsewhere it drops the new stream's repeat of that
+text (checking it is the same) so the client sees one answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from fastapi.responses import Response
+
+from kvmesh.node.mesh.peers import Peer
 
 PASS_HEADERS = ("content-type", "cache-control", "retry-after", "x-session-id", "x-accel-buffering")
 
@@ -28,6 +34,10 @@ class PeerUnavailable(Exception):
 
 class ResumeDiverged(Exception):
     """The turn run again elsewhere did not repeat the text the client already has."""
+
+
+class PeerSilent(Exception):
+    """The peer serving a stream has not been heard from for longer than `stale_after_s`."""
 
 
 async def open_turn(client: httpx.AsyncClient, peer: str, api: str, body: bytes, headers: dict[str, str],
@@ -59,6 +69,34 @@ async def read_whole(peer: str, resp: httpx.Response) -> Response:
     finally:
         await resp.aclose()
     return Response(content, status_code=resp.status_code, headers=passed_headers(resp))
+
+
+async def watched(resp: httpx.Response, peer: Peer, stale_after_s: float, every_s: float = 1.0) -> AsyncIterator[bytes]:
+    """The response's raw bytes; gives up (PeerSilent) once the peer's status has not been heard
+    for stale_after_s, rather than wait out the read timeout on a host that stopped answering
+    (one failed call elsewhere is not enough: a slow answer is still an answer)."""
+    chunks = resp.aiter_raw()
+    while True:
+        nxt = asyncio.ensure_future(anext(chunks))
+        try:
+            while not nxt.done():
+                await asyncio.wait({nxt}, timeout=every_s)
+                silent_s = time.monotonic() - peer.heard_at
+                if not nxt.done() and not peer.reachable and silent_s > stale_after_s:
+                    raise PeerSilent(f"{peer.name} not heard from for {silent_s:.1f}s: {peer.error or 'no answer'}")
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+        try:
+            yield nxt.result()
+        except StopAsyncIteration:
+            return
+
+
+def sse_error(message: str, type_: str, code: str | None) -> bytes:
+    """An OpenAI-style in-band error event: how a stream that already began reports a failure."""
+    return b"data: " + json.dumps({"error": {"message": message, "type": type_, "code": code}}).encode() + b"\n\n"
 
 
 class StreamSplice:

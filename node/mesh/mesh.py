@@ -2,17 +2,22 @@
 
 What this host holds is asked of its engine and store on every call; what a
 peer holds is what that peer last reported (at most `stale_after_s` old).
+The mesh is given the engine, its config section, a publish function and a
+`ReplicaView` (what kv_share holds, sends and receives); it never sees the Node.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
+from kvmesh.node.config import MeshConfig
+from kvmesh.node.engine.engine import Engine
 from kvmesh.node.mesh.auth import peer_token
-from kvmesh.node.tls import client_context
 from kvmesh.node.mesh.peers import PeerTable
 from kvmesh.node.mesh.placement import (
     Decision,
@@ -28,6 +33,7 @@ from kvmesh.node.mesh.placement import (
 from kvmesh.node.mesh.sessions import SessionBook
 from kvmesh.node.protocol import (
     ClusterSnapshot,
+    Event,
     HandoffCounters,
     HostInfo,
     LinkInfo,
@@ -36,23 +42,45 @@ from kvmesh.node.protocol import (
     SessionInfo,
 )
 
-if TYPE_CHECKING:
-    from kvmesh.node.node import Node
+
+class ReplicaView(Protocol):
+    """What the mesh asks of kv_share about this host's replicas (KVShare satisfies it)."""
+
+    @property
+    def wasted_bytes(self) -> int: ...
+
+    def store_tokens(self, session: str) -> tuple[int, float | None]: ...
+
+    def store_sessions(self) -> list[str]: ...
+
+    def inbound(self, session: str) -> tuple[int, float | None]: ...
+
+    def inflight_to(self, session: str) -> str | None: ...
+
+    def import_bps(self) -> float: ...
+
+    def links_out(self) -> list[LinkInfo]: ...
 
 
 class Mesh:
-    def __init__(self, node: Node):
-        cfg = node.cfg.mesh
-        self.node = node
+    def __init__(self, name: str, cfg: MeshConfig, engine: Engine, replicas: ReplicaView, *,
+                 publish: Callable[[Event], object], host_info: Callable[[], HostInfo],
+                 on_decision: Callable[[float], None], verify: ssl.SSLContext | bool = True):
+        """`host_info` reports this host (status polls and the cluster view); `on_decision` is
+        told how long each placement decision took; `verify` checks peers' TLS certificates."""
+        self.name = name
+        self.engine = engine
+        self.replicas = replicas
+        self._host_info = host_info
+        self._on_decision = on_decision
         secrets = cfg.secrets()
         self.peer_token = peer_token(secrets[0]) if secrets else None
         self.secrets = secrets
         self.peers = PeerTable(cfg.peers, token=self.peer_token, poll_interval_s=cfg.poll_interval_s,
-                               stale_after_s=cfg.stale_after_s, publish=node.hub.publish,
-                               verify=client_context(node.cfg.api.tls) if node.cfg.api.tls else True)
+                               stale_after_s=cfg.stale_after_s, publish=publish, verify=verify)
         self.book = SessionBook()
         self.draining = False
-        self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, node.engine.kv_bytes_per_token)
+        self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, engine.kv_bytes_per_token)
         # Where this entry node last sent each session, and when: fresher than any poll.
         # session -> (host, turn sequence) of the last turn this entry placed; LRU, capped like the book
         self.routed: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
@@ -68,12 +96,12 @@ class Mesh:
     # ---- placement inputs ----------------------------------------------------
 
     def _self_load(self) -> HostLoad:
-        e = self.node.engine
-        return HostLoad(self.node.name, e.slots.slots, e.slots.busy, e.slots.queued, e.slots.mean_turn_s(),
-                        e.prefill_rate(), self.node.import_bps(), available=not self.draining)
+        e = self.engine
+        return HostLoad(self.name, e.slots.slots, e.slots.busy, e.slots.queued, e.slots.mean_turn_s(),
+                        e.prefill_rate(), self.replicas.import_bps(), available=not self.draining)
 
     def hosts(self) -> dict[str, HostLoad]:
-        out = {self.node.name: self._self_load()}
+        out = {self.name: self._self_load()}
         for p in self.peers.peers.values():
             st = p.status
             if st is None:
@@ -85,23 +113,23 @@ class Mesh:
         return out
 
     def local_holding(self, session: str) -> SessionHolding:
-        n = self.node
+        r = self.replicas
         rec = self.book.records.get(session)
-        stored, updated = n.store_tokens(session)
-        inbound, eta = n.inbound(session)
+        stored, updated = r.store_tokens(session)
+        inbound, eta = r.inbound(session)
         return SessionHolding(
-            session=session, resident_tokens=n.engine.resident_tokens(session), store_tokens=stored,
+            session=session, resident_tokens=self.engine.resident_tokens(session), store_tokens=stored,
             store_updated=updated, home_seq=rec.home_seq if rec else 0, turn_seq=rec.turn_seq if rec else 0,
             last_turn_at=rec.last_turn_at if rec else 0.0, turns=rec.turns if rec else 0,
             moves=rec.moves if rec else 0, last_handoff=rec.last_handoff if rec else None,
-            inflight_to=n.inflight_to(session), inbound_tokens=inbound, inbound_eta_s=eta,
+            inflight_to=r.inflight_to(session), inbound_tokens=inbound, inbound_eta_s=eta,
         )
 
     def holdings(self, session: str) -> dict[str, Holding]:
         out: dict[str, Holding] = {}
         mine = self.local_holding(session)
         if mine.resident_tokens or mine.store_tokens or mine.home_seq or mine.inbound_tokens:
-            out[self.node.name] = _holding(mine)
+            out[self.name] = _holding(mine)
         for p in self.peers.peers.values():
             sh = p.sessions.get(session)
             if sh is not None:
@@ -141,7 +169,7 @@ class Mesh:
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         self.decision_s.append(dt)
         self.decision_cpu_s.append(dc)
-        self.node.metrics.decision.observe(dt)
+        self._on_decision(dt)
         return d
 
     def home(self, session: str) -> str | None:
@@ -159,20 +187,27 @@ class Mesh:
 
     # ---- status and the cluster view ----------------------------------------
 
+    def links(self) -> list[LinkInfo]:
+        """This host's links: transfers it sent (kv_share's figures), handoffs it received (the book's)."""
+        out = {li.dst: li for li in self.replicas.links_out()}
+        for src, lc in self.book.links_in.items():
+            out[f"<-{src}"] = LinkInfo(src=src, dst=self.name, warm=lc.warm, partial=lc.partial, cold=lc.cold)
+        return list(out.values())
+
     def local_status(self) -> PeerStatus:
-        n = self.node
-        names = set(n.engine.sessions) | set(self.book.records) | set(n.store_sessions())
+        e, r = self.engine, self.replicas
+        names = set(e.sessions) | set(self.book.records) | set(r.store_sessions())
         return PeerStatus(
-            host=n.host_info(), sessions=[self.local_holding(s) for s in sorted(names)],
-            counters=self.book.counters.model_copy(), links=n.links(),
-            mean_turn_s=n.engine.slots.mean_turn_s(), import_bps=n.import_bps(),
-            kv_bytes_per_token=n.engine.kv_bytes_per_token, wasted_replica_bytes=n.wasted_replica_bytes(),
+            host=self._host_info(), sessions=[self.local_holding(s) for s in sorted(names)],
+            counters=self.book.counters.model_copy(), links=self.links(),
+            mean_turn_s=e.slots.mean_turn_s(), import_bps=r.import_bps(),
+            kv_bytes_per_token=e.kv_bytes_per_token, wasted_replica_bytes=r.wasted_bytes,
         )
 
     def cluster(self) -> ClusterSnapshot:
         now = time.time()
-        statuses: dict[str, PeerStatus] = {self.node.name: self.local_status()}
-        hosts = [statuses[self.node.name].host]
+        statuses: dict[str, PeerStatus] = {self.name: self.local_status()}
+        hosts = [statuses[self.name].host]
         for p in self.peers.peers.values():
             if p.status is not None:
                 statuses[p.name] = p.status
@@ -200,7 +235,7 @@ class Mesh:
                     cur.goodput_gbps = li.goodput_gbps
                 if li.dst == host:
                     cur.warm, cur.partial, cur.cold = li.warm, li.partial, li.cold
-        return ClusterSnapshot(node=self.node.name, ts=now, hosts=sorted(hosts, key=lambda h: h.name),
+        return ClusterSnapshot(node=self.name, ts=now, hosts=sorted(hosts, key=lambda h: h.name),
                                sessions=sessions, links=sorted(links.values(), key=lambda li: (li.src, li.dst)),
                                counters=counters)
 

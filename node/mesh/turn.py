@@ -1,0 +1,350 @@
+"""One turn's path through the mesh, from the node the client called to the node that runs it.
+
+`TurnPath.serve` is the only way a chat turn runs. On the entry node (the one the client
+called) an `EntryTurn` places the turn: here, or forwarded to a peer. A peer that fails
+before answering is routed around; one that dies mid-stream is replaced by a survivor whose
+stream is spliced on (StreamSplice), so the client sees one answer. On the node that runs
+it, a `HostTurn` brings the engine up to the best cache the host has, runs the turn,
+classifies the handoff, records it, and replicates the session to the host placement
+predicts next. A turn a peer forwarded here (peer-authenticated headers) skips placement.
+
+API routes parse requests and format answers; everything in between is here.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import httpx
+import numpy as np
+from fastapi.responses import Response
+
+from kvmesh.node.engine.engine import (
+    Engine,
+    GenerateRequest,
+    TextDelta,
+    TurnBegin,
+    TurnDone,
+    TurnStats,
+)
+from kvmesh.node.engine.sampling import MIN_TEMPERATURE
+from kvmesh.node.errors import KVMeshError
+from kvmesh.node.mesh.auth import PEER_HEADER, check_peer_token
+from kvmesh.node.mesh.forward import (
+    PeerSilent,
+    PeerUnavailable,
+    ResumeDiverged,
+    StreamSplice,
+    open_turn,
+    passed_headers,
+    read_whole,
+    sse_error,
+    watched,
+)
+from kvmesh.node.mesh.mesh import Mesh
+from kvmesh.node.mesh.placement import Decision
+from kvmesh.node.protocol import (
+    Event,
+    Handoff,
+    HandoffClass,
+    TurnFinished,
+    TurnStarted,
+    classify,
+)
+
+log = logging.getLogger("kvmesh.mesh.turn")
+
+# What an entry node tells the peer it forwards a turn to (trusted only with the mesh secret).
+FORWARDED, PREV_HOST, PREDICTED, TURN_SEQ, SEED = (
+    "X-Kvmesh-Forwarded", "X-Kvmesh-Prev-Host", "X-Kvmesh-Predicted-Reuse", "X-Kvmesh-Turn-Seq", "X-Kvmesh-Seed")
+
+
+class TurnReplicas(Protocol):
+    """What a turn asks of kv_share (KVShare satisfies it)."""
+
+    async def ensure_imported(self, session: str, prompt: np.ndarray) -> int: ...
+
+    def explain_reuse(self, session: str, prompt: np.ndarray, reused: int) -> tuple[int | None, bool, float | None]: ...
+
+    def worth_replicating(self, session: str) -> bool: ...
+
+    def after_turn(self, session: str, target: str | None) -> None: ...
+
+
+@dataclass
+class PeerAnswer:
+    """A peer's whole answer (or its error), passed to the client as it is."""
+
+    response: Response
+
+
+@dataclass
+class PeerStream:
+    """A peer's streamed answer, relayed (and resumed elsewhere if that peer dies)."""
+
+    headers: dict[str, str]
+    chunks: AsyncIterator[bytes]
+
+
+# How a route renders a turn running here as SSE bytes (a resumed stream is spliced from it).
+Render = Callable[["HostTurn"], AsyncIterator[bytes]]
+
+
+class TurnPath:
+    """What a turn's path needs on this node, and the one entry to it (`serve`)."""
+
+    def __init__(self, name: str, engine: Engine, mesh: Mesh, replicas: TurnReplicas, *,
+                 publish: Callable[[Event], object], forward_timeout_s: float, on_resumed: Callable[[], None]):
+        """`on_resumed` counts streams continued on another host after theirs stopped."""
+        self.name, self.engine, self.mesh, self.replicas = name, engine, mesh, replicas
+        self.publish, self.forward_timeout_s, self.on_resumed = publish, forward_timeout_s, on_resumed
+
+    async def serve(self, req: GenerateRequest, headers: Mapping[str, str], raw_body: bytes, *, stream: bool,
+                    render: Render) -> HostTurn | PeerAnswer | PeerStream:
+        """Run the client's turn where it belongs: a HostTurn when it runs here, else the peer's answer."""
+        forwarded = self._forwarded(req, headers)
+        if forwarded is not None:
+            prev_host, predicted, seq = forwarded
+            return await self.run_here(req, prev_host, predicted, seq)
+        return await EntryTurn(self, req, raw_body, stream, render).start()
+
+    def _forwarded(self, req: GenerateRequest, headers: Mapping[str, str]) -> tuple[str | None, int | None, int] | None:
+        """(previous host, predicted reuse, turn sequence) of a turn a peer placed here, or None.
+        Only a caller holding the mesh secret is a peer; anyone else's turn is placed anew."""
+        if not headers.get(FORWARDED) or not check_peer_token(headers.get(PEER_HEADER), self.mesh.secrets):
+            return None
+        prev_host = headers.get(PREV_HOST) or None
+        predicted = int(headers[PREDICTED]) if headers.get(PREDICTED, "").isdigit() else None
+        seq = int(headers[TURN_SEQ]) if headers.get(TURN_SEQ, "").isdigit() else self.mesh.next_seq(req.session)
+        if req.seed is None and headers.get(SEED, "").lstrip("-").isdigit():
+            req.seed = int(headers[SEED])
+        return prev_host, predicted, seq
+
+    async def run_here(self, req: GenerateRequest, prev_host: str | None, predicted: int | None,
+                       seq: int) -> HostTurn:
+        """Start the turn here; once it holds its slot, the engine is brought up to the best cache
+        this host has (a stored replica imported), so no eviction can slip in between."""
+        self.engine.validate(req)
+        prompt = np.asarray(req.prompt, dtype=np.int32)
+        req.prepare = lambda: self.replicas.ensure_imported(req.session, prompt)
+        run = HostTurn(self, req, prev_host, predicted, seq)
+        await run.start()
+        self.mesh.note_routed(req.session, self.name, seq)
+        return run
+
+
+class HostTurn:
+    """A turn running on this host: the engine's event stream plus the bookkeeping around it."""
+
+    def __init__(self, path: TurnPath, req: GenerateRequest, prev_host: str | None, predicted: int | None, seq: int):
+        self.path, self.req, self.prev_host, self.predicted, self.seq = path, req, prev_host, predicted, seq
+        self.events = cast(AsyncGenerator[TurnBegin | TextDelta | TurnDone, None], path.engine.generate(req))
+        self.begin: TurnStats | None = None
+        self.handoff_class: HandoffClass | None = None
+
+    async def start(self) -> None:
+        """Wait for a slot and learn the reused prefix (so errors surface before any byte is sent)."""
+        ev = await anext(self.events)
+        assert isinstance(ev, TurnBegin)
+        self.begin = ev.stats
+        p = self.path
+        p.publish(TurnStarted(session=self.req.session, host=p.name, prompt_tokens=ev.stats.prompt_tokens,
+                              cached_tokens=ev.stats.cached_tokens, turn_seq=self.seq))
+        if self.prev_host and self.prev_host != p.name:
+            self.handoff_class = classify(ev.stats.cached_tokens / max(1, ev.stats.prompt_tokens))
+
+    async def stream(self) -> AsyncGenerator[TextDelta | TurnDone, None]:
+        """The turn's text and its end; a turn that does not reach its end is published as failed."""
+        ok = False
+        try:
+            async for ev in self.events:
+                if isinstance(ev, TurnDone):
+                    ok = True
+                    try:
+                        self._finished(ev.stats)
+                    except Exception:  # bookkeeping must never fail a user's turn
+                        log.exception("after-turn bookkeeping of %s failed", self.req.session)
+                if not isinstance(ev, TurnBegin):
+                    yield ev
+        finally:
+            if not ok:
+                await self.events.aclose()
+                s = self.begin
+                if s is not None:
+                    self.path.publish(TurnFinished(session=s.session, host=self.path.name, prompt_tokens=s.prompt_tokens,
+                                                   cached_tokens=s.cached_tokens, completion_tokens=s.completion_tokens,
+                                                   ttft_s=s.ttft_s, total_s=s.total_s, ok=False, turn_seq=self.seq))
+
+    def _finished(self, stats: TurnStats) -> None:
+        p, req = self.path, self.req
+        p.publish(TurnFinished(session=req.session, host=p.name, prompt_tokens=stats.prompt_tokens,
+                               cached_tokens=stats.cached_tokens, completion_tokens=stats.completion_tokens,
+                               ttft_s=round(stats.ttft_s, 4), total_s=round(stats.total_s, 4), turn_seq=self.seq))
+        handoff = self._handoff(stats)
+        p.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, self.seq)
+        self._replicate()
+
+    def _handoff(self, stats: TurnStats) -> tuple[str, HandoffClass, bool] | None:
+        """Publish the handoff this turn was, if it moved here: (previous host, class, stale state)."""
+        if self.handoff_class is None or self.prev_host is None:
+            return None
+        p, req = self.path, self.req
+        cls = classify(stats.cached_tokens / max(1, stats.prompt_tokens))
+        prompt = np.asarray(req.prompt, dtype=np.int32)
+        mismatch_tok, stale, age = p.replicas.explain_reuse(req.session, prompt, stats.cached_tokens)
+        msg_idx = None
+        if mismatch_tok is not None:
+            starts = p.engine.tokenizer.message_starts(np.asarray(req.prompt))
+            msg_idx = int(np.searchsorted(starts, mismatch_tok, side="right")) - 1
+        p.publish(Handoff(session=req.session, src=self.prev_host, dst=p.name, cls=cls,
+                          prompt_tokens=stats.prompt_tokens, reused_tokens=stats.cached_tokens,
+                          predicted_reused_tokens=self.predicted, replica_age_s=age,
+                          mismatch_token=mismatch_tok if cls != "warm" else None,
+                          mismatch_message=msg_idx if cls != "warm" else None,
+                          stale_state=stale and cls == "cold", turn_seq=self.seq))
+        return self.prev_host, cls, stale
+
+    def _replicate(self) -> None:
+        """Push the session to the host it would move to next: placement decides, here where the turn ended."""
+        p, session = self.path, self.req.session
+        target = None
+        if p.replicas.worth_replicating(session):
+            d = p.mesh.predict_next(session)
+            target = d.host if d is not None else None
+        p.replicas.after_turn(session, target)
+
+
+@dataclass
+class _Here:
+    """Placement chose this host."""
+
+    prev_host: str | None
+    predicted: int | None
+
+
+@dataclass
+class _There:
+    """Placement chose a peer, whose streamed answer is open in resp."""
+
+    host: str
+    resp: httpx.Response
+
+
+class EntryTurn:
+    """What the entry node knows of one client turn: enough to place it, and to place it again."""
+
+    def __init__(self, path: TurnPath, req: GenerateRequest, raw_body: bytes, stream: bool, render: Render):
+        if req.seed is None and req.temperature >= MIN_TEMPERATURE:
+            # The entry picks the seed, so a turn run again elsewhere samples the same answer.
+            req.seed = secrets.randbits(63)
+        self.path, self.req, self.session = path, req, req.session
+        self.raw_body, self.stream, self.render = raw_body, stream, render
+        self.seq = path.mesh.next_seq(req.session)
+        self.unavailable: set[str] = set()
+
+    async def start(self) -> HostTurn | PeerAnswer | PeerStream:
+        placed = await self.place()
+        if isinstance(placed, _Here):
+            return await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq)
+        if isinstance(placed, _There):
+            return PeerStream(passed_headers(placed.resp), self.relay(placed))
+        return placed
+
+    async def place(self) -> _Here | _There | PeerAnswer:
+        """Place the turn: here, or forwarded to a peer. A peer that fails before answering is
+        routed around (nothing the client sent is lost); a non-streamed answer comes back whole."""
+        mesh, session = self.path.mesh, self.session
+        if not mesh.known(session):
+            await mesh.refresh(session)
+        while True:
+            d = mesh.decide(session, len(self.req.prompt), unavailable=frozenset(self.unavailable))
+            if d is None or d.host == self.path.name:
+                # No peer can take it (or this host is best): run here, even while draining.
+                return _Here(d.prev_host if d else mesh.last_host(session), d.predicted_reused if d else None)
+            try:
+                return await self._forward(d)
+            except PeerUnavailable as e:
+                log.warning("turn of %s could not go to %s (%s); placing it again", session, d.host, e.reason)
+                if not e.overloaded:
+                    mesh.peers.mark_down(d.host, e.reason)
+                self.unavailable.add(d.host)
+
+    async def _forward(self, d: Decision) -> _There | PeerAnswer:
+        """Send the turn to the peer placement chose (PeerUnavailable if it cannot take it)."""
+        mesh = self.path.mesh
+        peer = mesh.peers.peers[d.host]
+        headers = {"content-type": "application/json", "X-Session-Id": self.session, FORWARDED: "1",
+                   PREDICTED: str(d.predicted_reused), TURN_SEQ: str(self.seq)}
+        if self.req.seed is not None:
+            headers[SEED] = str(self.req.seed)
+        if d.prev_host:
+            headers[PREV_HOST] = d.prev_host
+        if mesh.peer_token:
+            headers[PEER_HEADER] = mesh.peer_token
+        peer.pending += 1
+        try:
+            resp = await open_turn(mesh.peers.client, d.host, peer.cfg.api, self.raw_body, headers,
+                                   timeout_s=self.path.forward_timeout_s)
+            whole = None
+            if not self.stream or resp.status_code != 200:
+                whole = PeerAnswer(await read_whole(d.host, resp))
+        finally:
+            peer.pending -= 1
+        mesh.note_routed(self.session, d.host, self.seq)
+        return whole if whole is not None else _There(d.host, resp)
+
+    async def relay(self, first: _There) -> AsyncIterator[bytes]:
+        """The peer's SSE answer, passed on as it comes. If the serving peer dies (or stops being
+        heard from) before the answer is whole, the turn is placed again and the new host's answer
+        continues where the client's text stopped (StreamSplice checks the repeat is identical)."""
+        splice, at = StreamSplice(), first
+        peers = self.path.mesh.peers
+        try:
+            while True:
+                reason = "the stream ended before [DONE]"
+                try:
+                    async for chunk in watched(at.resp, peers.peers[at.host], peers.stale_after_s):
+                        for ev in splice.feed(chunk):
+                            yield ev
+                        if splice.done:
+                            return
+                except httpx.HTTPError as e:
+                    reason = f"{type(e).__name__}: {e}"
+                except PeerSilent as e:
+                    reason = str(e)
+                finally:
+                    await at.resp.aclose()
+                if splice.finished:  # only the trailer was lost: the answer is whole
+                    break
+                placed = await self._place_again(at.host, reason, splice)
+                if isinstance(placed, PeerAnswer):  # an error status from the new host
+                    msg = bytes(placed.response.body[:300]).decode(errors="replace")
+                    yield sse_error(f"the turn could not be run again elsewhere: {msg}", "server_error", "peer_lost")
+                    break
+                if isinstance(placed, _Here):
+                    run = await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq)
+                    async for chunk in self.render(run):
+                        for ev in splice.feed(chunk):
+                            yield ev
+                    return
+                at = placed
+        except ResumeDiverged as e:
+            log.warning("turn of %s could not be resumed identically: %s", self.session, e)
+            yield sse_error(f"the serving host stopped mid-answer and the turn did not repeat identically ({e})",
+                            "server_error", "peer_lost")
+        except KVMeshError as e:
+            yield sse_error(str(e), e.type, e.code)
+        yield b"data: [DONE]\n\n"
+
+    async def _place_again(self, lost: str, reason: str, splice: StreamSplice) -> _Here | _There | PeerAnswer:
+        """The host serving the stream stopped mid-answer: route around it and run the turn again."""
+        log.warning("turn of %s: %s stopped mid-answer (%s); running it again elsewhere", self.session, lost, reason)
+        self.path.mesh.peers.mark_down(lost, reason)
+        self.path.on_resumed()
+        self.unavailable.add(lost)
+        splice.resume()
+        return await self.place()
