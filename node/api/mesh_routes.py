@@ -13,13 +13,25 @@ from typing import Any
 from fastapi import APIRouter, Body, Header, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import Response
 
-from kvmesh.node.errors import Conflict, NotFound, Unauthorized
+from kvmesh.node.errors import Conflict, InvalidRequest, NotFound, Unauthorized
 from kvmesh.node.mesh.auth import PEER_HEADER, check_bearer, check_peer_token
 from kvmesh.node.metrics import render_metrics
 from kvmesh.node.node import Node
-from kvmesh.node.protocol import ActionResult, MigrateCommand, SnapshotEvent, is_valid_session_id
+from kvmesh.node.protocol import (
+    ActionResult,
+    MigrateCommand,
+    SnapshotEvent,
+    session_id_problem,
+)
 
 log = logging.getLogger("kvmesh.api.mesh")
+
+
+def check_path_session(session: str) -> None:
+    """A session id from a URL path (`{session:path}`: '/' in an id is fine, encoded or not): 400 naming it if refused."""
+    problem = session_id_problem(session)
+    if problem is not None:
+        raise InvalidRequest(f"session: the session id {problem}", param="session")
 
 
 def router(node: Node) -> APIRouter:
@@ -100,11 +112,10 @@ def router(node: Node) -> APIRouter:
         require_peer(request)
         return Response(node.mesh.local_status().model_dump_json(), media_type="application/json")
 
-    @r.get("/v1/peer/sessions/{session}")
+    @r.get("/v1/peer/sessions/{session:path}")
     async def peer_session(session: str, request: Request) -> Response:
         require_peer(request)
-        if not is_valid_session_id(session):
-            raise NotFound("invalid session id")
+        check_path_session(session)
         return Response(node.mesh.local_holding(session).model_dump_json(), media_type="application/json")
 
     @r.post("/v1/peer/drain")
@@ -117,22 +128,23 @@ def router(node: Node) -> APIRouter:
         require_peer(request)
         return await node.host_action("undrain")
 
-    @r.post("/v1/peer/sessions/{session}/adopt")
+    @r.post("/v1/peer/sessions/{session:path}/adopt")
     async def peer_adopt(session: str, request: Request, seq: int = 0) -> ActionResult:
         require_peer(request)
-        if not is_valid_session_id(session):
-            raise NotFound("invalid session id")
+        check_path_session(session)
         node.mesh.book.adopt(session, seq or node.mesh.next_seq(session))
         return ActionResult(ok=True, message=f"{node.name} is now home of {session}")
 
-    @r.post("/v1/peer/sessions/{session}/migrate")
+    @r.post("/v1/peer/sessions/{session:path}/migrate")
     async def peer_migrate(session: str, target: str, request: Request) -> ActionResult:
         require_peer(request)
+        check_path_session(session)
         return await node.migrate(session, target, relay=False)
 
-    @r.post("/v1/peer/sessions/{session}/replicate")
+    @r.post("/v1/peer/sessions/{session:path}/replicate")
     async def peer_replicate(session: str, request: Request) -> ActionResult:
         require_peer(request)
+        check_path_session(session)
         return await node.replicate_now(session, relay=False)
 
     # ---- admin (admin token) -----------------------------------------------
@@ -147,7 +159,7 @@ def router(node: Node) -> APIRouter:
         require_admin(authorization)
         return await on_host(host, "undrain", request)
 
-    @r.post("/v1/admin/sessions/{session}/migrate")
+    @r.post("/v1/admin/sessions/{session:path}/migrate")
     async def migrate(session: str, cmd: MigrateCommand | None = Body(None), target: str | None = None,
                       authorization: str | None = Header(None)) -> ActionResult:
         require_admin(authorization)
@@ -155,15 +167,13 @@ def router(node: Node) -> APIRouter:
         if not dst:
             raise Conflict('migrate needs a target host: JSON body {"target": "<host>"}')
         peer_api(dst)  # 404 for an unknown host
-        if not is_valid_session_id(session):
-            raise NotFound("invalid session id")
+        check_path_session(session)
         return await node.migrate(session, dst)
 
-    @r.post("/v1/admin/sessions/{session}/replicate")
+    @r.post("/v1/admin/sessions/{session:path}/replicate")
     async def replicate(session: str, authorization: str | None = Header(None)) -> ActionResult:
         require_admin(authorization)
-        if not is_valid_session_id(session):
-            raise NotFound("invalid session id")
+        check_path_session(session)
         return await node.replicate_now(session)
 
     return r

@@ -25,6 +25,7 @@ from kvmesh.node.mesh.auth import PEER_HEADER, check_peer_token
 from kvmesh.node.mesh.forward import PeerUnavailable, ResumeDiverged, StreamSplice, open_turn, passed_headers, read_whole
 from kvmesh.node.mesh.peers import Peer
 from kvmesh.node.node import Node, TurnRun, derive_session_id
+from kvmesh.node.protocol import session_header
 
 log = logging.getLogger("kvmesh.api")
 
@@ -76,7 +77,7 @@ class _Turn:
                 # No peer can take it (or this host is best): run here, even while draining.
                 return Placement(node.name, d.prev_host if d else mesh.last_host(session), d.predicted_reused if d else None)
             peer = mesh.peers.peers[d.host]
-            headers = {"content-type": "application/json", "X-Session-Id": session, FORWARDED: "1",
+            headers = {"content-type": "application/json", "X-Session-Id": session_header(session), FORWARDED: "1",
                        PREDICTED: str(d.predicted_reused), TURN_SEQ: str(self.seq)}
             if self.greq.seed is not None:
                 headers[SEED] = str(self.greq.seed)
@@ -279,7 +280,7 @@ def router(node: Node) -> APIRouter:
             if placed.resp is not None:
                 return StreamingResponse(turn.relay(placed), status_code=200, headers=passed_headers(placed.resp))
             run = await turn.run_here(placed.prev_host, placed.predicted)
-        turn_headers = {"X-Kvmesh-Host": node.name, "X-Session-Id": session,
+        turn_headers = {"X-Kvmesh-Host": node.name, "X-Session-Id": session_header(session),
                         "X-Kvmesh-Handoff": run.handoff_class or "none",
                         "X-Kvmesh-Cached-Tokens": str(run.begin.cached_tokens if run.begin else 0)}
         cid = "chatcmpl-" + uuid.uuid4().hex[:24]

@@ -18,6 +18,7 @@ from kvmesh.node.chaos import Fault, LinkProxy, parse_offer, verify_store, wall_
 from kvmesh.node.engine.hashing import block_hashes, chain_seed, payload_digest
 from kvmesh.node.kvshare import wire
 from kvmesh.node.kvshare.store import ReplicaStore
+from kvmesh.node.protocol import session_key
 
 SECRET = b"a-test-secret-of-some-length"
 FP, BS, BB = "f" * 32, 16, 1024
@@ -115,7 +116,7 @@ def _store_with_replica(root: Path) -> Path:
             w.write_block(i, data, payload_digest(data))
         w.commit()
     store.close()
-    return root / "s1"
+    return root / session_key("s1")
 
 
 def test_verify_store_passes_a_good_replica_and_catches_bad_ones(tmp_path: Path) -> None:

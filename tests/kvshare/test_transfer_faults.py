@@ -20,6 +20,7 @@ import pytest
 
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
 from kvmesh.node.kvshare import wire
+from kvmesh.node.protocol import session_key
 
 from .service_helpers import BLOCK, Conversation, Fault, Pair, hand_offer, hand_send, read_reply, wait_for
 
@@ -27,7 +28,7 @@ from .service_helpers import BLOCK, Conversation, Fault, Pair, hand_offer, hand_
 def assert_nothing_landed(p: Pair, session: str) -> None:
     held = p.holding("b", session)
     assert held["resident_tokens"] == 0 and held["store_tokens"] == 0, f"b holds some of {session}: {held}"
-    assert not (p.store_dir("b") / session).exists(), f"b's store has a directory for {session}"
+    assert not (p.store_dir("b") / session_key(session)).exists(), f"b's store has a directory for {session}"
     assert p.temp_files("b") == [], "temporary files left in b's store"
 
 
