@@ -276,6 +276,24 @@ def test_a_path_like_session_migrates_through_admin_and_peer_routes(mesh: Mesh) 
     assert r.status_code == 200, r.text
 
 
+def test_a_utf8_id_is_forwarded_between_nodes_byte_for_byte(mesh: Mesh) -> None:
+    """A UTF-8 X-Session-Id sent to the node that is not the session's home is forwarded there as the same id:
+    both turns run on the home, and both answers carry the id's exact bytes."""
+    m, sid = mesh, "\u00e9quipe/\u4e2d\u6587 \U0001f600"
+    msgs = [{"role": "user", "content": LONG + "forwarded"}]
+    r1 = m.http.post(m.api("a") + "/v1/chat/completions", headers=[(b"X-Session-Id", sid.encode())], json=chat(msgs))
+    assert r1.status_code == 200 and dict(r1.headers.raw)[b"x-session-id"] == sid.encode(), r1.text
+    home = r1.headers["x-kvmesh-host"]
+    other = "b" if home == "a" else "a"
+    wait_for(lambda: _home(m, other, sid) == home, f"{other} to see {home} as the home of the session")
+    msgs += [{"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "next"}]
+    r2 = m.http.post(m.api(other) + "/v1/chat/completions", headers=[(b"X-Session-Id", sid.encode())], json=chat(msgs))
+    assert r2.status_code == 200, r2.text
+    assert r2.headers["x-kvmesh-host"] == home and dict(r2.headers.raw)[b"x-session-id"] == sid.encode()
+    assert int(r2.headers["x-kvmesh-cached-tokens"]) >= 64
+
+
 @pytest.mark.parametrize("path", ["a%00b", "%09tab", "x" * 257])
 def test_non_ids_in_admin_paths_are_refused_naming_session(mesh: Mesh, path: str) -> None:
     """A NUL, a control character or 257 bytes as the session in an admin path: 400 naming `session`."""
