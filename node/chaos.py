@@ -82,6 +82,7 @@ from kvmesh.node.engine.simkv import block_bytes as sim_block_bytes
 from kvmesh.node.launcher import NodeProcess, free_port, write_toml
 from kvmesh.node.load import LoadRunner, LoadShape
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
+from kvmesh.node.protocol import session_key
 
 NAMES = ("node-a", "node-b", "node-c")
 MODEL = "kvmesh-sim"
@@ -446,7 +447,7 @@ def _verify_replica(d: Path, rep: StoreReport, sim_content: bool) -> None:
         return
     named = {"manifest.json", tokens_file, *(s[0] for s in segments)}
     rep.leaked += [f"{d.name}/{n} (no manifest names it)" for n in sorted(names - named) if not n.startswith("~")]
-    if m.get("session") != d.name:
+    if not isinstance(m.get("session"), str) or session_key(m["session"]) != d.name:  # directories go by the id's key
         bad(f"{d.name}: manifest names session {m.get('session')!r}")
     if len(digests) != len(hashes):
         bad(f"{d.name}: {len(hashes)} hashes but {len(digests)} digests")

@@ -49,7 +49,7 @@ def cmd_netlab(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from kvmesh.node.bench import emit
+    from kvmesh.node.bench.common import emit
     from kvmesh.node.load import LoadRunner, LoadShape
 
     shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, max_tokens=args.max_tokens,
@@ -61,8 +61,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     finally:
         if record:
             record.close()
-    emit(stats.summary(), args)
-    return 0 if stats.errors == 0 else 1
+    return emit(stats.summary(), args)
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
@@ -169,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     so.add_argument("--sessions", type=int, default=64)
     so.add_argument("--seed", type=int, default=1)
     so.add_argument("--json", action="store_true")
+    so.add_argument("--max-p99-s", type=float, default=30.0, help="fail when the p99 turn latency is above this")
+    so.add_argument("--max-fd-growth", type=int, default=32, help="fail when a node ends with this many more fds than at steady state")
     so.set_defaults(func=cmd_soak)
 
     from kvmesh.node.meshinit import add_parser as add_init_parser

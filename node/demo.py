@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.node.bench.handoff import start_mesh, wait_peers
+from kvmesh.node.bench.common import start_mesh, wait_peers
 from kvmesh.node.launcher import NodeProcess
 from kvmesh.node.load import LoadRunner, LoadShape
 

@@ -31,7 +31,8 @@ from kvmesh.node.protocol import (
     HostInfo,
     HostStatus,
     ReplicaEvicted,
-    is_valid_session_id,
+    session_from_header,
+    session_id_problem,
 )
 from kvmesh.node.tls import client_context
 
@@ -39,17 +40,18 @@ log = logging.getLogger("kvmesh.node")
 
 
 def derive_session_id(header: str | None, user: str | None, messages: list[dict[str, Any]]) -> str:
-    """X-Session-Id header, else the request's `user`, else a hash of the first system+user message."""
-    if header is not None:
-        if not is_valid_session_id(header):
-            raise InvalidRequest(
-                "X-Session-Id must be 1-128 characters of A-Z a-z 0-9 . _ : @ - (and not '.' or '..')",
-                param="X-Session-Id",
-            )
-        return header
-    if user:
-        # `user` is free text in the OpenAI API: used as is when it is a safe id, hashed otherwise.
-        return user if is_valid_session_id(user) else "user-" + hashlib.sha256(user.encode()).hexdigest()[:20]
+    """X-Session-Id header, else the request's `user`, else a hash of the first system+user message.
+
+    Any printable id is taken as sent (see `session_id_problem`); an empty, over-long or
+    control-character one is refused with a 400 naming the header or the field it came in.
+    An empty `user` counts as none (clients send "" for "no user")."""
+    for value, param in ((None if header is None else session_from_header(header), "X-Session-Id"), (user or None, "user")):
+        if value is None:
+            continue
+        problem = session_id_problem(value)
+        if problem is not None:
+            raise InvalidRequest(f"{param}: the session id {problem}", param=param)
+        return value
     first = [m for m in messages if m.get("role") in ("system", "developer")][:1]
     first += [m for m in messages if m.get("role") == "user"][:1]
     blob = repr([(m.get("role"), m.get("content")) for m in first]).encode()

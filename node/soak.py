@@ -23,8 +23,18 @@ with each node's anonymous RSS and store bytes per minute (`per_minute`).
 RSS includes the store's mapped segment pages (file-backed, reclaimable); the
 `shared` figure is that part.
 
-A run passes with 0 errors and, when it lasts 10 minutes or more, RSS growth
-under `--max-rss-growth-pct` (5%) on every node; the exit status says so.
+A run passes when every rule below holds; `failed_rules` names each one that did
+not, and the exit status says so:
+
+- errors: 0 failed turns, and at least one turn completed;
+- latency: client-side p99 turn latency at most `--max-p99-s` (30 s);
+- fds: on every node, open file descriptors at the end at most `--max-fd-growth`
+  (32) above the steady state ("start" above). At the end the load has stopped,
+  so the clients' connections are closed; 32 leaves room for the peers'
+  keep-alive and kv_share connections opened after the start. A leak of one fd
+  per turn or per transfer is far above it within a minute;
+- RSS, when the run lasts 10 minutes or more: growth under `--max-rss-growth-pct`
+  (5%) on every node (shorter runs are dominated by warm-up: reported, not judged).
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from typing import Any
 import httpx
 import psutil
 
-from kvmesh.node.bench.handoff import start_mesh, wait_peers
+from kvmesh.node.bench.common import start_mesh, wait_peers
 from kvmesh.node.launcher import NodeProcess
 from kvmesh.node.load import LoadRunner, LoadShape
 
@@ -50,6 +60,8 @@ NAMES = ["node-a", "node-b", "node-c"]
 MIB = 1 << 20
 GROWTH_MIN_MINUTES = 10.0  # shorter runs are dominated by warm-up; their growth is reported, not judged
 STORE_FULL = 0.9  # a store at this share of its byte budget is full: its index stops growing
+MAX_P99_S = 30.0  # default bound on the client-side p99 turn latency
+MAX_FD_GROWTH = 32  # default bound on a node's open fds at the end above the steady state (see the docstring)
 
 
 def _sample(p: NodeProcess) -> dict[str, float]:
@@ -103,7 +115,7 @@ class Soak:
         while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), every_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await asyncio.to_thread(self.take, "latest")
                 full = await asyncio.to_thread(self.stores_full)
                 t = time.monotonic() - self.t0
@@ -205,8 +217,26 @@ class Soak:
             "steady_after_s": round(self.steady_at, 1) if self.steady_at is not None else None,
             "steady_reason": getattr(self, "steady_reason", "run too short"),
         }
-        result["passed"] = load["errors"] == 0 and load["turns"] > 0 and (not judged or growth < a.max_rss_growth_pct)
+        result["failed_rules"] = failed_rules(result, a)
+        result["passed"] = not result["failed_rules"]
         return result
+
+
+def failed_rules(r: dict[str, Any], limits: argparse.Namespace) -> list[str]:
+    """Each pass rule (module docstring) this soak result breaks, as `rule: what was seen`."""
+    out: list[str] = []
+    if r["errors"] or not r["turns"]:
+        out.append(f"errors: {r['errors']} failed of {r['turns']} turns")
+    p99 = r["latency_p99_s"]
+    if p99 is None or p99 > limits.max_p99_s:
+        out.append(f"latency: p99 {p99}s over the {limits.max_p99_s:g}s bound")
+    for name, n in r["nodes"].items():
+        if n["fds_end"] - n["fds_start"] > limits.max_fd_growth:
+            out.append(f"fds: {name} {n['fds_start']} -> {n['fds_end']} (+{n['fds_end'] - n['fds_start']}, "
+                       f"bound +{limits.max_fd_growth})")
+    if r["rss_growth_judged"] and r["rss_growth_max_pct"] >= limits.max_rss_growth_pct:
+        out.append(f"rss: growth {r['rss_growth_max_pct']}% not under {limits.max_rss_growth_pct:g}%")
+    return out
 
 
 def _human(r: dict[str, Any]) -> None:
@@ -216,7 +246,7 @@ def _human(r: dict[str, Any]) -> None:
         print(f"  {name}: RSS {n['rss_start_mib']} -> {n['rss_end_mib']} MiB ({n['rss_growth_pct']:+.2f}%, max "
               f"{n['rss_max_mib']}; anon {n['rss_anon_growth_pct']:+.2f}%), fds {n['fds_start']} -> {n['fds_end']}, threads {n['threads_start']} -> "
               f"{n['threads_end']}, store {n['store_bytes'] / MIB:.1f} MiB")
-    print(f"soak: {'PASS' if r['passed'] else 'FAIL'}"
+    print(f"soak: {'PASS' if r['passed'] else 'FAIL: ' + '; '.join(r['failed_rules'])}"
           + ("" if r["rss_growth_judged"] else f" (RSS growth judged only for runs of {GROWTH_MIN_MINUTES:g}+ minutes)"))
 
 
@@ -246,7 +276,8 @@ def _trend_of(series: list[tuple[float, float, float]]) -> dict[str, Any]:
 
 def run_soak(args: argparse.Namespace) -> int:
     for k, v in {"slots": 8, "kv_scale": 0.02, "cache_mib": 256, "target_tokens": 50_000, "max_tokens": 64,
-                 "time_scale": 1.0, "max_rss_growth_pct": 5.0}.items():
+                 "time_scale": 1.0, "max_rss_growth_pct": 5.0, "max_p99_s": MAX_P99_S,
+                 "max_fd_growth": MAX_FD_GROWTH}.items():
         if not hasattr(args, k):
             setattr(args, k, v)  # the CLI sets the common ones; these have fixed defaults
 

@@ -23,7 +23,7 @@ from fastapi import (
 from fastapi.responses import Response
 
 from kvmesh.node.api.deps import NodeDep
-from kvmesh.node.errors import Conflict, NotFound, Unauthorized
+from kvmesh.node.errors import Conflict, InvalidRequest, NotFound, Unauthorized
 from kvmesh.node.mesh.actions import RelayFailed, relay_action
 from kvmesh.node.mesh.auth import PEER_HEADER, check_bearer, check_peer_token
 from kvmesh.node.node import Node
@@ -31,7 +31,7 @@ from kvmesh.node.protocol import (
     ActionResult,
     MigrateCommand,
     SnapshotEvent,
-    is_valid_session_id,
+    session_id_problem,
 )
 
 # A host action answers at once (a drain runs on after it), so a relay of one waits briefly.
@@ -45,8 +45,10 @@ def _json(body: str) -> Response:
 
 
 def _valid_session(session: str) -> str:
-    if not is_valid_session_id(session):
-        raise NotFound("invalid session id")
+    """A session id from a URL path (`{session:path}`: '/' in an id is fine, encoded or not): 400 naming it if refused."""
+    problem = session_id_problem(session)
+    if problem is not None:
+        raise InvalidRequest(f"session: the session id {problem}", param="session")
     return session
 
 
@@ -126,7 +128,7 @@ async def peer_status(node: PeerNode) -> Response:
     return _json(node.mesh.local_status().model_dump_json())
 
 
-@router.get("/v1/peer/sessions/{session}")
+@router.get("/v1/peer/sessions/{session:path}")
 async def peer_session(session: str, node: PeerNode) -> Response:
     return _json(node.mesh.local_holding(_valid_session(session)).model_dump_json())
 
@@ -141,21 +143,21 @@ async def peer_undrain(node: PeerNode) -> ActionResult:
     return await node.operator.host_action("undrain")
 
 
-@router.post("/v1/peer/sessions/{session}/adopt")
+@router.post("/v1/peer/sessions/{session:path}/adopt")
 async def peer_adopt(session: str, node: PeerNode, seq: int = 0) -> ActionResult:
     _valid_session(session)
     node.mesh.book.adopt(session, seq or node.mesh.next_seq(session))
     return ActionResult(ok=True, message=f"{node.name} is now home of {session}")
 
 
-@router.post("/v1/peer/sessions/{session}/migrate")
+@router.post("/v1/peer/sessions/{session:path}/migrate")
 async def peer_migrate(session: str, target: str, node: PeerNode) -> ActionResult:
-    return await node.operator.migrate(session, target, relay=False)
+    return await node.operator.migrate(_valid_session(session), target, relay=False)
 
 
-@router.post("/v1/peer/sessions/{session}/replicate")
+@router.post("/v1/peer/sessions/{session:path}/replicate")
 async def peer_replicate(session: str, node: PeerNode) -> ActionResult:
-    return await node.operator.replicate_now(session, relay=False)
+    return await node.operator.replicate_now(_valid_session(session), relay=False)
 
 
 # ---- admin (admin token) -----------------------------------------------------
@@ -184,7 +186,7 @@ async def undrain(host: str, node: AdminNode) -> ActionResult:
     return await _on_host(node, host, "undrain")
 
 
-@router.post("/v1/admin/sessions/{session}/migrate")
+@router.post("/v1/admin/sessions/{session:path}/migrate")
 async def migrate(session: str, node: AdminNode, cmd: Annotated[MigrateCommand | None, Body()] = None,
                   target: str | None = None) -> ActionResult:
     dst = (cmd.target if cmd else None) or target
@@ -194,6 +196,6 @@ async def migrate(session: str, node: AdminNode, cmd: Annotated[MigrateCommand |
     return await node.operator.migrate(_valid_session(session), dst)
 
 
-@router.post("/v1/admin/sessions/{session}/replicate")
+@router.post("/v1/admin/sessions/{session:path}/replicate")
 async def replicate(session: str, node: AdminNode) -> ActionResult:
     return await node.operator.replicate_now(_valid_session(session))

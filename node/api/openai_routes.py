@@ -22,6 +22,7 @@ from kvmesh.node.errors import InvalidRequest, KVMeshError, ModelNotFound
 from kvmesh.node.mesh.forward import sse_error
 from kvmesh.node.mesh.turn import HostTurn, PeerAnswer, PeerStream
 from kvmesh.node.node import Node, derive_session_id
+from kvmesh.node.protocol import session_header
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -127,7 +128,7 @@ def _generate_request(node: Node, body: ChatCompletionRequest, x_session_id: str
 
 async def _answer(run: HostTurn, model: str, stream: bool, include_usage: bool) -> Response:
     """A turn running here, as an SSE stream or one JSON completion."""
-    turn_headers = {"X-Kvmesh-Host": run.path.name, "X-Session-Id": run.req.session,
+    turn_headers = {"X-Kvmesh-Host": run.path.name, "X-Session-Id": session_header(run.req.session),
                     "X-Kvmesh-Handoff": run.handoff_class or "none",
                     "X-Kvmesh-Cached-Tokens": str(run.begin.cached_tokens if run.begin else 0)}
     cid = "chatcmpl-" + uuid.uuid4().hex[:24]

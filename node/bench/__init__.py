@@ -1,21 +1,16 @@
-"""`kvmesh bench ...`: each benchmark prints one JSON object as its last stdout line."""
+"""`kvmesh bench ...`: each benchmark prints one JSON object as its last stdout line.
+
+This package's own module only dispatches; what the benchmarks share (output, exit
+status, a local mesh) lives in `node.bench.common`, so no benchmark imports this one.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
-
-
-def emit(result: dict[str, Any], args: argparse.Namespace) -> None:
-    """Human lines first (unless --json), then the JSON object as the very last line."""
-    if not getattr(args, "json", False):
-        for k, v in result.items():
-            print(f"{k:>28}: {v}")
-    print(json.dumps(result), flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the benchmark `args.bench`; its exit status is non-zero when its run had errors."""
     if args.bench == "ttft":
         from kvmesh.node.bench.ttft import run_ttft
 

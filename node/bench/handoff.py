@@ -2,6 +2,7 @@
 
 The counters are the mesh's own (GET /v1/cluster), not the load generator's
 view; decision time is the placement function's, measured inside the nodes.
+The exit status is non-zero when any turn failed (or none completed).
 """
 
 from __future__ import annotations
@@ -11,46 +12,11 @@ import asyncio
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from kvmesh.node.bench import emit
-from kvmesh.node.launcher import NodeProcess, mesh_configs
+from kvmesh.node.bench.common import emit, start_mesh, wait_peers
 from kvmesh.node.load import LoadRunner, LoadShape
-
-
-def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cache_bytes: int,
-               extra: dict[str, Any] | None = None) -> list[NodeProcess]:
-    engine = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_timeout_s": 600.0,
-              "sim": {"kv_scale": kv_scale}}
-    base: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 4 * cache_bytes},
-                            "mesh": {"poll_interval_s": 0.25}}
-    for k, v in (extra or {}).items():
-        if isinstance(v, dict):
-            base.setdefault(k, {}).update(v)
-        else:
-            base[k] = v
-    cfgs = mesh_configs(work, names, engine=engine, extra=base)
-    nodes = [NodeProcess(n, p, work).start() for n, p in cfgs.items()]
-    try:
-        for n in nodes:
-            n.wait_ready()
-    except BaseException:
-        for n in nodes:
-            n.stop()
-        raise
-    return nodes
-
-
-def wait_peers(nodes: list[NodeProcess], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        hosts = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=5).json()["hosts"]
-        if len(hosts) == len(nodes) and all(h["reachable"] for h in hosts):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("the nodes did not see each other")
 
 
 def run_handoff(args: argparse.Namespace) -> int:
@@ -86,10 +52,10 @@ def run_handoff(args: argparse.Namespace) -> int:
         "stale_state_cold": c["stale_state_cold"],
         "decision_p99_ms": max(s["decision_p99_ms"] for s in node_stats),
         "decision_cpu_p99_ms": max(s["decision_cpu_p99_ms"] for s in node_stats),
-        "turns": load["turns"], "errors": load["errors"], "duration_s": round(elapsed, 1),
+        "turns": load["turns"], "errors": load["errors"], "error_samples": load["error_samples"],
+        "status": load["status"], "duration_s": round(elapsed, 1),
         "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
         "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
         "cold_move_after_s": args.cold_move_after, "replicate_min_tokens": args.replicate_min_tokens,
     }
-    emit(result, args)
-    return 0
+    return emit(result, args)  # non-zero when a turn failed: its counters describe a run that lost turns

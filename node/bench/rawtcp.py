@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,7 +22,7 @@ CHUNK = 4 << 20
 SOCK_BUF = 4 << 20
 
 
-def recv(host: str, port: int, nbytes: int, ready: "callable | None" = None) -> float:  # type: ignore[valid-type]
+def recv(host: str, port: int, nbytes: int, ready: Callable[[], object] | None = None) -> float:
     buf = np.ones(CHUNK, dtype=np.uint8)  # pre-touched
     view = memoryview(buf)  # type: ignore[arg-type]  # ndarrays are buffers; numpy's stubs disagree
     with socket.create_server((host, port)) as srv:

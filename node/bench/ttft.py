@@ -6,6 +6,7 @@ it, and the conversation continues with one more ~256-token user message.
 TTFT is from request to first token; the warm figure includes the import.
 With `--model DIR` both engines run a local Hugging Face checkpoint (kind "torch"),
 and the conversation is grown until the checkpoint's tokenizer counts ~--tokens.
+Exit status non-zero when the warm turn reused none of the imported replica.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.node.bench import emit
+from kvmesh.node.bench.common import emit
 from kvmesh.node.bench.workload import grow_conversation, text
 from kvmesh.node.config import EngineConfig, SimConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
@@ -106,6 +107,8 @@ def run_ttft(args: argparse.Namespace) -> int:
             warm_s = import_s + gen_s
             cached = away.counters.cached_tokens
             away.close()
+            # A warm turn that reused nothing of the imported replica measured a cold prefill: an error.
+            errors = [] if cached else ["the warm turn reused none of the imported replica"]
             return {
                 "prompt_tokens": len(prompt),
                 "cold_ttft_s": round(cold_s, 4),
@@ -115,10 +118,10 @@ def run_ttft(args: argparse.Namespace) -> int:
                 "warm_prompt_tokens": len(prompt2),
                 "warm_cached_tokens": cached,
                 "engine": cfg.kind,
+                "errors": len(errors), "error_samples": errors,
                 **({"model": cfg.served_model, "device": str(away.device), "dtype": str(away.dtype).removeprefix("torch.")}
                    if model is not None else {}),
             }
 
         result = asyncio.run(scenario())
-    emit(result, args)
-    return 0
+    return emit(result, args)

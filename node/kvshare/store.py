@@ -1,15 +1,20 @@
 """The on-disk replica store: KV blocks of sessions, kept across restarts.
 
 A replica is a session's whole blocks: tokens, chained hashes, payload digests
-and the KV payloads. Each session has one directory::
+and the KV payloads. Each session has one directory, named by the digest of its
+id (`protocol.session_key`: 32 hex digits, whatever the id holds: '/', '..',
+non-ASCII); the id itself is in the manifest::
 
-    root/<session>/manifest.json      the commit point; names every other file
-    root/<session>/tokens-<seq>.bin   int32 LE token ids of every stored block
-    root/<session>/seg-<seq>.kv       one delta: payloads of a contiguous run of
-                                      blocks, back to back from offset 0
+    root/<key>/manifest.json      the commit point; names the session and every other file
+    root/<key>/tokens-<seq>.bin   int32 LE token ids of every stored block
+    root/<key>/seg-<seq>.kv       one delta: payloads of a contiguous run of
+                                  blocks, back to back from offset 0
+
+A directory named by the id itself (the format before session keys) is renamed
+to its key when the store opens.
 
 Every file is written under a temporary name (starting with "~", which a session
-id cannot contain), renamed once complete, and only becomes part of the replica
+key cannot), renamed once complete, and only becomes part of the replica
 when a new manifest.json naming it replaces the old one by rename. So a torn or
 corrupt write never becomes visible: until that last rename, readers see the
 previous replica; after a crash the next start deletes the leftovers.
@@ -41,6 +46,7 @@ import itertools
 import logging
 import mmap
 import os
+import re
 import shutil
 import threading
 import time
@@ -57,9 +63,17 @@ from typing import TYPE_CHECKING, Annotated, Literal, cast
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvmesh.node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens, block_hashes, chain_seed, payload_digest
+from kvmesh.node.engine.hashing import (
+    HASH_BYTES,
+    TOKEN_DTYPE,
+    as_tokens,
+    block_hashes,
+    chain_seed,
+    payload_digest,
+)
 from kvmesh.node.errors import ImportRefused, KVMeshError
 from kvmesh.node.kvshare.wire import check_session_id, is_valid_session_id
+from kvmesh.node.protocol import session_key
 
 if TYPE_CHECKING:
     from kvmesh.node.engine.engine import Engine, ImportTxn
@@ -72,6 +86,7 @@ TEMP_PREFIX = "~"
 MAX_SEGMENTS = 16
 MAX_OPEN_MAPS = 64  # mapped segment files open at once, across the store
 TRIM_BYTES = 4 << 20  # bytes of views handed out between two MADV_DONTNEED passes
+_KEY_RE = re.compile(r"[0-9a-f]{32}")  # a session directory's name: protocol.session_key
 _wall_clock = time.time  # stamps a manifest's "updated" (LRU order after a restart); swappable in tests
 
 
@@ -722,7 +737,7 @@ class ReplicaStore:
     # ---- start-up ----------------------------------------------------------------------
 
     def _dir(self, session: str) -> Path:
-        return self.root / session
+        return self.root / session_key(session)
 
     def _scan(self) -> None:
         """Index what is on disk; delete temp leftovers; drop sessions that do not check out."""
@@ -736,17 +751,33 @@ class ReplicaStore:
                 else:
                     _unlink_quietly(path)
                 continue
-            if not path.is_dir() or not is_valid_session_id(name):
+            if path.is_dir() and not _KEY_RE.fullmatch(name):
+                path = self._rename_legacy(path) or path
+            if not path.is_dir() or not _KEY_RE.fullmatch(path.name):
                 log.warning("ignoring %s: not a replica directory", path)
                 continue
             try:
                 found.append(self._load(path))
             except _Corrupt as e:
-                log.warning("dropping the replica of session %r: %s", name, e)
+                log.warning("dropping the replica in %s/: %s", path.name, e)
                 self.dropped += 1
                 self._rmtree(path)
         for entry in sorted(found, key=lambda e: e.manifest.updated):
             self._entries[entry.manifest.session] = entry
+
+    def _rename_legacy(self, path: Path) -> Path | None:
+        """A directory named by the session id itself (before session keys): renamed to its key
+        when its manifest names that very session and the key is free; None otherwise."""
+        try:
+            session = _ManifestModel.model_validate_json((path / MANIFEST).read_bytes()).session
+        except (OSError, ValidationError):
+            return None
+        target = self._dir(session)
+        if session != path.name or not is_valid_session_id(session) or target.exists():
+            return None
+        os.rename(path, target)
+        log.info("renamed the replica directory of %r to its key %s", session, target.name)
+        return target
 
     def _load(self, d: Path) -> _Entry:
         for p in d.iterdir():
@@ -774,8 +805,8 @@ class ReplicaStore:
 
     @staticmethod
     def _from_model(d: Path, model: _ManifestModel) -> Manifest:
-        if model.session != d.name:
-            raise _Corrupt(f"manifest.json names session {model.session!r}")
+        if not is_valid_session_id(model.session) or session_key(model.session) != d.name:
+            raise _Corrupt(f"manifest.json names session {model.session!r}, whose key is not {d.name}")
         n = len(model.hashes)
         if len(model.digests) != n:
             raise _Corrupt(f"{n} hashes but {len(model.digests)} digests")

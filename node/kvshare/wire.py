@@ -10,6 +10,9 @@ Sender -> receiver::
     OFFER  b"KVSH" | version u8 | kind u8 | header_len u32 | n_tokens u32 | n_hashes u32
            | header JSON (`Offer`) | tokens (int32 LE) | hashes (16 B each)
            | HMAC-SHA256(secret, everything before it)
+           The header's `session` is the id itself, as the client sent it (UTF-8 JSON
+           inside the length-prefixed header); a receiver names nothing by it: its
+           store files go by `protocol.session_key(session)`.
     BLOCK  kind u8 | index u32 | chain hash 16 B | payload digest 16 B | payload (block_bytes)
     END    kind u8 | block count u32 | HMAC(secret, offer mac || payload digests in order)
 
@@ -75,7 +78,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvmesh.node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, payload_digest
 from kvmesh.node.errors import InvalidRequest, KVMeshError
-from kvmesh.node.protocol import is_valid_session_id
+from kvmesh.node.protocol import is_valid_session_id, session_id_problem  # noqa: F401 - is_valid_session_id: re-exported by node.kvshare
 
 MAGIC = b"KVSH"
 VERSION = 1
@@ -127,19 +130,17 @@ class ProtocolError(KVMeshError):
 
 
 class InvalidSessionId(InvalidRequest):
-    """A session id that could not safely name a file."""
+    """Not a session id (empty, over-long, a control character: `protocol.session_id_problem`)."""
 
     code = "invalid_session_id"
 
 
 def check_session_id(session: object) -> str:
-    """The id itself, or `InvalidSessionId` (before anything touches a disk)."""
-    if not is_valid_session_id(session):
-        shown = repr(session)[:40]
-        raise InvalidSessionId(
-            f"session id {shown} is not 1-128 characters of A-Z a-z 0-9 . _ : @ - (and not '.' or '..')",
-            param="session",
-        )
+    """The id itself, or `InvalidSessionId` (before anything touches a disk). Files are named by
+    `protocol.session_key(id)`, never by the id, so any printable id is safe here."""
+    problem = session_id_problem(session)
+    if problem is not None:
+        raise InvalidSessionId(f"session id {repr(session)[:40]} {problem}", param="session")
     return session  # type: ignore[return-value]
 
 
@@ -163,8 +164,9 @@ class Offer(BaseModel):
     @field_validator("session")
     @classmethod
     def _session_id(cls, v: str) -> str:
-        if not is_valid_session_id(v):
-            raise ValueError("not a valid session id")
+        problem = session_id_problem(v)
+        if problem is not None:
+            raise ValueError(f"the session id {problem}")
         return v
 
     @property

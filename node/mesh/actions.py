@@ -24,6 +24,7 @@ from kvmesh.node.protocol import (
     MigrateCompleted,
     MigrateStarted,
     Undrained,
+    session_path,
 )
 
 
@@ -119,7 +120,7 @@ class Operator:
         """Push the session's replica to target, then make target its home."""
         home = self.mesh.home(session)
         if relay and home is not None and home != self.name:
-            return await self._relay(home, f"/v1/peer/sessions/{session}/migrate?target={target}")
+            return await self._relay(home, f"/v1/peer/sessions/{session_path(session)}/migrate?target={target}")
         seq = self.mesh.next_seq(session)
         if target == self.name:
             self.mesh.book.adopt(session, seq)
@@ -131,7 +132,7 @@ class Operator:
         ok = res.ok
         msg = f"{res.tokens} tokens now on {target}" if ok else f"replica push failed: {res.reason} {res.message}"
         if ok:
-            adopt = await self._relay(target, f"/v1/peer/sessions/{session}/adopt?seq={seq}")
+            adopt = await self._relay(target, f"/v1/peer/sessions/{session_path(session)}/adopt?seq={seq}")
             ok = adopt.ok
             if not ok:
                 msg = adopt.message
@@ -142,7 +143,7 @@ class Operator:
         """Push the session's replica to the host placement predicts next, now."""
         home = self.mesh.home(session)
         if relay and home is not None and home != self.name:
-            return await self._relay(home, f"/v1/peer/sessions/{session}/replicate")
+            return await self._relay(home, f"/v1/peer/sessions/{session_path(session)}/replicate")
         d = self.mesh.predict_next(session)
         if d is None or d.host == self.name:
             return ActionResult(ok=False, message=f"no other host could take {session} now")

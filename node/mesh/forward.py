@@ -42,8 +42,12 @@ class PeerSilent(Exception):
 
 async def open_turn(client: httpx.AsyncClient, peer: str, api: str, body: bytes, headers: dict[str, str],
                     *, timeout_s: float) -> httpx.Response:
-    """POST the body to the peer; the answer's status is known, its body not yet read."""
-    req = client.build_request("POST", f"{api}/v1/chat/completions", content=body, headers=headers,
+    """POST the body to the peer; the answer's status is known, its body not yet read.
+
+    Header values go out as latin-1 bytes, as they came in (httpx would send a str as ASCII
+    only; a UTF-8 session id arrives as latin-1 text, see `protocol.session_header`)."""
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    req = client.build_request("POST", f"{api}/v1/chat/completions", content=body, headers=raw,
                                timeout=httpx.Timeout(timeout_s, connect=1.0))
     try:
         resp = await client.send(req, stream=True)
@@ -56,7 +60,13 @@ async def open_turn(client: httpx.AsyncClient, peer: str, api: str, body: bytes,
 
 
 def passed_headers(resp: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in resp.headers.items() if k.lower() in PASS_HEADERS or k.lower().startswith("x-kvmesh-")}
+    """The peer's headers the client should see, byte for byte (latin-1 both ways: a UTF-8 session id stays UTF-8)."""
+    out = {}
+    for k, v in resp.headers.raw:
+        name = k.decode("latin-1").lower()
+        if name in PASS_HEADERS or name.startswith("x-kvmesh-"):
+            out[name] = v.decode("latin-1")
+    return out
 
 
 async def read_whole(peer: str, resp: httpx.Response) -> Response:

@@ -19,7 +19,14 @@ from pydantic import ValidationError
 
 from kvmesh.node.config import PeerConfig
 from kvmesh.node.mesh.auth import PEER_HEADER
-from kvmesh.node.protocol import Event, PeerDown, PeerStatus, PeerUp, SessionHolding
+from kvmesh.node.protocol import (
+    Event,
+    PeerDown,
+    PeerStatus,
+    PeerUp,
+    SessionHolding,
+    session_path,
+)
 
 log = logging.getLogger("kvmesh.mesh.peers")
 
@@ -85,7 +92,7 @@ class PeerTable:
 
     async def poll_session(self, peer: Peer, session: str) -> None:
         try:
-            r = await self.client.get(f"{peer.cfg.api}/v1/peer/sessions/{session}", timeout=0.5)
+            r = await self.client.get(f"{peer.cfg.api}/v1/peer/sessions/{session_path(session)}", timeout=0.5)
             r.raise_for_status()
             peer.sessions[session] = SessionHolding.model_validate_json(r.content)
         except (httpx.HTTPError, ValidationError):

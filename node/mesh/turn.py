@@ -54,6 +54,7 @@ from kvmesh.node.protocol import (
     TurnFinished,
     TurnStarted,
     classify,
+    session_header,
 )
 
 log = logging.getLogger("kvmesh.mesh.turn")
@@ -277,7 +278,7 @@ class EntryTurn:
         """Send the turn to the peer placement chose (PeerUnavailable if it cannot take it)."""
         mesh = self.path.mesh
         peer = mesh.peers.peers[d.host]
-        headers = {"content-type": "application/json", "X-Session-Id": self.session, FORWARDED: "1",
+        headers = {"content-type": "application/json", "X-Session-Id": session_header(self.session), FORWARDED: "1",
                    PREDICTED: str(d.predicted_reused), TURN_SEQ: str(self.seq)}
         if self.req.seed is not None:
             headers[SEED] = str(self.req.seed)

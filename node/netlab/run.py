@@ -12,8 +12,8 @@ times match the full-size experiment; think times are compressed by
 from __future__ import annotations
 
 import argparse
-import collections
 import asyncio
+import collections
 import json
 import statistics
 import sys
@@ -27,8 +27,8 @@ from typing import Any
 import httpx
 from websockets.sync.client import connect
 
-from kvmesh.node.bench.handoff import wait_peers
 from kvmesh.node.bench import rawtcp
+from kvmesh.node.bench.common import wait_peers
 from kvmesh.node.config import EngineConfig
 from kvmesh.node.launcher import NodeProcess
 from kvmesh.node.load import LoadRunner, LoadShape

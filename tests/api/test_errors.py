@@ -181,12 +181,12 @@ def test_body_over_default_8mib_is_413(check_error, sim, http_sim):
 
 # ---- X-Session-Id ----------------------------------------------------------------
 
-BAD_SESSION_IDS = ["../etc", "a/b", "x" * 200, "", ".", "..", "a b", "sess;rm -rf", "\\windows\\path"]
+BAD_SESSION_IDS = ["x" * 257, "", "a\tb"]
 
 
 @pytest.mark.parametrize("sid", BAD_SESSION_IDS, ids=[repr(s)[:20] for s in BAD_SESSION_IDS])
 def test_invalid_session_id_is_400_naming_header(check_error, sim, sim_client, http_sim, sid):
-    """An unsafe X-Session-Id (path characters, too long, empty) is 400 naming X-Session-Id."""
+    """An X-Session-Id that is not an id (over 256 bytes, empty, a control character) is 400 naming X-Session-Id."""
     with pytest.raises(openai.BadRequestError) as ei:
         sim_client.chat.completions.create(model=sim.model, messages=HI, max_tokens=4,
                                            extra_headers={"X-Session-Id": sid})
@@ -198,8 +198,8 @@ def test_invalid_session_id_is_400_naming_header(check_error, sim, sim_client, h
 
 
 def test_session_id_limits_are_accepted(sim, http_sim):
-    """The longest (128) and the whole safe alphabet are accepted as X-Session-Id."""
-    for sid in ("s" * 128, "A-z_0.9:@x"):
+    """The longest (256 bytes) and path-like, email, base64 and spaced ids are accepted as X-Session-Id."""
+    for sid in ("s" * 256, "A-z_0.9:@x", "../etc", "a/b", "a b", "sess;rm -rf", "\\windows\\path", "b64:ab+/cd=="):
         r = http_sim.post(CHAT, json=_ok(sim.model), headers={"X-Session-Id": sid})
         assert r.status_code == 200, r.text
         assert r.headers["x-session-id"] == sid

@@ -19,6 +19,7 @@ from kvmesh.node.engine.hashing import block_hashes, chain_seed, payload_digest
 from kvmesh.node.engine.simkv import block_bytes
 from kvmesh.node.kvshare import wire
 from kvmesh.node.kvshare.store import ReplicaStore
+from kvmesh.node.protocol import session_key
 
 SECRET = b"a-test-secret-of-some-length"
 FP, BS, BB = "f" * 32, 16, 1024
@@ -116,7 +117,7 @@ def _store_with_replica(root: Path) -> Path:
             w.write_block(i, data, payload_digest(data))
         w.commit()
     store.close()
-    return root / "s1"
+    return root / session_key("s1")
 
 
 def test_verify_store_passes_a_good_replica_and_catches_bad_ones(tmp_path: Path) -> None:
@@ -127,20 +128,20 @@ def test_verify_store_passes_a_good_replica_and_catches_bad_ones(tmp_path: Path)
     seg = next(d.glob("seg-*.kv"))
     flipped = tmp_path / "flipped"
     shutil.copytree(tmp_path / "good", flipped)
-    data = bytearray((flipped / "s1" / seg.name).read_bytes())
+    data = bytearray((flipped / d.name / seg.name).read_bytes())
     data[BB + 7] ^= 0x10
-    (flipped / "s1" / seg.name).write_bytes(bytes(data))
+    (flipped / d.name / seg.name).write_bytes(bytes(data))
     assert any("block 1" in c for c in verify_store(flipped, "x").corrupt)
 
     torn = tmp_path / "torn"
     shutil.copytree(tmp_path / "good", torn)
-    with open(torn / "s1" / seg.name, "r+b") as fh:
+    with open(torn / d.name / seg.name, "r+b") as fh:
         fh.truncate(2 * BB + 5)
     assert any("partial" in c for c in verify_store(torn, "x").corrupt)
 
     leaky = tmp_path / "leaky"
     shutil.copytree(tmp_path / "good", leaky)
-    (leaky / "s1" / "~seg.0123.tmp").write_bytes(b"x")
+    (leaky / d.name / "~seg.0123.tmp").write_bytes(b"x")
     (leaky / "half").mkdir()
     rep = verify_store(leaky, "x")
     assert rep.corrupt == [] and len(rep.leaked) == 2, rep.leaked

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvmesh.node.kvshare import wire
+from kvmesh.node.protocol import session_key
 
 from .service_helpers import (
     BLOCK,
@@ -195,7 +196,7 @@ def test_replica_on_disk_survives_a_restart_and_is_imported_before_the_turn(kv_p
         n = t.prompt_tokens // BLOCK
         ev_b.wait("replica_ready", session=conv.session, tokens=n * BLOCK)
     wait_for(lambda: p.holding("b", conv.session)["store_tokens"] == n * BLOCK, "b's store to hold the replica")
-    assert (p.store_dir("b") / conv.session / "manifest.json").is_file()
+    assert (p.store_dir("b") / session_key(conv.session) / "manifest.json").is_file()
     p.restart("b")
     held = p.holding("b", conv.session)
     assert held["resident_tokens"] == 0, "a fresh engine holds nothing"
@@ -323,7 +324,7 @@ def test_replica_lands_in_the_store_when_the_engine_has_no_room(tight_pair: Pair
             # A torn store-only transfer: nothing is left behind.
             assert hand_send(p.kv["b"], p.secret, x_offer, stop_after=n // 2, half_payload=True) == "cut"
             ev_b.wait("replica_refused", session=conv.session)
-            assert not (p.store_dir("b") / conv.session).exists()
+            assert not (p.store_dir("b") / session_key(conv.session)).exists()
             assert p.temp_files("b") == []
 
             # A whole one lands in the store (not in the engine: it has no room).
@@ -340,7 +341,7 @@ def test_replica_lands_in_the_store_when_the_engine_has_no_room(tight_pair: Pair
         imp = ev_b.wait("replica_imported", session=conv.session)
     assert t.cached == n * BLOCK and imp["tokens"] == n * BLOCK, (t, imp)
     assert p.holding("b", hog.session)["resident_tokens"] == 0
-    assert not (p.store_dir("b") / hog.session).exists()
+    assert not (p.store_dir("b") / session_key(hog.session)).exists()
     assert p.temp_files("b") == []
 
 

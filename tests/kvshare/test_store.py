@@ -16,6 +16,7 @@ from kvmesh.node.errors import ImportRefused
 from kvmesh.node.kvshare import store as store_module
 from kvmesh.node.kvshare.store import MAX_SEGMENTS, Manifest, ReplicaStore, SegmentWriter, StoreError
 from kvmesh.node.kvshare.wire import InvalidSessionId
+from kvmesh.node.protocol import session_key
 
 from .helpers import FP, Replica, grow, make_replica, prefix, prompt_tokens, run_turn, sim_engine
 
@@ -69,7 +70,7 @@ def test_write_commit_read_round_trip(tmp_path: Path) -> None:
     assert_holds(store, "s1", rep)
     assert store.block_view("s1", 0).readonly
     assert temp_files(tmp_path) == []
-    assert {p.split("/")[-1].split("-")[0] for p in listing(tmp_path / "s1")} == {"manifest.json", "seg", "tokens"}
+    assert {p.split("/")[-1].split("-")[0] for p in listing(tmp_path / session_key("s1"))} == {"manifest.json", "seg", "tokens"}
     assert store.usage_bytes() >= m.nbytes
 
 
@@ -173,19 +174,19 @@ def test_unparseable_manifest_drops_the_session(tmp_path: Path, caplog: pytest.L
     store = ReplicaStore(tmp_path, BUDGET)
     write(store, "good", make_replica(2, seed=1))
     write(store, "bad", make_replica(2, seed=2))
-    (tmp_path / "bad" / "manifest.json").write_text('{"format": 1, "session": "bad"')
+    (tmp_path / session_key("bad") / "manifest.json").write_text('{"format": 1, "session": "bad"')
     with caplog.at_level(logging.WARNING, logger="kvmesh.kvshare.store"):
         again = ReplicaStore(tmp_path, BUDGET)
     assert again.sessions() == ["good"]
-    assert not (tmp_path / "bad").exists()
-    assert any("'bad'" in r.getMessage() and "manifest.json does not parse" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / session_key("bad")).exists()
+    assert any(session_key("bad") in r.getMessage() and "manifest.json does not parse" in r.getMessage() for r in caplog.records)
 
 
 def test_segment_of_the_wrong_size_drops_the_session(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A segment file whose size is not its blocks' bytes (a torn file) drops that session at start."""
     store = ReplicaStore(tmp_path, BUDGET)
     write(store, "s1", make_replica(3))
-    [seg] = (tmp_path / "s1").glob("seg-*.kv")
+    [seg] = (tmp_path / session_key("s1")).glob("seg-*.kv")
     with open(seg, "r+b") as f:
         f.truncate(256 * 2 + 100)
     with caplog.at_level(logging.WARNING, logger="kvmesh.kvshare.store"):
@@ -198,7 +199,7 @@ def test_manifest_with_a_broken_hash_chain_drops_the_session(tmp_path: Path) -> 
     """A manifest whose hashes do not match its tokens is not trusted at start."""
     store = ReplicaStore(tmp_path, BUDGET)
     write(store, "s1", make_replica(2))
-    path = tmp_path / "s1" / "manifest.json"
+    path = tmp_path / session_key("s1") / "manifest.json"
     doc = json.loads(path.read_text())
     doc["hashes"][1] = "00" * 16
     path.write_text(json.dumps(doc))
@@ -209,17 +210,17 @@ def test_files_no_manifest_names_are_removed_at_start(tmp_path: Path) -> None:
     """A segment renamed into place by a commit that crashed before its manifest is deleted at start; the replica stays."""
     rep = make_replica(2)
     write(ReplicaStore(tmp_path, BUDGET), "s1", rep)
-    (tmp_path / "s1" / "seg-00000009.kv").write_bytes(b"x" * 256)
-    (tmp_path / "s1" / "tokens-00000009.bin").write_bytes(b"")
+    (tmp_path / session_key("s1") / "seg-00000009.kv").write_bytes(b"x" * 256)
+    (tmp_path / session_key("s1") / "tokens-00000009.bin").write_bytes(b"")
     store = ReplicaStore(tmp_path, BUDGET)
     assert_holds(store, "s1", rep)
-    assert not (tmp_path / "s1" / "seg-00000009.kv").exists() and not (tmp_path / "s1" / "tokens-00000009.bin").exists()
+    assert not (tmp_path / session_key("s1") / "seg-00000009.kv").exists() and not (tmp_path / session_key("s1") / "tokens-00000009.bin").exists()
 
 
 def test_directory_without_a_manifest_is_removed_at_start(tmp_path: Path) -> None:
     """A session directory from a first write that never committed is removed at start."""
-    (tmp_path / "half").mkdir()
-    (tmp_path / "half" / "seg-00000001.kv").write_bytes(b"x" * 10)
+    (tmp_path / session_key("half")).mkdir()
+    (tmp_path / session_key("half") / "seg-00000001.kv").write_bytes(b"x" * 10)
     assert ReplicaStore(tmp_path, BUDGET).sessions() == []
     assert listing(tmp_path) == []
 
@@ -257,7 +258,7 @@ def test_corrupt_segment_is_refused_at_import(tmp_path: Path, engine: Engine) ->
     store_from_engine(store, engine, "s1")
     m = store.manifest("s1")
     assert m is not None and m.n_blocks == 4
-    [seg] = (tmp_path / "s1").glob("seg-*.kv")
+    [seg] = (tmp_path / session_key("s1")).glob("seg-*.kv")
     with open(seg, "r+b") as f:
         f.seek(2 * m.block_bytes + 5)
         byte = f.read(1)
@@ -271,14 +272,14 @@ def test_corrupt_segment_is_refused_at_import(tmp_path: Path, engine: Engine) ->
     assert e.value.reason == "digest"
     assert fresh.cached_prefix("s1", m.tokens) == 0
     assert fresh.blocks.num_free == fresh.pool.num_blocks  # every reserved block went back
-    assert again.sessions() == [] and not (tmp_path / "s1").exists()
+    assert again.sessions() == [] and not (tmp_path / session_key("s1")).exists()
 
 
 def test_verified_block_view_catches_corruption(tmp_path: Path) -> None:
     """block_view(verify=True) checks a block's digest after a restart: a corrupt one raises StoreError('digest')."""
     rep = make_replica(2)
     write(ReplicaStore(tmp_path, BUDGET), "s1", rep)
-    [seg] = (tmp_path / "s1").glob("seg-*.kv")
+    [seg] = (tmp_path / session_key("s1")).glob("seg-*.kv")
     data = bytearray(seg.read_bytes())
     data[300] ^= 0xFF  # block 1
     seg.write_bytes(bytes(data))
@@ -306,7 +307,7 @@ def test_budget_evicts_the_least_recently_used_session(tmp_path: Path) -> None:
     assert sorted(store.sessions()) == ["a", "c"]
     assert store.evictions == 1
     assert store.usage_bytes() <= store.budget_bytes
-    assert not (tmp_path / "root" / "b").exists()
+    assert not (tmp_path / "root" / session_key("b")).exists()
 
 
 def test_replica_larger_than_the_budget_is_refused(tmp_path: Path) -> None:
@@ -375,7 +376,7 @@ def test_diverging_prefix_keeps_the_common_blocks_and_drops_the_rest(tmp_path: P
     assert store.held_prefix_blocks("s1", FP, new.hashes) == 3
     write(store, "s1", new, first_block=3)
     assert_holds(store, "s1", new)
-    assert len(list((tmp_path / "s1").glob("seg-*.kv"))) == 1  # the cut segment was rewritten, the old one deleted
+    assert len(list((tmp_path / session_key("s1")).glob("seg-*.kv"))) == 1  # the cut segment was rewritten, the old one deleted
     assert temp_files(tmp_path) == []
     assert_holds(ReplicaStore(tmp_path, BUDGET), "s1", new)
 
@@ -405,8 +406,8 @@ def test_many_deltas_are_compacted(tmp_path: Path) -> None:
     m = store.manifest("s1")
     assert m is not None and len(m.segments) <= MAX_SEGMENTS
     assert_holds(store, "s1", rep)
-    assert len(list((tmp_path / "s1").glob("seg-*.kv"))) == len(m.segments)
-    assert len(list((tmp_path / "s1").glob("tokens-*.bin"))) == 1
+    assert len(list((tmp_path / session_key("s1")).glob("seg-*.kv"))) == len(m.segments)
+    assert len(list((tmp_path / session_key("s1")).glob("tokens-*.bin"))) == 1
 
 
 def test_writer_conflict_is_refused(tmp_path: Path) -> None:
@@ -649,9 +650,9 @@ def test_concurrent_reads_with_a_small_cap(tmp_path: Path) -> None:
 # ---- session ids ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("session", ["../x", "a/b", "a\x00b", "x" * 10_000, ".", "..", "", "/abs"])
-def test_unsafe_session_ids_are_refused_before_touching_disk(tmp_path: Path, engine: Engine, session: str) -> None:
-    """Session ids that could escape or break the store's directory are refused by every entry point, and nothing is written."""
+@pytest.mark.parametrize("session", ["a\x00b", "x" * 257, "", "line\nbreak", "\u202eevil"])
+def test_non_session_ids_are_refused_before_touching_disk(tmp_path: Path, engine: Engine, session: str) -> None:
+    """Empty, over-long (257 bytes) or control-character ids are refused by every entry point, and nothing is written."""
     store = ReplicaStore(tmp_path / "root", BUDGET)
     rep = make_replica(1)
     calls = [
@@ -666,3 +667,36 @@ def test_unsafe_session_ids_are_refused_before_touching_disk(tmp_path: Path, eng
         with pytest.raises(InvalidSessionId):
             call()
     assert listing(tmp_path) == ["root"]
+
+
+PATH_LIKE = ["../x", "a/b", ".", "..", "/abs", "proj/feature-x", "b64:ab+/cd==", "user+tag@example.com", "s\u00e9ssion",
+             "\u4e2d\u6587 \U0001f600", "~tilde", "y" * 256]
+
+
+def test_any_printable_id_is_stored_under_its_key_and_survives_a_restart(tmp_path: Path) -> None:
+    """Path-like, base64, email and non-ASCII ids: one directory each, named by session_key, none escaping the root."""
+    store = ReplicaStore(tmp_path / "root", BUDGET)
+    reps = {sid: make_replica(2, seed=i) for i, sid in enumerate(PATH_LIKE)}
+    for sid, rep in reps.items():
+        write(store, sid, rep)
+    store.close()
+    names = sorted(p.name for p in (tmp_path / "root").iterdir())
+    assert names == sorted(session_key(sid) for sid in PATH_LIKE)
+    assert all(len(n) == 32 and set(n) <= set("0123456789abcdef") for n in names)
+    assert [p.name for p in tmp_path.iterdir()] == ["root"]
+    assert all(p.resolve().is_relative_to((tmp_path / "root").resolve()) for p in (tmp_path / "root").rglob("*"))
+    again = ReplicaStore(tmp_path / "root", BUDGET)
+    assert sorted(again.sessions()) == sorted(PATH_LIKE)
+    for sid, rep in reps.items():
+        assert_holds(again, sid, rep)
+
+
+def test_a_directory_named_by_the_id_itself_is_renamed_to_its_key(tmp_path: Path) -> None:
+    """A replica written before session keys (root/<id>/) is renamed to root/<key>/ at start and still read."""
+    rep = make_replica(2)
+    write(ReplicaStore(tmp_path, BUDGET), "old-id", rep)
+    os.rename(tmp_path / session_key("old-id"), tmp_path / "old-id")  # the layout an older store left
+    store = ReplicaStore(tmp_path, BUDGET)
+    assert store.sessions() == ["old-id"]
+    assert_holds(store, "old-id", rep)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [session_key("old-id")]

@@ -20,6 +20,7 @@ import pytest
 
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
 from kvmesh.node.kvshare import wire
+from kvmesh.node.protocol import session_key
 
 from .service_helpers import BLOCK, Conversation, Fault, Pair, hand_offer, hand_send, read_reply, wait_for
 
@@ -27,7 +28,7 @@ from .service_helpers import BLOCK, Conversation, Fault, Pair, hand_offer, hand_
 def assert_nothing_landed(p: Pair, session: str) -> None:
     held = p.holding("b", session)
     assert held["resident_tokens"] == 0 and held["store_tokens"] == 0, f"b holds some of {session}: {held}"
-    assert not (p.store_dir("b") / session).exists(), f"b's store has a directory for {session}"
+    assert not (p.store_dir("b") / session_key(session)).exists(), f"b's store has a directory for {session}"
     assert p.temp_files("b") == [], "temporary files left in b's store"
 
 
@@ -265,8 +266,8 @@ def test_garbage_truncated_oversized_and_malformed_offers_are_refused_and_the_li
     for reason, frame_ in cases.items():
         res = _refusal(addr, frame_, secret)
         assert isinstance(res, wire.PeerRefused) and res.reason == reason, (reason, res)
-    # A session id that would name a path outside the store.
-    res = _refusal(addr, _signed_offer(secret, header(session="../escape", n_blocks=1), toks, hashes), secret)
+    # A session id with a control character is not an id ("../escape" alone is one: stored under its key).
+    res = _refusal(addr, _signed_offer(secret, header(session="\x00../escape", n_blocks=1), toks, hashes), secret)
     assert isinstance(res, wire.PeerRefused) and res.reason == "malformed", res
     assert not (p.store_dir("b").parent / "escape").exists()
 

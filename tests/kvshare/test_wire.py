@@ -384,8 +384,9 @@ def header_json(**changes: object) -> bytes:
 
 @pytest.mark.parametrize(
     "header",
-    [b"{not json", b"[]", header_json(session="../x"), header_json(block_size="8"), header_json(n_blocks=5), header_json(extra=1)],
-    ids=["not-json", "not-object", "path-session", "string-int", "count-mismatch", "extra-field"],
+    [b"{not json", b"[]", header_json(session=""), header_json(session="a\x00b"), header_json(block_size="8"),
+     header_json(n_blocks=5), header_json(extra=1)],
+    ids=["not-json", "not-object", "empty-session", "control-session", "string-int", "count-mismatch", "extra-field"],
 )
 def test_malformed_but_signed_header_is_refused(header: bytes) -> None:
     """A signed offer whose header is not a valid Offer (or disagrees with the frame) is refused 'malformed'."""
@@ -393,11 +394,21 @@ def test_malformed_but_signed_header_is_refused(header: bytes) -> None:
     assert isinstance(ev, Refused) and ev.reason == "malformed"
 
 
-@pytest.mark.parametrize("session", ["../x", "a/b", "a\x00b", "x" * 10_000, ".", "..", ""])
-def test_offer_model_refuses_unsafe_session_ids(session: str) -> None:
-    """The Offer model itself refuses session ids that could not name a file."""
+@pytest.mark.parametrize("session", ["a\x00b", "x" * 257, "", "a\rb"])
+def test_offer_model_refuses_non_session_ids(session: str) -> None:
+    """The Offer model itself refuses empty, over-long (257 bytes) and control-character session ids."""
     with pytest.raises(ValidationError):
         Offer(session=session, sender="a", fingerprint="f", block_size=8, block_bytes=64, n_blocks=0, generation=0, sent_at=0.0)
+
+
+@pytest.mark.parametrize("session", ["../x", "a/b", "proj/feature-x", "b64:ab+/cd==", "user+tag@example.com",
+                                     "s\u00e9ssion", "z" * 256])
+def test_offer_carries_any_printable_session_id_verbatim(session: str) -> None:
+    """A path-like, base64, email or UTF-8 id crosses the wire as itself: the receiver's offer names the same id."""
+    rep = make_replica(1)
+    [ev] = Receiver(SECRET).feed(Sender(SECRET).offer_bytes(offer_for(rep, session=session),
+                                                              rep.tokens, rep.hashes))
+    assert isinstance(ev, OfferReceived) and ev.offer.session == session
 
 
 def test_bytes_before_the_answer_are_unexpected() -> None:

@@ -18,6 +18,7 @@ import random
 import secrets
 import threading
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import openai
 import pytest
 
 from kvmesh.node.bench.workload import grow_conversation, text
-from kvmesh.node.launcher import NodeProcess, mesh_configs
+from kvmesh.node.launcher import NodeProcess, mesh_configs, write_toml
 from kvmesh.node.protocol import parse_event
 
 NAMES = ("a", "b", "c")
@@ -126,11 +127,16 @@ class Mesh:
 
     # ---- turns -------------------------------------------------------------------
 
-    def turn(self, conv: Conversation, entry: str, *, max_tokens: int = 8, grow: bool = True) -> Turn:
-        """One non-streaming turn of `conv` through `entry`'s OpenAI API; the reply and a tool output are appended."""
+    def turn(self, conv: Conversation, entry: str, *, max_tokens: int = 8, grow: bool = True, pin: bool = False) -> Turn:
+        """One non-streaming turn of `conv` through `entry`'s OpenAI API; the reply and a tool output are appended.
+
+        pin: the turn runs on `entry` itself, as a turn a peer forwarded there would (placement is skipped)."""
+        headers = {"X-Session-Id": conv.session}
+        if pin:
+            headers |= {"X-Kvmesh-Forwarded": "1", **self.peer_headers()}
         raw = self.client(entry).chat.completions.with_raw_response.create(
             model=MODEL, messages=conv.messages, max_tokens=max_tokens, temperature=0,  # type: ignore[arg-type]
-            extra_headers={"X-Session-Id": conv.session},
+            extra_headers=headers,
         )
         c = raw.parse()
         reply = c.choices[0].message.content or ""
@@ -318,9 +324,14 @@ class Mesh:
                 p.kill()
 
 
+# A frozen node polls its peers once, when it starts (after every other node is ready), and then not
+# for an hour: what it knows of the others' sessions is only what it asks for itself.
+FROZEN_MESH = {"poll_interval_s": 3600.0, "stale_after_s": 7200.0}
+
+
 def start_mesh(workdir: Path, *, slots: int = 2, cache_bytes: int = 64 << 20, secret: bool = True,
                mesh: dict[str, Any] | None = None, kvshare: dict[str, Any] | None = None,
-               sim: dict[str, Any] | None = None) -> Mesh:
+               sim: dict[str, Any] | None = None, frozen: str | None = None) -> Mesh:
     workdir.mkdir(parents=True, exist_ok=True)
     admin_token = "adm-" + secrets.token_hex(12)
     mesh_secret = "msk-" + secrets.token_hex(16) if secret else None
@@ -332,14 +343,19 @@ def start_mesh(workdir: Path, *, slots: int = 2, cache_bytes: int = 64 << 20, se
     extra = {"kvshare": {"replicate_min_tokens": 1024, "fsync": "never", **(kvshare or {})},
              "mesh": mesh_cfg, "admin_token": admin_token}
     cfgs = mesh_configs(workdir, list(NAMES), engine=engine, extra=extra)
+    if frozen is not None:
+        cfg = tomllib.loads(cfgs[frozen].read_text())
+        cfg["mesh"].update(FROZEN_MESH)
+        write_toml(cfgs[frozen], cfg)
     nodes = {n: NodeProcess(n, p, workdir) for n, p in cfgs.items()}
     m = Mesh(workdir, nodes, admin_token, mesh_secret, poll_s=float(mesh_cfg["poll_interval_s"]),
              stale_s=float(mesh_cfg["stale_after_s"]))
     try:
-        for p in nodes.values():
-            p.start()
-        for p in nodes.values():
-            p.wait_ready()
+        for stage in ([p for n, p in nodes.items() if n != frozen], [p for n, p in nodes.items() if n == frozen]):
+            for p in stage:
+                p.start()
+            for p in stage:
+                p.wait_ready()
         m.wait_all_reachable()
     except BaseException:
         m.stop()

@@ -3,8 +3,6 @@ staying warm when the replica holder's engine evicted the imported replica (re-i
 
 from __future__ import annotations
 
-import pytest
-
 from .helpers import Conversation, Mesh, wait_for, whole_blocks
 
 
@@ -143,24 +141,20 @@ def test_replica_bytes_used_by_a_move_are_not_counted_as_wasted(make_mesh) -> No
 
 
 def test_a_turn_through_an_entry_that_has_not_polled_the_home_yet_is_placed_and_counted(make_mesh) -> None:  # type: ignore[no-untyped-def]
-    """A turn sent, right after the previous one, to an entry that has not yet heard where the session ran
-    stays on the session's (free) home, or counts as a handoff."""
-    # Polls every 2 s: "right after" is then reliably before the entry's next poll (checked below).
-    m: Mesh = make_mesh(slots=2, mesh={"poll_interval_s": 2.0, "stale_after_s": 6.0})
-    for i in range(5):
-        conv = Conversation(f"unheard-{i}", seed=160 + i)
-        before = {n: {src: m.transfers_in(n, src) for src in m.others(n)} for n in m.names}
-        t1 = m.turn(conv, "a")
-        home = t1.host
-        # The replica lands on its holder (asked of the holder itself: its own figures are live).
-        holder = wait_for(lambda: next((n for n in m.others(home) if m.transfers_in(n, home) > before[n][home]), None),
-                          f"a replica of {conv.session} to land off {home}")
-        info = m.session_info(holder, conv.session)
-        assert info is not None, f"{holder} holds a replica of {conv.session} but does not list it"
-        if info["home"] == home:
-            continue  # the holder polled the home in the meantime: not the case under test, try another session
-        t2 = m.turn(conv, holder)
-        assert t2.host == home or t2.handoff != "none", \
-            f"{conv.session}: ran on {home}, then on {t2.host} (free home) with X-Kvmesh-Handoff: none"
-        return
-    pytest.skip("every replica holder had polled the home before the next turn could be sent")
+    """A turn sent to an entry that holds the session's replica but has not heard where it ran stays on the
+    session's (free) home, or counts as a handoff."""
+    # Forced, not waited for: c polls its peers only when it starts (FROZEN_MESH), so it never hears
+    # where the session ran; b is draining, so a's replica of the session can only go to c.
+    m: Mesh = make_mesh(slots=2, frozen="c")
+    m.set_draining("a", "b", True)
+    wait_for(lambda: m.host_info("a", "b")["draining"], "a to see b draining")
+    conv = Conversation("unheard-1", seed=160)
+    t1 = m.turn(conv, "a", pin=True)
+    assert t1.host == "a" and t1.status == 200
+    wait_for(lambda: m.holding("c", conv.session)["store_tokens"] >= whole_blocks(t1.prompt_tokens),
+             f"a's replica of {conv.session} to land on c")
+    info = m.session_info("c", conv.session)
+    assert info is not None and info["home"] is None, f"c heard where {conv.session} ran: {info}"
+    t2 = m.turn(conv, "c")
+    assert t2.host == "a" or t2.handoff != "none", \
+        f"{conv.session}: ran on a, then on {t2.host} (free home) with X-Kvmesh-Handoff: none"

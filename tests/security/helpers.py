@@ -27,8 +27,6 @@ from kvmesh.node.launcher import NodeProcess, free_port, write_toml
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 MODEL = "kvmesh-sim"
-# Session ids: the one rule (node.protocol.SESSION_ID_RE), anchored.
-SAFE_ID = r"^[A-Za-z0-9._:@-]{1,128}$"
 # Engine settings for fast, bounded turns: a 2048-token context caps any decode at ~20 ms of sim time.
 FAST_SIM = {"kv_scale": 0.01, "prefill_tps": 1e7, "decode_tps": 1e5, "max_context": 2048}
 SECRET_ENV = ("KVMESH_ADMIN_TOKEN", "KVMESH_MESH_SECRET")

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
 from kvmesh.node.engine.simkv import block_bytes
 from kvmesh.node.kvshare import wire
+from kvmesh.node.protocol import session_key
 
 from kvmesh.node.server import ThreadedServer, serve_in_thread
 
@@ -258,8 +259,9 @@ def test_fuzzed_frames_are_refused_without_a_trace_and_the_listener_keeps_servin
     # Imported into the engine (not the no-room store path): no fuzzed transfer leaked reserved KV blocks.
     assert done == wire.Completed(N_BLOCKS * e.block_size), done
     assert e.resident_tokens("kvfuzz-after") == N_BLOCKS * e.block_size
-    wait_for(lambda: (target.store / "kvfuzz-after" / "manifest.json").exists(), "the replica's write-behind to the store")
-    assert sorted(p.name for p in target.store.iterdir()) == ["kvfuzz-after"]
+    wait_for(lambda: (target.store / session_key("kvfuzz-after") / "manifest.json").exists(),
+             "the replica's write-behind to the store")
+    assert sorted(p.name for p in target.store.iterdir()) == [session_key("kvfuzz-after")]
     assert not [p for p in target.store.rglob("*") if p.name.startswith("~")]
     r = httpx.get(srv.url + "/health", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"

@@ -1,0 +1,83 @@
+"""What every `kvmesh bench ...` shares: the JSON output, the exit status, and a local sim mesh.
+
+A leaf module: the benchmarks import it, it imports none of them (node.bench's
+dispatcher imports the benchmarks, so helpers living there made a cycle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvmesh.node.launcher import NodeProcess, mesh_configs
+
+
+def failures(result: dict[str, Any]) -> list[str]:
+    """Why a benchmark's run failed (empty when it did not): any error it counted, or no work done.
+
+    A figure measured over a run that lost turns or rounds is not the figure the run claims, so
+    such a run must not exit 0 (scripts and CI read the exit status, not the JSON)."""
+    why: list[str] = []
+    errors = result.get("errors", 0)
+    if errors:
+        why.append(f"{errors} error(s): {'; '.join(map(str, result.get('error_samples', [])[:3])) or 'see the JSON'}")
+    if "turns" in result and not result["turns"]:
+        why.append("no turn completed")
+    if "rounds" in result and not result["rounds"]:
+        why.append("no round completed")
+    return why
+
+
+def emit(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """Human lines first (unless --json), then the JSON object as the very last stdout line.
+
+    Returns the exit status: 0 only when `failures(result)` is empty (each reason goes to stderr)."""
+    if not getattr(args, "json", False):
+        for k, v in result.items():
+            print(f"{k:>28}: {v}")
+    print(json.dumps(result), flush=True)
+    why = failures(result)
+    for w in why:
+        print(f"kvmesh bench: FAILED: {w}", file=sys.stderr)
+    return 1 if why else 0
+
+
+def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cache_bytes: int,
+               extra: dict[str, Any] | None = None) -> list[NodeProcess]:
+    """Start one sim `kvmesh node` process per name (a full mesh on loopback) and wait until each is ready."""
+    engine = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_timeout_s": 600.0,
+              "sim": {"kv_scale": kv_scale}}
+    base: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 4 * cache_bytes},
+                            "mesh": {"poll_interval_s": 0.25}}
+    for k, v in (extra or {}).items():
+        if isinstance(v, dict):
+            base.setdefault(k, {}).update(v)
+        else:
+            base[k] = v
+    cfgs = mesh_configs(work, names, engine=engine, extra=base)
+    nodes = [NodeProcess(n, p, work).start() for n, p in cfgs.items()]
+    try:
+        for n in nodes:
+            n.wait_ready()
+    except BaseException:
+        for n in nodes:
+            n.stop()
+        raise
+    return nodes
+
+
+def wait_peers(nodes: list[NodeProcess], timeout: float = 20.0) -> None:
+    """Wait until the first node sees every node reachable."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hosts = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=5).json()["hosts"]
+        if len(hosts) == len(nodes) and all(h["reachable"] for h in hosts):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the nodes did not see each other")
