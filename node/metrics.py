@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvmesh.node.looplag import LAG_BUCKETS
 from kvmesh.node.protocol import Event
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class Metrics:
         self.queue = Gauge("kvmesh_queue_depth", "Turns waiting for a slot", registry=r)
         self.store_bytes = Gauge("kvmesh_replica_store_bytes", "Replica store bytes on disk", registry=r)
         self.cache_used = Gauge("kvmesh_kv_cache_used_bytes", "KV pool bytes in use", registry=r)
+        self.loop_lag = Histogram("kvmesh_event_loop_lag_seconds", "How late the node's event loop ran a periodic timer",
+                                  buckets=LAG_BUCKETS, registry=r)
 
     def on_event(self, ev: Event) -> None:
         t = ev.type

@@ -24,6 +24,7 @@ from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnBe
 from kvmesh.node.errors import InvalidRequest
 from kvmesh.node.events import EventHub
 from kvmesh.node.kvshare.service import KVShare
+from kvmesh.node.looplag import LoopLagMonitor
 from kvmesh.node.mesh.auth import PEER_HEADER
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.metrics import Metrics
@@ -122,6 +123,7 @@ class Node:
         self.engine = Engine(cfg.engine)
         self.metrics = Metrics(cfg.name)
         self.hub.on_publish(self.metrics.on_event)
+        self.loop_lag = LoopLagMonitor(observe=self.metrics.loop_lag.observe)
         self.kvshare = KVShare(self)
         self.mesh = Mesh(self)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -133,6 +135,7 @@ class Node:
         )
 
     async def start(self) -> None:
+        self.loop_lag.start()
         await self.kvshare.start()
         loop = asyncio.get_running_loop()
 
@@ -154,6 +157,7 @@ class Node:
             self.hub.publish(HostStatus(host=self.host_info()))
 
     async def stop(self) -> None:
+        self.loop_lag.stop()
         for t in self._tasks:
             t.cancel()
         await self.mesh.stop()
@@ -250,6 +254,7 @@ class Node:
             "decision_p99_ms": round(m.decision_ms(0.99), 4),
             "decision_cpu_p99_ms": round(m.decision_ms(0.99, cpu=True), 4),
             "decisions": len(m.decision_s),
+            **self.loop_lag.stats(),
             "engine": {"turns": self.engine.counters.turns, "prefill_tokens": self.engine.counters.prefill_tokens,
                        "cached_tokens": self.engine.counters.cached_tokens,
                        "evicted_sessions": self.engine.counters.evicted_sessions,
