@@ -7,6 +7,12 @@ synchronous computation) shows up here as lag, whichever code caused it.
 
 Samples are kept in a bounded window (p99 and max are over its last `window`
 samples) and, when given, fed to an observer such as a Prometheus histogram.
+
+Beside each lateness the monitor keeps the part of it that the loop thread's
+own CPU time explains (its CPU time over the period, less the period, within
+0..lateness): high lateness with a low CPU part means the loop waited for a
+core or the GIL (a contended host), not that its own callbacks blocked it.
+A blocking call that does not use CPU (an fsync) counts as waiting.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class LoopLagMonitor:
         window: int = WINDOW,
         observe: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
@@ -40,10 +47,13 @@ class LoopLagMonitor:
         self.interval_s = interval_s
         self._observe = observe
         self._clock = clock
+        self._cpu_clock = cpu_clock
         self._samples: collections.deque[float] = collections.deque(maxlen=window)
+        self._cpu_samples: collections.deque[float] = collections.deque(maxlen=window)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._due = 0.0
+        self._cpu_at = 0.0  # the loop thread's CPU time when the current period began
 
     @property
     def running(self) -> bool:
@@ -65,16 +75,20 @@ class LoopLagMonitor:
         assert self._loop is not None
         # The loop's own clock decides when the timer is due; ours measures when it ran.
         self._due = self._clock() + self.interval_s
+        self._cpu_at = self._cpu_clock()  # runs on the loop thread: its CPU clock
         self._handle = self._loop.call_later(self.interval_s, self._tick)
 
     def _tick(self) -> None:
         # The loop may run a timer up to its clock resolution early: that is not negative lag.
-        self.record(max(0.0, self._clock() - self._due))
+        lag = max(0.0, self._clock() - self._due)
+        busy = self._cpu_clock() - self._cpu_at
+        self.record(lag, min(lag, max(0.0, busy - self.interval_s)))
         self._schedule()
 
-    def record(self, lag_s: float) -> None:
-        """Add one lateness sample (seconds)."""
+    def record(self, lag_s: float, cpu_s: float = 0.0) -> None:
+        """Add one lateness sample (seconds), and the part of it the loop's own CPU time explains."""
         self._samples.append(lag_s)
+        self._cpu_samples.append(cpu_s)
         if self._observe is not None:
             self._observe(lag_s)
 
@@ -82,11 +96,11 @@ class LoopLagMonitor:
     def samples(self) -> int:
         return len(self._samples)
 
-    def quantile_ms(self, q: float) -> float:
-        """The q-quantile of the window's lateness, in ms (0.0 before the first sample)."""
+    def quantile_ms(self, q: float, *, cpu: bool = False) -> float:
+        """The q-quantile of the window's lateness (cpu=True: of its CPU part), in ms; 0.0 before the first sample."""
         if not 0.0 <= q <= 1.0:
             raise ValueError("q must be within 0..1")
-        xs = sorted(self._samples)
+        xs = sorted(self._cpu_samples if cpu else self._samples)
         if not xs:
             return 0.0
         return 1000.0 * xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -99,5 +113,6 @@ class LoopLagMonitor:
         return {
             "loop_lag_p99_ms": round(self.quantile_ms(0.99), 3),
             "loop_lag_max_ms": round(self.max_ms(), 3),
+            "loop_lag_cpu_p99_ms": round(self.quantile_ms(0.99, cpu=True), 3),
             "loop_lag_samples": self.samples,
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -27,35 +28,58 @@ def test_quantiles_over_the_window() -> None:
         mon.record(0.002)
     assert mon.samples == 100
     assert mon.max_ms() == pytest.approx(2.0)
-    assert mon.stats() == {"loop_lag_p99_ms": 2.0, "loop_lag_max_ms": 2.0, "loop_lag_samples": 100}
+    assert mon.stats() == {"loop_lag_p99_ms": 2.0, "loop_lag_max_ms": 2.0, "loop_lag_cpu_p99_ms": 0.0,
+                           "loop_lag_samples": 100}
 
 
 def test_empty_monitor_reports_zero() -> None:
     """Before the first tick the figures are 0, not an error."""
     mon = LoopLagMonitor()
-    assert mon.stats() == {"loop_lag_p99_ms": 0.0, "loop_lag_max_ms": 0.0, "loop_lag_samples": 0}
+    assert mon.stats() == {"loop_lag_p99_ms": 0.0, "loop_lag_max_ms": 0.0, "loop_lag_cpu_p99_ms": 0.0,
+                           "loop_lag_samples": 0}
 
 
-def test_blocking_callback_shows_as_lag() -> None:
-    """A callback that blocks the loop for 150 ms is reported as about that much lag; an idle loop is not."""
+def _spin(secs: float) -> None:
+    """Block the calling thread on the CPU (unlike time.sleep)."""
+    t_end = time.thread_time() + secs
+    while time.thread_time() < t_end:
+        pass
 
-    async def main() -> tuple[float, float, float]:
+
+def _lag_during(blocker: Callable[[float], None]) -> tuple[float, float, float, float]:
+    """(idle p50, max, p99, cpu p99) of a monitor while `blocker(0.15)` runs once on the loop."""
+
+    async def main() -> tuple[float, float, float, float]:
         seen: list[float] = []
         mon = LoopLagMonitor(interval_s=0.005, observe=seen.append)
         mon.start()
         await asyncio.sleep(0.2)
         idle_p50 = mon.quantile_ms(0.5)
-        asyncio.get_running_loop().call_soon(time.sleep, 0.15)  # the injected slow callback
+        asyncio.get_running_loop().call_soon(blocker, 0.15)  # the injected slow callback
         await asyncio.sleep(0.2)
         mon.stop()
         assert not mon.running
         assert len(seen) == mon.samples > 10
-        return idle_p50, mon.max_ms(), mon.quantile_ms(0.99)
+        return idle_p50, mon.max_ms(), mon.quantile_ms(0.99), mon.quantile_ms(0.99, cpu=True)
 
-    idle_p50, worst, p99 = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_blocking_callback_shows_as_lag() -> None:
+    """A callback that blocks the loop for 150 ms (sleeping) is reported as about that much lag, not as loop CPU."""
+    idle_p50, worst, p99, cpu_p99 = _lag_during(time.sleep)
     assert worst >= 140.0
     assert p99 >= 100.0  # one sample in ~70: inside the top 1%
     assert idle_p50 < worst / 5
+    assert cpu_p99 < 50.0  # the loop thread slept: the lag is waiting, not its own CPU work
+
+
+def test_cpu_bound_callback_counts_as_loop_cpu() -> None:
+    """A callback that spins the loop's CPU for 150 ms shows as lag and as the loop's own CPU part of it."""
+    _, worst, p99, cpu_p99 = _lag_during(_spin)
+    assert worst >= 140.0
+    assert cpu_p99 >= 100.0
+    assert cpu_p99 <= p99
 
 
 def test_metrics_histogram_gets_the_samples() -> None:

@@ -88,6 +88,7 @@ def run_handoff(args: argparse.Namespace) -> int:
         "decision_cpu_p99_ms": max(s["decision_cpu_p99_ms"] for s in node_stats),
         "loop_lag_p99_ms": max(s["loop_lag_p99_ms"] for s in node_stats),  # the worst node's
         "loop_lag_max_ms": max(s["loop_lag_max_ms"] for s in node_stats),
+        "loop_lag_cpu_p99_ms": max(s["loop_lag_cpu_p99_ms"] for s in node_stats),
         "turns": load["turns"], "errors": load["errors"], "duration_s": round(elapsed, 1),
         "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
         "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
