@@ -14,6 +14,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvmesh.node.looplag import LAG_BUCKETS
 from kvmesh.node.engine.engine import Engine
 from kvmesh.node.protocol import (
     Event,
@@ -49,6 +50,8 @@ class Metrics:
         self.queue = Gauge("kvmesh_queue_depth", "Turns waiting for a slot", registry=r)
         self.store_bytes = Gauge("kvmesh_replica_store_bytes", "Replica store bytes on disk", registry=r)
         self.cache_used = Gauge("kvmesh_kv_cache_used_bytes", "KV pool bytes in use", registry=r)
+        self.loop_lag = Histogram("kvmesh_event_loop_lag_seconds", "How late the node's event loop ran a periodic timer",
+                                  buckets=LAG_BUCKETS, registry=r)
 
     def on_event(self, ev: Event) -> None:
         """Hub listener: count the events that feed a metric (the others pass by)."""

@@ -24,6 +24,7 @@ from kvmesh.node.errors import InvalidRequest
 from kvmesh.node.events import EventHub
 from kvmesh.node.kvshare.service import KVShare
 from kvmesh.node.mesh.actions import Operator
+from kvmesh.node.looplag import LoopLagMonitor
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.turn import TurnPath
 from kvmesh.node.metrics import Metrics
@@ -71,6 +72,7 @@ class Node:
         self.engine = Engine(cfg.engine)
         self.metrics = Metrics(cfg.name)
         self.hub.on_publish(self.metrics.on_event)
+        self.loop_lag = LoopLagMonitor(observe=self.metrics.loop_lag.observe)
         kvshare_of = {p.name: p.kvshare for p in cfg.mesh.peers}
         self.kvshare = KVShare(cfg.name, self.engine, cfg.kvshare, secrets=cfg.mesh.secrets(),
                                publish=self.hub.publish, peer_address=kvshare_of.get)
@@ -94,6 +96,7 @@ class Node:
         self.api_url = url
 
     async def start(self) -> None:
+        self.loop_lag.start()
         await self.kvshare.start()
         loop = asyncio.get_running_loop()
 
@@ -117,6 +120,7 @@ class Node:
             self.hub.publish(HostStatus(host=self.host_info()))
 
     async def stop(self) -> None:
+        self.loop_lag.stop()
         for t in self._tasks:
             t.cancel()
         self.operator.stop()
@@ -152,6 +156,7 @@ class Node:
             "decision_p99_ms": round(m.decision_ms(0.99), 4),
             "decision_cpu_p99_ms": round(m.decision_ms(0.99, cpu=True), 4),
             "decisions": len(m.decision_s),
+            **self.loop_lag.stats(),
             "engine": {"turns": self.engine.counters.turns, "prefill_tokens": self.engine.counters.prefill_tokens,
                        "cached_tokens": self.engine.counters.cached_tokens,
                        "evicted_sessions": self.engine.counters.evicted_sessions,

@@ -52,6 +52,9 @@ def run_handoff(args: argparse.Namespace) -> int:
         "stale_state_cold": c["stale_state_cold"],
         "decision_p99_ms": max(s["decision_p99_ms"] for s in node_stats),
         "decision_cpu_p99_ms": max(s["decision_cpu_p99_ms"] for s in node_stats),
+        "loop_lag_p99_ms": max(s["loop_lag_p99_ms"] for s in node_stats),  # the worst node's
+        "loop_lag_max_ms": max(s["loop_lag_max_ms"] for s in node_stats),
+        "loop_lag_cpu_p99_ms": max(s["loop_lag_cpu_p99_ms"] for s in node_stats),
         "turns": load["turns"], "errors": load["errors"], "error_samples": load["error_samples"],
         "status": load["status"], "duration_s": round(elapsed, 1),
         "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],

@@ -7,7 +7,10 @@ event loop thread, so the engine's bookkeeping has a single writer.
 Receiving: payloads land straight in the engine's pre-touched pool
 (`ImportTxn.buffer`), each verified as it lands; at END the import commits and
 the replica is ready. The store's disk copy is written behind, off that path.
-Sending: blocks are pinned (`Engine.export`) and sent from the pool as they are.
+Sending: blocks are pinned on the loop and sent from the pool as they are, read by the sender thread.
+Bulk byte work (copies, digests, fsync) never runs on the event loop: imports from the store
+reserve their blocks on the loop and copy on worker threads; a node importing 1 GB still
+answers every other turn and event.
 """
 
 from __future__ import annotations
@@ -25,25 +28,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from kvmesh.node.config import KVShareConfig
-from kvmesh.node.engine.engine import Engine, ExportedBlock, ImportTxn
+from kvmesh.node.engine.engine import Engine, ImportTxn
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.errors import ImportRefused, KVMeshError
 from kvmesh.node.kvshare import wire
-from kvmesh.node.kvshare.store import ReplicaStore, SegmentWriter
+from kvmesh.node.kvshare.store import ReplicaStore, SegmentWriter, copy_block
 from kvmesh.node.tls import client_context, server_context
 from kvmesh.node.protocol import Event, LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaSuperseded
 
 log = logging.getLogger("kvmesh.kvshare")
+T = TypeVar("T")
 
 # Inbound transfers served at once; an offer must be complete within OFFER_DEADLINE_S (or two
 # io_timeout_s) of connecting: each read is bounded by io_timeout_s, this bounds a trickling client.
 MAX_INBOUND_CONNECTIONS = 64
 OFFER_DEADLINE_S = 10.0
 MAX_UNUSED_TRACKED = 10_000  # sessions whose received replica bytes wait to be used (or counted wasted)
+IMPORT_THREADS = 2  # store -> engine imports copying at once (memcpy and digests let go of the GIL)
 
 # Without a configured mesh secret the mesh is loopback-only; kv_share still signs its frames.
 DEV_SECRET = b"kvmesh-loopback-only-dev-secret"
@@ -121,20 +127,55 @@ class _Superseded(Exception):
 
 
 @dataclass
+class _Pinned:
+    """A session's full blocks, pinned in the engine's pool on the loop; worker threads read their bytes."""
+
+    ids: list[int]
+    hashes: list[bytes]
+    tokens: np.ndarray  # the pinned blocks' token ids
+    read: Callable[[int], memoryview]  # a block's bytes (a host copy when the pool is on an accelerator)
+    _release: Callable[[list[int]], None]
+    _released: bool = False
+
+    def release(self) -> None:
+        """Unpin (on the loop, once no thread reads the blocks any more); idempotent."""
+        if not self._released:
+            self._released = True
+            self._release(self.ids)
+
+
+@dataclass
 class _Plan:
     """The receiver's decision on an offer, made on the event loop."""
 
     refuse: tuple[str, str] | None = None
     first_missing: int = 0
     txn: ImportTxn | None = None  # payloads land in the engine's pool...
-    writer: SegmentWriter | None = None  # ...or, when the engine has no room, in the store
+    store_only: bool = False  # ...or, when the engine has no room, in the store
     engine_held: int = 0
     store_held: int = 0
     tokens: np.ndarray | None = None
     hashes: list[bytes] = field(default_factory=list)
 
 
+@dataclass
+class _Conn:
+    """One inbound connection's state, on its receiving thread."""
+
+    rx: wire.Receiver
+    offer: wire.Offer | None = None
+    src: str = "?"
+    plan: _Plan = field(default_factory=_Plan)
+    txn: ImportTxn | None = None  # reserved in the engine, not committed yet
+    writer: SegmentWriter | None = None  # a store write, not committed yet
+    received: int = 0
+    t_first: float = 0.0
+    first_block_seen: bool = False
+
+
 class KVShare:
+    _imports: concurrent.futures.ThreadPoolExecutor | None = None  # see _import_pool
+
     """kv_share of one node. It is given what it uses: the host's name, the engine, its config
     section, the mesh secrets, a publish function for its events, and a peer resolver (host name
     -> that host's kv_share address, None for a host outside the mesh)."""
@@ -203,6 +244,8 @@ class KVShare:
                 pass
             self._listener.close()
         self._send_pool.shutdown(wait=False, cancel_futures=True)
+        if self._imports is not None:
+            self._imports.shutdown(wait=False, cancel_futures=True)
         self._disk.shutdown(wait=True)
         if self._tmpdir is not None:
             self._tmpdir.cleanup()
@@ -303,13 +346,7 @@ class KVShare:
             return 0
         t0 = time.monotonic()
         try:
-            try:
-                tokens = self.store.import_into(e, session, upto_blocks=stored_blocks)
-            except ImportRefused as err:
-                # Pushes and store write-behinds pin the pool blocks they read; a user's turn comes first.
-                if err.reason != "no_room" or not await self._free_pinned(session):
-                    raise
-                tokens = self.store.import_into(e, session, upto_blocks=stored_blocks)
+            tokens = await self._import_from_store(session, stored_blocks)
         except KVMeshError as err:
             # An optimisation failed: the turn runs with what the engine has.
             log.warning("import of %s from the store failed (%s); running without it", session, err)
@@ -319,6 +356,39 @@ class KVShare:
             self._import_rates.append((stored_blocks * e.block_bytes) / secs)
         self._publish(ReplicaImported(session=session, host=self.name, tokens=tokens, seconds=round(secs, 4)))
         return tokens
+
+    async def _import_from_store(self, session: str, upto_blocks: int) -> int:
+        """Reserve the engine's blocks here on the loop, copy and digest on a worker thread,
+        commit back on the loop. Whatever fails (or cancels the await), the import is aborted:
+        the engine gets nothing, and its reserved blocks go back only once the worker stopped."""
+        e = self.engine
+        try:
+            imp = self.store.begin_import(e, session, upto_blocks=upto_blocks)
+        except ImportRefused as err:
+            # Pushes and store write-behinds pin the pool blocks they read; a user's turn comes first.
+            if err.reason != "no_room" or not await self._free_pinned(session):
+                raise
+            imp = self.store.begin_import(e, session, upto_blocks=upto_blocks)
+        if imp is None:
+            return 0
+        assert self._loop is not None
+        cancel = threading.Event()
+        fut = self._loop.run_in_executor(self._import_pool(), imp.copy, cancel)
+        try:
+            await _await_worker(fut, stop=cancel.set, release=imp.txn.abort)
+        except asyncio.CancelledError:
+            raise  # aborted by _await_worker once the worker returns
+        except BaseException:
+            imp.txn.abort()
+            raise
+        return imp.txn.commit()
+
+    def _import_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Worker threads for store -> engine imports (not the disk thread: a turn's import must
+        not queue behind write-behinds). Made on first use."""
+        if self._imports is None:
+            self._imports = concurrent.futures.ThreadPoolExecutor(IMPORT_THREADS, thread_name_prefix="kvshare-import")
+        return self._imports
 
     async def _free_pinned(self, session: str, limit_s: float = 2.0) -> bool:
         """Free the pool blocks kv_share pins so a restore can have them; True once they are free
@@ -448,20 +518,23 @@ class KVShare:
         if addr is None:
             return PushResult(False, reason="unknown_peer", message=f"{job.target} is not a configured peer")
         self._generation += 1
-        with e.export(job.session) as blocks:
-            if not blocks:
-                return PushResult(False, reason="nothing", message="the engine holds no whole block of this session")
-            bs = e.block_size
-            tokens = e.session_tokens(job.session)
-            assert tokens is not None
-            offer = wire.Offer(session=job.session, sender=self.name, fingerprint=e.fingerprint, block_size=bs,
-                               block_bytes=e.block_bytes, n_blocks=len(blocks), generation=self._generation,
+        pinned = self._pin(job.session)
+        if pinned is None:
+            return PushResult(False, reason="nothing", message="the engine holds no whole block of this session")
+        try:
+            offer = wire.Offer(session=job.session, sender=self.name, fingerprint=e.fingerprint, block_size=e.block_size,
+                               block_bytes=e.block_bytes, n_blocks=len(pinned.ids), generation=self._generation,
                                sent_at=time.time())
-            toks = np.ascontiguousarray(tokens[: len(blocks) * bs])
-            job.offer_tip = (len(blocks), blocks[-1].hash)
+            job.offer_tip = (len(pinned.ids), pinned.hashes[-1])
             assert self._loop is not None
-            result = await self._loop.run_in_executor(self._send_pool, self._send_blocking, addr, offer,
-                                                      toks, blocks, job)
+            fut = self._loop.run_in_executor(self._send_pool, self._send_blocking, addr, offer, pinned, job)
+            result = await _await_worker(fut, stop=job.supersede, release=pinned.release)
+        except asyncio.CancelledError:
+            raise  # the pins go once the sender thread has stopped
+        except BaseException:
+            pinned.release()
+            raise
+        pinned.release()
         if job.preempted and not result.ok:
             result = PushResult(False, reason="preempted", bytes_sent=result.bytes_sent,
                                 message="a turn on this host needed the pool blocks the push was sending from")
@@ -476,8 +549,7 @@ class KVShare:
                                          message=result.message))
         return result
 
-    def _send_blocking(self, addr: str, offer: wire.Offer, tokens: np.ndarray, blocks: list[ExportedBlock],
-                       job: _Job) -> PushResult:
+    def _send_blocking(self, addr: str, offer: wire.Offer, pinned: _Pinned, job: _Job) -> PushResult:
         host, port = addr.rsplit(":", 1)
         tx = wire.Sender(self.secret)
         t0 = time.monotonic()
@@ -490,7 +562,7 @@ class KVShare:
                 sock.settimeout(self.cfg.io_timeout_s)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.cfg.socket_buffer_bytes)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                frame = tx.offer_bytes(offer, tokens, [b.hash for b in blocks])
+                frame = tx.offer_bytes(offer, pinned.tokens, pinned.hashes)
                 sock.sendall(frame)
                 sent += len(frame)
                 ev = self._read_reply(sock, tx)
@@ -498,15 +570,16 @@ class KVShare:
                     return PushResult(False, reason=ev.reason, message=ev.message)
                 assert isinstance(ev, wire.Accepted)
                 t0 = time.monotonic()  # transfer time counts from the first block
-                for b in blocks[ev.first_missing :]:
+                for i in range(ev.first_missing, len(pinned.ids)):
                     if job.cancel.is_set():
                         raise _Superseded()
                     if select.select([sock], [], [], 0)[0]:
                         break  # the receiver spoke mid-stream: a refusal, read below
-                    hdr = tx.block_header(b.index, b.data)
+                    data = pinned.read(pinned.ids[i])  # here, not on the loop: off an accelerator it is a copy
+                    hdr = tx.block_header(i, data)
                     try:
                         sock.sendall(hdr)
-                        sock.sendall(b.data)
+                        sock.sendall(data)
                         job.progress_at = time.monotonic()
                     except OSError:
                         if job.cancel.is_set():
@@ -515,7 +588,7 @@ class KVShare:
                         if refusal is not None:
                             return PushResult(False, reason=refusal.reason, message=refusal.message, bytes_sent=sent)
                         raise
-                    sent += len(hdr) + b.data.nbytes
+                    sent += len(hdr) + data.nbytes
                 else:
                     end = tx.end()
                     sock.sendall(end)
@@ -525,7 +598,7 @@ class KVShare:
                 if isinstance(done, wire.PeerRefused):
                     return PushResult(False, reason=done.reason, message=done.message, bytes_sent=sent, seconds=secs)
                 assert isinstance(done, wire.Completed)
-                return PushResult(True, tokens=done.tokens, blocks_sent=len(blocks) - ev.first_missing,
+                return PushResult(True, tokens=done.tokens, blocks_sent=len(pinned.ids) - ev.first_missing,
                                   bytes_sent=sent, seconds=secs)
         except _Superseded:
             return PushResult(False, reason="superseded", bytes_sent=sent)
@@ -552,24 +625,38 @@ class KVShare:
             if events:
                 return events[0]
 
+    def _pin(self, session: str) -> _Pinned | None:
+        """Pin the session's full blocks in the pool, as `Engine.export` does, but read none of
+        their bytes here: the threads that send or store them read them. None when there is none."""
+        e = self.engine
+        seq = e.sessions.get(session)
+        if seq is None or not seq.hashes:
+            return None
+        n = len(seq.hashes)
+        ids = list(seq.block_ids[:n])
+        for bid in ids:
+            e.blocks.acquire(bid)
+        return _Pinned(ids, list(seq.hashes), np.ascontiguousarray(seq.tokens[: n * e.block_size]), e.pool.read_bytes,
+                       e.blocks.release)
+
     def _persist_own(self, session: str) -> None:
         """Write-behind this host's own session to its store (delta), so an eviction here is
         restored from disk rather than recomputed."""
         e = self.engine
-        tokens = e.session_tokens(session)
-        if tokens is None:
+        seq = e.sessions.get(session)
+        if seq is None or not seq.hashes:
             return
-        with e.export(session) as blocks:
-            hashes = [b.hash for b in blocks]
+        hashes = list(seq.hashes)
         have = self.store.held_prefix_blocks(session, e.fingerprint, hashes)
         if have >= len(hashes):
             return
-        self._write_behind(session, tokens[: len(hashes) * e.block_size], hashes, have)
+        self._write_behind(session, seq.tokens[: len(hashes) * e.block_size], hashes, have)
 
     def _write_behind(self, session: str, tokens: np.ndarray, hashes: list[bytes], first_block: int) -> None:
         """Copy blocks [first_block, n) from the engine's pool to the store on the disk thread.
 
-        The blocks stay pinned until the disk write ends, so the pool cannot reuse them meanwhile."""
+        The blocks are pinned here (on the loop) and stay pinned until the disk write ends, so the
+        pool cannot reuse them meanwhile; their bytes are read, digested and written on the disk thread."""
         e = self.engine
         bs = e.block_size
         ids: list[int] = []
@@ -581,7 +668,7 @@ class KVShare:
             ids.append(bid)
         if not ids:
             return
-        views = [e.pool.read_bytes(b) for b in ids]
+        read = e.pool.read_bytes
         n = first_block + len(ids)
         self._generation += 1
         gen = self._generation
@@ -594,7 +681,8 @@ class KVShare:
                                            tokens=tokens[: n * bs], hashes=hashes[:n], first_block=first_block,
                                            generation=gen)
                 with w:
-                    for k, v in enumerate(views):
+                    for k, bid in enumerate(ids):
+                        v = read(bid)
                         w.write_block(first_block + k, v, payload_digest(v))
                     w.commit()
             except Exception as err:  # noqa: BLE001 - the store is an optimisation
@@ -636,73 +724,104 @@ class KVShare:
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
 
     def _serve_conn(self, conn: socket.socket) -> None:
-        rx = wire.Receiver(self.secret, self.previous_secret)
-        txn: ImportTxn | None = None
-        writer: SegmentWriter | None = None
-        offer: wire.Offer | None = None
-        src = "?"
-        plan = _Plan()
+        """One inbound transfer, on its own thread: the bytes (payloads, digests, the store's
+        copies and fsyncs) stay on this thread; the loop only decides and commits."""
+        st = _Conn(wire.Receiver(self.secret, self.previous_secret))
         try:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.cfg.socket_buffer_bytes)
             conn = self._wrap(conn)
             conn.settimeout(self.cfg.io_timeout_s)
-            received = 0
-            last_byte = 0.0
-            t_first = 0.0
-            first_block_seen = False
             offer_deadline = time.monotonic() + min(OFFER_DEADLINE_S, 2 * self.cfg.io_timeout_s)
-            while not rx.done:
-                if offer is None and time.monotonic() > offer_deadline:
+            while not st.rx.done:
+                if st.offer is None and time.monotonic() > offer_deadline:
                     raise wire.ProtocolError(wire.Reason.TRUNCATED, "the offer did not arrive in time")
-                view = rx.payload_view()
-                if view is not None:
-                    n = conn.recv_into(view)
-                    received += n
-                    events = rx.payload_filled(n) if n else rx.eof()
-                else:
-                    data = conn.recv(max(1, rx.want()))
-                    received += len(data)
-                    events = rx.feed(data) if data else rx.eof()
-                for ev in events:
-                    if isinstance(ev, wire.Refused):
-                        conn.sendall(ev.reply)
-                        _linger_close(conn)
-                        self._call(self._refused, offer, src, ev.reason, ev.message)
+                for ev in self._recv_events(conn, st):
+                    if not self._on_event(conn, st, ev):
                         return
-                    if isinstance(ev, wire.OfferReceived):
-                        offer, src = ev.offer, ev.offer.sender
-                        plan = self._call(self._on_offer, ev)
-                        if plan.refuse is not None:
-                            reason, message = plan.refuse
-                            conn.sendall(rx.refuse(reason, message))
-                            _linger_close(conn)
-                            self._call(self._refused, offer, src, reason, message)
-                            return
-                        txn, writer = plan.txn, plan.writer
-                        target = (lambda h, t=txn: t.buffer(h.index)) if txn is not None else None
-                        conn.sendall(rx.accept(plan.first_missing, payload_target=target))
-                        t_first = time.monotonic()
-                    elif isinstance(ev, wire.BlockHeader) and not first_block_seen:
-                        # Transfer time counts from the first block's first byte, as raw TCP's does.
-                        first_block_seen, t_first = True, time.monotonic()
-                    elif isinstance(ev, wire.BlockReceived) and writer is not None:
-                        writer.write_block(ev.index, ev.data, ev.digest)
-                    elif isinstance(ev, wire.EndReceived):
-                        last_byte = time.monotonic()
-                        tokens = self._call(self._on_complete, offer, plan, received, last_byte, t_first)
-                        txn = writer = None  # committed
-                        conn.sendall(rx.result_ok(tokens))
         except (OSError, KVMeshError, concurrent.futures.CancelledError, concurrent.futures.TimeoutError) as err:
             reason = getattr(err, "reason", None) or ("connection" if isinstance(err, OSError) else type(err).__name__)
-            if offer is not None and not self._closing.is_set():
-                self._call(self._refused, offer, src, reason, str(err))
+            if st.offer is not None and not self._closing.is_set():
+                self._call(self._refused, st.offer, st.src, reason, str(err))
         finally:
-            if txn is not None and not self._closing.is_set():
-                self._call(self._abort, offer, txn)
-            if writer is not None:
-                writer.abort()
+            if st.txn is not None and not self._closing.is_set():
+                self._call(self._abort, st.offer, st.txn)
+            if st.writer is not None:
+                st.writer.abort()
             conn.close()
             self._conn_slots.release()
+
+    @staticmethod
+    def _recv_events(conn: socket.socket, st: _Conn) -> list[wire.ReceiverEvent]:
+        """Read what the socket has: payloads straight into their target (the engine's pool)."""
+        view = st.rx.payload_view()
+        if view is not None:
+            n = conn.recv_into(view)
+            st.received += n
+            return st.rx.payload_filled(n) if n else st.rx.eof()
+        data = conn.recv(max(1, st.rx.want()))
+        st.received += len(data)
+        return st.rx.feed(data) if data else st.rx.eof()
+
+    def _on_event(self, conn: socket.socket, st: _Conn, ev: wire.ReceiverEvent) -> bool:
+        """Act on one receiver event; False once the connection is done (refused)."""
+        if isinstance(ev, wire.Refused):
+            conn.sendall(ev.reply)
+            _linger_close(conn)
+            self._call(self._refused, st.offer, st.src, ev.reason, ev.message)
+            return False
+        if isinstance(ev, wire.OfferReceived):
+            return self._accept_offer(conn, st, ev)
+        if isinstance(ev, wire.BlockHeader) and not st.first_block_seen:
+            # Transfer time counts from the first block's first byte, as raw TCP's does.
+            st.first_block_seen, st.t_first = True, time.monotonic()
+        elif isinstance(ev, wire.BlockReceived) and st.writer is not None:
+            st.writer.write_block(ev.index, ev.data, ev.digest)
+        elif isinstance(ev, wire.EndReceived):
+            last_byte = time.monotonic()
+            assert st.offer is not None
+            committed = self._land(st)
+            tokens = self._call(self._on_complete, st.offer, st.plan, st.received, last_byte, st.t_first, committed)
+            st.txn = st.writer = None  # committed
+            conn.sendall(st.rx.result_ok(tokens))
+        return True
+
+    def _accept_offer(self, conn: socket.socket, st: _Conn, ev: wire.OfferReceived) -> bool:
+        """Let the loop decide on the offer, open the store write here if it goes to the store,
+        and answer: refuse (False) or accept from the first block this host lacks."""
+        st.offer, st.src = ev.offer, ev.offer.sender
+        st.plan = plan = self._call(self._on_offer, ev)
+        refuse = plan.refuse
+        if refuse is None and plan.store_only:
+            try:  # blocks carried over from the held replica are verified and copied here, not on the loop
+                st.writer = self.store.begin_write(ev.offer.session, fingerprint=ev.offer.fingerprint,
+                                                   block_size=ev.offer.block_size, block_bytes=ev.offer.block_bytes,
+                                                   tokens=ev.tokens, hashes=ev.hashes, first_block=plan.store_held,
+                                                   generation=ev.offer.generation)
+            except KVMeshError as err:
+                refuse = (getattr(err, "reason", "store"), str(err))
+        if refuse is not None:
+            reason, message = refuse
+            conn.sendall(st.rx.refuse(reason, message))
+            _linger_close(conn)
+            self._call(self._refused, st.offer, st.src, reason, message)
+            return False
+        st.txn = txn = plan.txn
+        target = (lambda h, t=txn: t.buffer(h.index)) if txn is not None else None
+        conn.sendall(st.rx.accept(plan.first_missing, payload_target=target))
+        st.t_first = time.monotonic()
+        return True
+
+    def _land(self, st: _Conn) -> int | None:
+        """END verified; on this thread, the bytes still to move: the blocks the store held but the
+        engine lacked go into the import (each digest checked), or the store's write commits (fsync).
+        Returns the tokens the store committed (store-only), else None."""
+        assert st.offer is not None
+        if st.txn is not None:
+            for i in range(st.plan.engine_held, st.plan.store_held):
+                copy_block(st.txn, i, self.store.block_view(st.offer.session, i, verify=True))
+            return None
+        assert st.writer is not None
+        return st.writer.commit().num_tokens
 
     def _on_offer(self, ev: wire.OfferReceived) -> _Plan:
         """Decide on the loop: refuse, or the first block to send and where payloads land."""
@@ -720,14 +839,9 @@ class KVShare:
                 return _Plan(refuse=(err.reason, str(err)))
             # Every KV block is held by a running turn: the replica goes to the store only
             # (the slow path: disk on the critical path), to be imported before its next turn.
-            try:
-                writer = self.store.begin_write(offer.session, fingerprint=offer.fingerprint, block_size=offer.block_size,
-                                                block_bytes=offer.block_bytes, tokens=ev.tokens, hashes=ev.hashes,
-                                                first_block=store_held, generation=offer.generation)
-            except KVMeshError as werr:
-                return _Plan(refuse=(getattr(werr, "reason", "store"), str(werr)))
+            # The receiving thread opens the store write (it copies and verifies held blocks).
             self._track_inbound(offer, store_held)
-            return _Plan(writer=writer, first_missing=store_held, store_held=store_held)
+            return _Plan(store_only=True, first_missing=store_held, store_held=store_held)
         engine_held = txn.missing[0] if txn.missing else offer.n_blocks
         first = max(engine_held, store_held)
         self._track_inbound(offer, first)
@@ -740,17 +854,16 @@ class KVShare:
         self._inbound[offer.session] = _Inbound(offer.sender, offer.num_tokens, time.monotonic(),
                                                  eta_s=(offer.n_blocks - first) * offer.block_bytes / rate)
 
-    def _on_complete(self, offer: wire.Offer, plan: _Plan, received: int, last_byte: float,
-                     t_first: float) -> int:
-        """END verified: fill from the store what it had, commit the import: the replica is ready."""
-        txn, writer = plan.txn, plan.writer
+    def _on_complete(self, offer: wire.Offer, plan: _Plan, received: int, last_byte: float, t_first: float,
+                     committed: int | None) -> int:
+        """END verified and every byte in place (`_land`): commit the import, the replica is ready.
+        `committed`: the tokens the store committed when the replica went to the store only."""
+        txn = plan.txn
         if txn is not None:
-            for i in range(plan.engine_held, plan.store_held):
-                txn.write(i, self.store.block_view(offer.session, i, verify=True))
             tokens = txn.commit()
         else:
-            assert writer is not None
-            tokens = writer.commit().num_tokens
+            assert committed is not None
+            tokens = committed
         ready = time.monotonic()
         lag = ready - last_byte
         st = self.inn[offer.sender]
@@ -789,6 +902,24 @@ class KVShare:
         log.info("refused a replica of %s from %s: %s (%s)", session, src, reason, message)
         self._publish(ReplicaRefused(session=session, src=src, dst=self.name, reason=reason,
                                              message=message[:200]))
+
+
+async def _await_worker(fut: asyncio.Future[T], *, stop: Callable[[], None], release: Callable[[], None]) -> T:
+    """Await a worker thread's result. When the awaiting task is cancelled, the worker cannot be:
+    `stop` asks it to end early, and `release` (freeing what the worker uses: pool blocks,
+    pins) runs on the loop only once it has returned. Other outcomes are the caller's to clean up."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        stop()
+
+        def after(f: asyncio.Future[T]) -> None:
+            if not f.cancelled():
+                f.exception()  # retrieved: the cancelled caller no longer wants it
+            release()
+
+        fut.add_done_callback(after)
+        raise
 
 
 def _linger_close(conn: socket.socket, limit_s: float = 1.0) -> None:

@@ -568,7 +568,22 @@ class ReplicaStore:
         Only blocks the engine lacks are copied, each straight from the mapped
         segment into the engine's pool, each payload digest checked once per
         process. Any failure aborts the engine's import: it gets nothing.
+        All in the calling thread: an event loop uses `begin_import` instead.
         """
+        imp = self.begin_import(engine, session, upto_blocks=upto_blocks)
+        if imp is None:
+            return 0
+        try:
+            imp.copy()
+            return imp.txn.commit()
+        except BaseException:
+            imp.txn.abort()
+            raise
+
+    def begin_import(self, engine: Engine, session: str, *, upto_blocks: int | None = None) -> StoreImport | None:
+        """Reserve the engine's blocks for the session's replica (or its first `upto_blocks`); None when
+        there is nothing to import. Call it where the engine's bookkeeping lives (its event loop); then
+        `copy()` on any thread, then `txn.commit()` or `txn.abort()` back where it began."""
         check_session_id(session)
         with self._lock:
             entry = self._entries.get(session)
@@ -578,23 +593,9 @@ class ReplicaStore:
         m = entry.manifest
         n = m.n_blocks if upto_blocks is None else max(0, min(upto_blocks, m.n_blocks))
         if n == 0:
-            return 0
+            return None
         txn = engine.begin_import(session, m.fingerprint, m.tokens[: n * m.block_size], m.hashes[:n])
-        try:
-            for i in txn.missing:
-                with self._lock:
-                    view = self._view(entry, i)
-                if not self._verify(entry, i, view):
-                    raise ImportRefused(f"replica of {session!r}: block {i} on disk is corrupt (digest mismatch)", reason="digest")
-                _copy_block(txn, i, view)
-            return txn.commit()
-        except BaseException:
-            txn.abort()
-            raise
-        finally:
-            # The engine has its copy now: the mapped pages need not count in this process's RSS.
-            with self._lock:
-                self._trim_maps_of(session)
+        return StoreImport(self, entry, txn)
 
     def _verify(self, entry: _Entry, i: int, view: memoryview) -> bool:
         """Block i's payload digest, checked once per process; a mismatch drops the session."""
@@ -844,14 +845,65 @@ class ReplicaStore:
                 raise _Corrupt(f"segment {s.file} is {size} bytes, not {want}")
 
 
-def _copy_block(txn: ImportTxn, i: int, view: memoryview) -> None:
+class ImportCancelled(ImportRefused):
+    """A store import was told to stop before it copied every block."""
+
+    def __init__(self, session: str) -> None:
+        super().__init__(f"the import of {session!r} from the store was cancelled", reason="cancelled")
+
+
+@dataclass
+class StoreImport:
+    """A store -> engine import whose blocks are reserved (`ReplicaStore.begin_import`).
+
+    `copy()` is the bulk byte work (page-cache reads, digests, copies into the pool) and
+    may run on a worker thread: the reserved blocks are the txn's alone until it commits
+    or aborts, which happens back on the engine's thread once `copy()` has returned.
+    """
+
+    store: ReplicaStore
+    entry: _Entry
+    txn: ImportTxn
+
+    @property
+    def session(self) -> str:
+        return self.entry.manifest.session
+
+    def copy(self, cancel: threading.Event | None = None) -> None:
+        """Copy every block the engine lacks, checking each payload digest (once per process).
+        Raises ImportRefused('digest') on a corrupt block, ImportCancelled once `cancel` is set."""
+        store, entry, session = self.store, self.entry, self.session
+        try:
+            for i in self.txn.missing:
+                if cancel is not None and cancel.is_set():
+                    raise ImportCancelled(session)
+                with store._lock:
+                    view = store._view(entry, i)
+                if not store._verify(entry, i, view):
+                    raise ImportRefused(f"replica of {session!r}: block {i} on disk is corrupt (digest mismatch)", reason="digest")
+                copy_block(self.txn, i, view)
+        finally:
+            # The engine has its copy now: the mapped pages need not count in this process's RSS.
+            with store._lock:
+                store._trim_maps_of(session)
+
+
+def copy_bytes(dst: memoryview, src: memoryview | bytes | np.ndarray) -> None:
+    """dst[:] = src through numpy, which lets go of the GIL while it copies (a memoryview
+    assignment holds it throughout: an event loop in another thread would wait for the copy)."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))  # type: ignore[arg-type]  # buffers
+
+
+def copy_block(txn: ImportTxn, i: int, view: memoryview) -> None:
     """One memcpy from the page cache into the engine's pool block."""
     try:
         dst = txn.buffer(i)
     except RuntimeError:
         dst = None  # an accelerator pool: the engine copies host -> device
     if dst is not None:
-        dst[:] = view
+        if len(view) != len(dst):
+            raise ImportRefused(f"block {i} is {len(view)} bytes; the engine's blocks are {len(dst)}", reason="size")
+        copy_bytes(dst, view)
         return
     with warnings.catch_warnings():
         # torch warns that the mapped source is read-only; it only reads it.
