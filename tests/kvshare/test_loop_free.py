@@ -24,7 +24,7 @@ import pytest
 
 from kvmesh.node.config import EngineConfig, KVShareConfig, NodeConfig
 from kvmesh.node.engine.hashing import block_hashes, chain_seed, payload_digest
-from kvmesh.node.engine.runner import fill_from_hash
+from kvmesh.node.engine.simkv import fill_block
 from kvmesh.node.kvshare import service, wire
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.server import ThreadedServer, serve_in_thread
@@ -53,8 +53,10 @@ def write_replica(root: Path, facts: EngineFacts, session: str, tokens: np.ndarr
     buf = memoryview(bytearray(facts.block_bytes))
     with store.begin_write(session, fingerprint=facts.fingerprint, block_size=BLOCK, block_bytes=facts.block_bytes,
                            tokens=tokens, hashes=hashes, first_block=0, generation=1) as w:
-        for i, h in enumerate(hashes):
-            fill_from_hash(buf, h)
+        kvpt = facts.block_bytes // BLOCK
+        for i in range(len(hashes)):
+            prev = hashes[i - 1] if i else chain_seed(facts.fingerprint)
+            fill_block(buf, prev, tokens[i * BLOCK : (i + 1) * BLOCK], kvpt, BLOCK)
             w.write_block(i, buf, payload_digest(buf))
         w.commit()
     store.close()
