@@ -4,8 +4,11 @@ staying warm when the replica holder's engine evicted the imported replica (re-i
 from __future__ import annotations
 
 import pytest
+from support.conversation import Conversation
 
-from .helpers import Conversation, Mesh, wait_for, whole_blocks
+from kvmesh.node.launcher import wait_for
+
+from .helpers import Mesh, whole_blocks
 
 
 def test_affinity_keeps_a_session_on_its_host_with_cached_tokens(shared_mesh: Mesh) -> None:
@@ -153,8 +156,10 @@ def test_a_turn_through_an_entry_that_has_not_polled_the_home_yet_is_placed_and_
         t1 = m.turn(conv, "a")
         home = t1.host
         # The replica lands on its holder (asked of the holder itself: its own figures are live).
-        holder = wait_for(lambda: next((n for n in m.others(home) if m.transfers_in(n, home) > before[n][home]), None),
-                          f"a replica of {conv.session} to land off {home}")
+        def landed(home: str = home, before: dict[str, dict[str, int]] = before) -> str | None:
+            return next((n for n in m.others(home) if m.transfers_in(n, home) > before[n][home]), None)
+
+        holder = wait_for(landed, f"a replica of {conv.session} to land off {home}")
         info = m.session_info(holder, conv.session)
         assert info is not None, f"{holder} holds a replica of {conv.session} but does not list it"
         if info["home"] == home:

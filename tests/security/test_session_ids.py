@@ -17,11 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvmesh.node.launcher import wait_for
 from kvmesh.node.protocol import is_valid_session_id
-
 from kvmesh.node.server import ThreadedServer, serve_in_thread
 
-from .helpers import MODEL, SAFE_ID, chat, openai_error, sim_config, tree, wait_for
+from .helpers import MODEL, SAFE_ID, chat, openai_error, sim_config, tree
 
 # The prompt must fill a KV block (64 tokens) so that every served turn writes its session to the store.
 LONG = "Please summarise the following text about replicas and caches. " * 4
