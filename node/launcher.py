@@ -83,7 +83,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _merge(cfg: dict[str, Any], sections: dict[str, Any]) -> None:
+def merge_config(cfg: dict[str, Any], sections: dict[str, Any]) -> None:
     """Merge config sections into `cfg`: a table's keys are updated one by one, anything else is replaced."""
     for section, values in sections.items():
         if isinstance(values, dict):
@@ -114,8 +114,8 @@ def mesh_configs(workdir: Path, names: list[str], *, host: str = "127.0.0.1", en
                                "engine": dict(engine or {}),
                                "kvshare": {"listen": f"{addr[n]}:{kv_port}", "store_dir": str(workdir / f"store-{n}")},
                                "mesh": {"peers": peers}}
-        _merge(cfg, extra or {})
-        _merge(cfg, (overrides or {}).get(n, {}))
+        merge_config(cfg, extra or {})
+        merge_config(cfg, (overrides or {}).get(n, {}))
         out[n] = workdir / f"{n}.toml"
         write_toml(out[n], cfg)
     return out
@@ -256,16 +256,17 @@ class LocalMesh:
     def api(self, name: str) -> str:
         return self.nodes[name].api
 
-    def start(self, ready_timeout: float = 60.0, peers_timeout: float = 30.0) -> Self:
-        """Start every node; return once each is ready and sees every peer. On any failure every node is
-        stopped, the nodes' log tails go to stderr (a node that fails to start says why there), and the
-        error is raised."""
+    def start(self, ready_timeout: float = 60.0, peers_timeout: float | None = 30.0) -> Self:
+        """Start every node; return once each is ready and (unless peers_timeout is None) sees every peer.
+        On any failure every node is stopped, the nodes' log tails go to stderr (a node that fails to
+        start says why there), and the error is raised."""
         try:
             for p in self.nodes.values():
                 p.start()
             for p in self.nodes.values():
                 p.wait_ready(ready_timeout)
-            wait_peers(self.nodes.values(), peers_timeout)
+            if peers_timeout is not None:
+                wait_peers(self.nodes.values(), peers_timeout)
         except BaseException as e:
             if isinstance(e, Exception):
                 print(self.logs(), file=sys.stderr)
