@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -256,15 +256,20 @@ class LocalMesh:
     def api(self, name: str) -> str:
         return self.nodes[name].api
 
-    def start(self, ready_timeout: float = 60.0, peers_timeout: float | None = 30.0) -> Self:
+    def start(self, ready_timeout: float = 60.0, peers_timeout: float | None = 30.0, *,
+              last: Collection[str] = ()) -> Self:
         """Start every node; return once each is ready and (unless peers_timeout is None) sees every peer.
-        On any failure every node is stopped, the nodes' log tails go to stderr (a node that fails to
-        start says why there), and the error is raised."""
+
+        Nodes named in `last` start only once every other node is ready (a node that polls its peers
+        only when it starts must find them up). On any failure every node is stopped, the nodes' log
+        tails go to stderr (a node that fails to start says why there), and the error is raised."""
+        stages = ([p for n, p in self.nodes.items() if n not in last], [p for n, p in self.nodes.items() if n in last])
         try:
-            for p in self.nodes.values():
-                p.start()
-            for p in self.nodes.values():
-                p.wait_ready(ready_timeout)
+            for stage in stages:
+                for p in stage:
+                    p.start()
+                for p in stage:
+                    p.wait_ready(ready_timeout)
             if peers_timeout is not None:
                 wait_peers(self.nodes.values(), peers_timeout)
         except BaseException as e:

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.node.launcher import free_port, mesh_configs, wait_for, write_mesh
+from kvmesh.node.launcher import (
+    NodeProcess,
+    free_port,
+    mesh_configs,
+    wait_for,
+    write_mesh,
+)
 
 
 def test_mesh_configs_apply_fixed_ports_routes_and_per_node_overrides(tmp_path: Path) -> None:
@@ -60,3 +66,18 @@ def test_a_mesh_that_fails_to_start_stops_the_nodes_it_started(tmp_path: Path) -
         mesh.start(ready_timeout=60)
     for name, p in mesh.nodes.items():
         assert p.proc is not None and p.proc.poll() is not None, f"{name} still runs"
+
+
+def test_nodes_named_last_start_once_the_others_are_ready(tmp_path: Path) -> None:
+    """A node named in `last` is started only after every other node has written its ready file."""
+    early_ready_at_start: dict[str, bool] = {}
+
+    class Recording(NodeProcess):
+        def start(self) -> NodeProcess:
+            early_ready_at_start[self.name] = (tmp_path / "early.ready.json").exists()
+            return super().start()
+
+    mesh = write_mesh(tmp_path, ["late", "early"], engine={"kind": "sim", "cache_bytes": 16 << 20}, node=Recording)
+    mesh.start(last=["late"])
+    mesh.stop()
+    assert early_ready_at_start == {"early": False, "late": True}
