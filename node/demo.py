@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.node.bench.common import start_mesh, wait_peers
-from kvmesh.node.launcher import NodeProcess
+from kvmesh.node.bench.common import start_mesh
+from kvmesh.node.launcher import NodeProcess, wait_peers
 from kvmesh.node.load import LoadRunner, LoadShape
 
 

@@ -52,8 +52,8 @@ from typing import Any
 import httpx
 import psutil
 
-from kvmesh.node.bench.common import start_mesh, wait_peers
-from kvmesh.node.launcher import NodeProcess
+from kvmesh.node.bench.common import start_mesh
+from kvmesh.node.launcher import NodeProcess, wait_peers
 from kvmesh.node.load import LoadRunner, LoadShape
 
 NAMES = ["node-a", "node-b", "node-c"]

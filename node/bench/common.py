@@ -9,13 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from kvmesh.node.launcher import NodeProcess, mesh_configs
+from kvmesh.node.launcher import NodeProcess, merge_config, write_mesh
 
 
 def failures(result: dict[str, Any]) -> list[str]:
@@ -50,34 +47,10 @@ def emit(result: dict[str, Any], args: argparse.Namespace) -> int:
 
 def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cache_bytes: int,
                extra: dict[str, Any] | None = None) -> list[NodeProcess]:
-    """Start one sim `kvmesh node` process per name (a full mesh on loopback) and wait until each is ready."""
+    """The benchmarks' sim mesh on loopback (`launcher.write_mesh`), started: every node ready."""
     engine = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_timeout_s": 600.0,
               "sim": {"kv_scale": kv_scale}}
     base: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 4 * cache_bytes},
                             "mesh": {"poll_interval_s": 0.25}}
-    for k, v in (extra or {}).items():
-        if isinstance(v, dict):
-            base.setdefault(k, {}).update(v)
-        else:
-            base[k] = v
-    cfgs = mesh_configs(work, names, engine=engine, extra=base)
-    nodes = [NodeProcess(n, p, work).start() for n, p in cfgs.items()]
-    try:
-        for n in nodes:
-            n.wait_ready()
-    except BaseException:
-        for n in nodes:
-            n.stop()
-        raise
-    return nodes
-
-
-def wait_peers(nodes: list[NodeProcess], timeout: float = 20.0) -> None:
-    """Wait until the first node sees every node reachable."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        hosts = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=5).json()["hosts"]
-        if len(hosts) == len(nodes) and all(h["reachable"] for h in hosts):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("the nodes did not see each other")
+    merge_config(base, extra or {})
+    return list(write_mesh(work, names, engine=engine, extra=base).start(peers_timeout=None).nodes.values())

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from kvmesh.node.bench.common import emit, start_mesh, wait_peers
+from kvmesh.node.bench.common import emit, start_mesh
+from kvmesh.node.launcher import wait_peers
 from kvmesh.node.load import LoadRunner, LoadShape
 
 

@@ -25,9 +25,9 @@ import httpx
 from websockets.sync.client import connect
 
 from kvmesh.node.bench import rawtcp
-from kvmesh.node.bench.common import emit, wait_peers
+from kvmesh.node.bench.common import emit
 from kvmesh.node.bench.workload import text
-from kvmesh.node.launcher import NodeProcess, mesh_configs
+from kvmesh.node.launcher import NodeProcess, mesh_configs, wait_peers
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 from kvmesh.node.netlab.mesh import LAB_SECRET
 

@@ -28,9 +28,8 @@ import httpx
 from websockets.sync.client import connect
 
 from kvmesh.node.bench import rawtcp
-from kvmesh.node.bench.common import wait_peers
 from kvmesh.node.config import EngineConfig
-from kvmesh.node.launcher import NodeProcess
+from kvmesh.node.launcher import NodeProcess, wait_peers
 from kvmesh.node.load import LoadRunner, LoadShape
 from kvmesh.node.netlab.mesh import lab_api, lab_nodes
 from kvmesh.node.netlab.netns import TwoHostLab, can_use_netns

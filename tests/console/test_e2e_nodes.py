@@ -14,7 +14,7 @@ from kvmesh.console.app import KvmeshConsole
 from kvmesh.console.config import ConsoleConfig
 from kvmesh.console.screens.confirm import ConfirmScreen
 from kvmesh.console.state import ConsoleState
-from kvmesh.node.launcher import NodeProcess, mesh_configs
+from kvmesh.node.launcher import NodeProcess, write_mesh
 
 pytestmark = pytest.mark.anyio
 TOKEN = "console-e2e-admin-token"
@@ -22,18 +22,14 @@ TOKEN = "console-e2e-admin-token"
 
 @pytest.fixture
 def two_nodes(tmp_path: Path) -> Iterator[list[NodeProcess]]:
-    cfgs = mesh_configs(tmp_path, ["node-a", "node-b"],
-                        engine={"kind": "sim", "slots": 2, "cache_bytes": 16 << 20, "sim": {"kv_scale": 0.02}},
-                        extra={"admin_token": TOKEN, "mesh": {"poll_interval_s": 0.2},
-                               "kvshare": {"fsync": "never"}})
-    nodes = [NodeProcess(n, p, tmp_path).start() for n, p in cfgs.items()]
+    mesh = write_mesh(tmp_path, ["node-a", "node-b"],
+                      engine={"kind": "sim", "slots": 2, "cache_bytes": 16 << 20, "sim": {"kv_scale": 0.02}},
+                      extra={"admin_token": TOKEN, "mesh": {"poll_interval_s": 0.2}, "kvshare": {"fsync": "never"}})
+    mesh.start()
     try:
-        for n in nodes:
-            n.wait_ready()
-        yield nodes
+        yield list(mesh.nodes.values())
     finally:
-        for n in nodes:
-            n.stop()
+        mesh.stop()
 
 
 async def test_console_drains_a_real_node(two_nodes: list[NodeProcess]) -> None:

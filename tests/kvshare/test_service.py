@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import TypeVar
 
 import pytest
+from pydantic import BaseModel
+from support.conversation import Conversation
+from support.events import EventStream
 
 from kvmesh.node.kvshare import wire
-from kvmesh.node.protocol import session_key
+from kvmesh.node.launcher import wait_for
+from kvmesh.node.protocol import (
+    ReplicaImported,
+    ReplicaReady,
+    ReplicaRefused,
+    ReplicaSent,
+    ReplicaSuperseded,
+    session_key,
+)
 
 from .service_helpers import (
     BLOCK,
-    Conversation,
-    EventStream,
     Pair,
     engine_cfg,
     engine_facts,
@@ -28,8 +37,9 @@ from .service_helpers import (
     hand_send,
     read_reply,
     start_pair,
-    wait_for,
 )
+
+E = TypeVar("E", bound=BaseModel)
 
 # Framing of one transfer (node/kvshare/wire.py): OFFER prefix 18 B + header JSON + 4 B per token + 16 B per hash
 # + 32 B mac; 37 B before each block's payload; END 37 B.
@@ -51,12 +61,12 @@ def transfer_bytes(pair: Pair, session: str, n_blocks: int, sent_blocks: int) ->
     return fixed + lo, fixed + hi
 
 
-def nth_event(stream: EventStream, type_: str, session: str, k: int) -> dict[str, Any]:
-    """The k-th (from 0) event of this type for the session, once it has arrived."""
-    def get() -> dict[str, Any] | None:
-        evs = stream.all(type_, session=session)
+def nth_event(stream: EventStream, kind: type[E], session: str, k: int) -> E:
+    """The k-th (from 0) live event of this kind for the session, once it has arrived."""
+    def get() -> E | None:
+        evs = stream.live(kind, session=session)
         return evs[k] if len(evs) > k else None
-    return wait_for(get, f"{type_} #{k + 1} of {session}")  # type: ignore[no-any-return]
+    return wait_for(get, f"{kind.__name__} #{k + 1} of {session}")
 
 
 def wait_store(p: Pair, session: str, tokens: int) -> None:
@@ -75,20 +85,20 @@ def test_delta_replicas_over_growing_turns_carry_only_new_whole_blocks(kv_pair: 
         for k in range(4):
             t = p.turn("a", conv)
             n = t.prompt_tokens // BLOCK
-            ready = nth_event(ev_b, "replica_ready", conv.session, k)
-            sent = nth_event(ev_a, "replica_sent", conv.session, k)
-            assert ready["src"] == "a" and ready["imported"] is True
-            assert ready["tokens"] == n * BLOCK, f"turn {k + 1}: {ready}"
-            assert ready["blocks"] == n - held, f"turn {k + 1}: {n - held} new whole blocks, {ready['blocks']} sent"
+            ready = nth_event(ev_b, ReplicaReady, conv.session, k)
+            sent = nth_event(ev_a, ReplicaSent, conv.session, k)
+            assert ready.src == "a" and ready.imported is True
+            assert ready.tokens == n * BLOCK, f"turn {k + 1}: {ready}"
+            assert ready.blocks == n - held, f"turn {k + 1}: {n - held} new whole blocks, {ready.blocks} sent"
             lo, hi = transfer_bytes(p, conv.session, n, n - held)
-            assert lo <= ready["bytes"] <= hi, f"turn {k + 1}: {ready['bytes']} bytes on the wire, expected {lo}..{hi}"
-            assert (sent["bytes"], sent["blocks"], sent["tokens"]) == (ready["bytes"], ready["blocks"], n * BLOCK)
+            assert lo <= ready.bytes <= hi, f"turn {k + 1}: {ready.bytes} bytes on the wire, expected {lo}..{hi}"
+            assert (sent.bytes, sent.blocks, sent.tokens) == (ready.bytes, ready.blocks, n * BLOCK)
             if k == 2:
-                assert ready["blocks"] == 0, "a turn that adds no whole block sent blocks"
+                assert ready.blocks == 0, "a turn that adds no whole block sent blocks"
             # b's engine holds the whole-block prefix (asked of b itself), and its store catches up.
             assert p.holding("b", conv.session)["resident_tokens"] == n * BLOCK
             wait_store(p, conv.session, n * BLOCK)
-            assert len(ev_b.all("replica_ready", session=conv.session)) == k + 1
+            assert len(ev_b.live(ReplicaReady, session=conv.session)) == k + 1
             held = n
             if k < 3:
                 conv.grow_to(t.reply, sizes[k])
@@ -113,17 +123,17 @@ def test_newer_replica_supersedes_one_in_flight(kv_pair: Pair) -> None:
             wait_for(lambda: p.proxy.connections >= 1, "the first push to connect")
             conv.grow_to(t1.reply, t1.prompt_tokens + 10 * BLOCK)
             t2 = p.turn("a", conv)
-            ev_a.wait("replica_superseded", session=conv.session, dst="b")
+            ev_a.wait_live(ReplicaSuperseded, session=conv.session, dst="b")
         finally:
             p.proxy.resume()
         n1, n2 = t1.prompt_tokens // BLOCK, t2.prompt_tokens // BLOCK
-        ready = ev_b.wait("replica_ready", session=conv.session, tokens=n2 * BLOCK)
-        sent = ev_a.wait("replica_sent", session=conv.session, tokens=n2 * BLOCK)
-        assert ready["blocks"] == n2, "the superseded replica landed nothing, so the newest carries every block"
-        assert sent["blocks"] == n2
-        assert [r["tokens"] for r in ev_b.all("replica_ready", session=conv.session)] == [n2 * BLOCK], \
+        ready = ev_b.wait_live(ReplicaReady, session=conv.session, tokens=n2 * BLOCK)
+        sent = ev_a.wait_live(ReplicaSent, session=conv.session, tokens=n2 * BLOCK)
+        assert ready.blocks == n2, "the superseded replica landed nothing, so the newest carries every block"
+        assert sent.blocks == n2
+        assert [r.tokens for r in ev_b.live(ReplicaReady, session=conv.session)] == [n2 * BLOCK], \
             f"the superseded replica ({n1} blocks) must not become ready"
-        assert [s["tokens"] for s in ev_a.all("replica_sent", session=conv.session)] == [n2 * BLOCK]
+        assert [s.tokens for s in ev_a.live(ReplicaSent, session=conv.session)] == [n2 * BLOCK]
     assert p.stats("a")["kvshare"]["out"]["b"]["superseded"] == before + 1
     # The sender closes a superseded transfer's socket at once; the paused proxy only notices when it
     # resumes, so it may count the two connections as briefly overlapping (never more than two).
@@ -148,12 +158,12 @@ def test_a_progressing_transfer_finishes_and_the_newer_replica_sends_only_the_de
             conv.grow_to(t1.reply, t1.prompt_tokens + 10 * BLOCK)
             t2 = p.turn("a", conv)
             n1, n2 = t1.prompt_tokens // BLOCK, t2.prompt_tokens // BLOCK
-            first = ev_b.wait("replica_ready", session=conv.session, tokens=n1 * BLOCK)
-            second = ev_b.wait("replica_ready", session=conv.session, tokens=n2 * BLOCK)
-            assert not ev_a.all("replica_superseded", session=conv.session)
+            first = ev_b.wait_live(ReplicaReady, session=conv.session, tokens=n1 * BLOCK)
+            second = ev_b.wait_live(ReplicaReady, session=conv.session, tokens=n2 * BLOCK)
+            assert not ev_a.live(ReplicaSuperseded, session=conv.session)
     finally:
         p.proxy.rate_bps = None
-    assert first["blocks"] == n1 and second["blocks"] == n2 - n1, (first, second)
+    assert first.blocks == n1 and second.blocks == n2 - n1, (first, second)
     assert p.stats("a")["kvshare"]["out"]["b"]["superseded"] == before
     assert p.proxy.connections == 2 and p.proxy.max_active == 1, "the two transfers overlapped"
 
@@ -174,13 +184,13 @@ def test_superseded_counts_each_replica_once(kv_pair: Pair) -> None:
             for _ in range(2):
                 conv.grow_to(t.reply, t.prompt_tokens + 3 * BLOCK)
                 t = p.turn("a", conv)
-            wait_for(lambda: len(ev_a.all("replica_superseded", session=conv.session)) >= 2,
+            wait_for(lambda: len(ev_a.live(ReplicaSuperseded, session=conv.session)) >= 2,
                      "the stalled transfer to be superseded")
         finally:
             p.proxy.resume()
         n = t.prompt_tokens // BLOCK
-        ev_b.wait("replica_ready", session=conv.session, tokens=n * BLOCK)
-        superseded = ev_a.all("replica_superseded", session=conv.session)
+        ev_b.wait_live(ReplicaReady, session=conv.session, tokens=n * BLOCK)
+        superseded = ev_a.live(ReplicaSuperseded, session=conv.session)
     assert p.stats("a")["kvshare"]["out"]["b"]["superseded"] - before == 2
     # The queued second gave way to the third; the stalled first was replaced in flight.
     assert p.stats("a")["kvshare"]["out"]["b"]["superseded_in_flight"] - before_in_flight == 1
@@ -194,7 +204,7 @@ def test_replica_on_disk_survives_a_restart_and_is_imported_before_the_turn(kv_p
     with p.events("b") as ev_b:
         t = p.turn("a", conv)
         n = t.prompt_tokens // BLOCK
-        ev_b.wait("replica_ready", session=conv.session, tokens=n * BLOCK)
+        ev_b.wait_live(ReplicaReady, session=conv.session, tokens=n * BLOCK)
     wait_for(lambda: p.holding("b", conv.session)["store_tokens"] == n * BLOCK, "b's store to hold the replica")
     assert (p.store_dir("b") / session_key(conv.session) / "manifest.json").is_file()
     p.restart("b")
@@ -204,9 +214,9 @@ def test_replica_on_disk_survives_a_restart_and_is_imported_before_the_turn(kv_p
     conv.grow_to(t.reply, t.prompt_tokens + 30)
     with p.events("b") as ev_b:
         t2 = p.turn("b", conv, prev_host="a")
-        imp = ev_b.wait("replica_imported", session=conv.session)
+        imp = ev_b.wait_live(ReplicaImported, session=conv.session)
     assert t2.cached == n * BLOCK and t2.handoff == "warm", t2
-    assert imp["host"] == "b" and imp["tokens"] == n * BLOCK
+    assert imp.host == "b" and imp.tokens == n * BLOCK
     assert p.temp_files("b") == []
 
 
@@ -240,8 +250,8 @@ def test_evicted_replica_is_reimported_from_the_store_before_the_next_turn(tight
     with p.events("a") as ev_a, p.events("b") as ev_b:
         t = p.turn("a", conv)
         n = t.prompt_tokens // BLOCK
-        ready = ev_b.wait("replica_ready", session=conv.session)
-        assert ready["imported"] is True and ready["tokens"] == n * BLOCK
+        ready = ev_b.wait_live(ReplicaReady, session=conv.session)
+        assert ready.imported is True and ready.tokens == n * BLOCK
         assert p.holding("b", conv.session)["resident_tokens"] == n * BLOCK
         wait_for(lambda: p.holding("b", conv.session)["store_tokens"] == n * BLOCK, "b's store to hold the replica")
         engine0 = p.stats("b")["engine"]
@@ -253,17 +263,17 @@ def test_evicted_replica_is_reimported_from_the_store_before_the_next_turn(tight
         assert p.stats("b")["engine"]["evicted_sessions"] > engine0["evicted_sessions"]
         assert p.holding("b", conv.session)["store_tokens"] == n * BLOCK
         # b pushes the filler on to a and keeps its own copy: wait until neither pins the filler's blocks.
-        ev_a.wait("replica_ready", session=filler.session)
-        ev_b.wait("replica_sent", session=filler.session)
+        ev_a.wait_live(ReplicaReady, session=filler.session)
+        ev_b.wait_live(ReplicaSent, session=filler.session)
         wait_for(lambda: p.holding("b", filler.session)["store_tokens"] > 0, "b to persist the filler")
         p.wait_quiet("b")
 
         conv.grow_to(t.reply, t.prompt_tokens + 40)
         t2 = p.turn("b", conv, prev_host="a")
-        imp = ev_b.wait("replica_imported", session=conv.session)
+        imp = ev_b.wait_live(ReplicaImported, session=conv.session)
     assert t2.cached == n * BLOCK, f"{t2.cached} tokens reused; the stored replica holds {n * BLOCK}"
     assert t2.handoff == "warm"
-    assert imp["tokens"] == n * BLOCK
+    assert imp.tokens == n * BLOCK
     engine1 = p.stats("b")["engine"]
     assert engine1["imported_blocks"] > engine0["imported_blocks"], "the turn was warm without an import"
     counters = p.stats("b")["handoffs"]
@@ -279,22 +289,22 @@ def test_delta_to_a_receiver_whose_engine_evicted_the_replica_carries_only_new_b
     with p.events("a") as ev_a, p.events("b") as ev_b:
         t = p.turn("a", conv)
         n1 = t.prompt_tokens // BLOCK
-        ev_b.wait("replica_ready", session=conv.session, tokens=n1 * BLOCK)
+        ev_b.wait_live(ReplicaReady, session=conv.session, tokens=n1 * BLOCK)
         wait_for(lambda: p.holding("b", conv.session)["store_tokens"] == n1 * BLOCK, "b's store to hold the replica")
         filler = Conversation("evict-delta-filler", chars=(POOL_BLOCKS - 2) * BLOCK - 20)
         p.turn("b", filler)
         assert p.holding("b", conv.session)["resident_tokens"] == 0, "b's engine did not evict the replica"
-        ev_b.wait("replica_sent", session=filler.session)
+        ev_b.wait_live(ReplicaSent, session=filler.session)
         p.wait_quiet("b")
         imported0 = p.stats("b")["engine"]["imported_blocks"]
 
         conv.grow_to(t.reply, (n1 + 5) * BLOCK + 7)
         t2 = p.turn("a", conv)
         n2 = t2.prompt_tokens // BLOCK
-        ready = ev_b.wait("replica_ready", session=conv.session, tokens=n2 * BLOCK)
-        sent = ev_a.wait("replica_sent", session=conv.session, tokens=n2 * BLOCK)
-    assert ready["blocks"] == sent["blocks"] == n2 - n1, f"{ready['blocks']} blocks crossed; b's store held {n1} of {n2}"
-    assert ready["imported"] is True
+        ready = ev_b.wait_live(ReplicaReady, session=conv.session, tokens=n2 * BLOCK)
+        sent = ev_a.wait_live(ReplicaSent, session=conv.session, tokens=n2 * BLOCK)
+    assert ready.blocks == sent.blocks == n2 - n1, f"{ready.blocks} blocks crossed; b's store held {n1} of {n2}"
+    assert ready.imported is True
     assert p.holding("b", conv.session)["resident_tokens"] == n2 * BLOCK
     assert p.stats("b")["engine"]["imported_blocks"] - imported0 > n2 - n1, "no block was refilled from b's store"
     conv.grow_to(t2.reply, t2.prompt_tokens + 20)
@@ -323,23 +333,23 @@ def test_replica_lands_in_the_store_when_the_engine_has_no_room(tight_pair: Pair
 
             # A torn store-only transfer: nothing is left behind.
             assert hand_send(p.kv["b"], p.secret, x_offer, stop_after=n // 2, half_payload=True) == "cut"
-            ev_b.wait("replica_refused", session=conv.session)
+            ev_b.wait_live(ReplicaRefused, session=conv.session)
             assert not (p.store_dir("b") / session_key(conv.session)).exists()
             assert p.temp_files("b") == []
 
             # A whole one lands in the store (not in the engine: it has no room).
             res = hand_send(p.kv["b"], p.secret, x_offer)
             assert isinstance(res, wire.Completed), res
-            ready = ev_b.wait("replica_ready", session=conv.session)
-            assert ready["imported"] is False and ready["blocks"] == n
+            ready = ev_b.wait_live(ReplicaReady, session=conv.session)
+            assert ready.imported is False and ready.blocks == n
             held = p.holding("b", conv.session)
             assert held["resident_tokens"] == 0 and held["store_tokens"] == n * BLOCK, held
         # The stalled transfer is dropped: its reserved blocks go back.
-        ev_b.wait("replica_refused", session=hog.session)
+        ev_b.wait_live(ReplicaRefused, session=hog.session)
         conv.grow_to("", conv.prompt_len() + 30)
         t = p.turn("b", conv, prev_host="a")
-        imp = ev_b.wait("replica_imported", session=conv.session)
-    assert t.cached == n * BLOCK and imp["tokens"] == n * BLOCK, (t, imp)
+        imp = ev_b.wait_live(ReplicaImported, session=conv.session)
+    assert t.cached == n * BLOCK and imp.tokens == n * BLOCK, (t, imp)
     assert p.holding("b", hog.session)["resident_tokens"] == 0
     assert not (p.store_dir("b") / session_key(hog.session)).exists()
     assert p.temp_files("b") == []
@@ -369,9 +379,9 @@ def test_restore_preempts_a_push_that_pins_the_pool(tight_sender: Pair) -> None:
             wait_for(lambda: p.holding("a", filler.session)["inflight_to"] == "b", "the filler's push to be in flight")
             conv.grow_to(t.reply, t.prompt_tokens + 30)
             t2 = p.turn("a", conv)
-            refused = ev_a.wait("replica_refused", session=filler.session)
+            refused = ev_a.wait_live(ReplicaRefused, session=filler.session)
         finally:
             p.proxy.resume()
-    assert refused["reason"] == "preempted", refused
+    assert refused.reason == "preempted", refused
     assert t2.cached == n * BLOCK, f"{t2.cached} tokens reused; a's store held {n * BLOCK}"
     assert p.stats("a")["kvshare"]["out"]["b"]["refused"].get("preempted") == 1

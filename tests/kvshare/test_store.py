@@ -14,11 +14,26 @@ from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.errors import ImportRefused
 from kvmesh.node.kvshare import store as store_module
-from kvmesh.node.kvshare.store import MAX_SEGMENTS, Manifest, ReplicaStore, SegmentWriter, StoreError
+from kvmesh.node.kvshare.store import (
+    MAX_SEGMENTS,
+    Manifest,
+    ReplicaStore,
+    SegmentWriter,
+    StoreError,
+)
 from kvmesh.node.kvshare.wire import InvalidSessionId
 from kvmesh.node.protocol import session_key
 
-from .helpers import FP, Replica, grow, make_replica, prefix, prompt_tokens, run_turn, sim_engine
+from .helpers import (
+    FP,
+    Replica,
+    grow,
+    make_replica,
+    prefix,
+    prompt_tokens,
+    run_turn,
+    sim_engine,
+)
 
 BUDGET = 1 << 30
 

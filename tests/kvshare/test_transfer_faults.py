@@ -17,12 +17,14 @@ import time
 
 import numpy as np
 import pytest
+from support.conversation import Conversation
 
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
 from kvmesh.node.kvshare import wire
-from kvmesh.node.protocol import session_key
+from kvmesh.node.launcher import wait_for
+from kvmesh.node.protocol import ReplicaReady, ReplicaRefused, session_key
 
-from .service_helpers import BLOCK, Conversation, Fault, Pair, hand_offer, hand_send, read_reply, wait_for
+from .service_helpers import BLOCK, Fault, Pair, hand_offer, hand_send, read_reply
 
 
 def assert_nothing_landed(p: Pair, session: str) -> None:
@@ -48,7 +50,7 @@ def test_wrong_secret_is_refused_and_the_previous_secret_is_accepted(kv_pair: Pa
         res = hand_send(p.kv["b"], "not-the-mesh-secret-at-all", offers[wrong.session])
         assert isinstance(res, wire.PeerRefused), res
         assert (res.stage, res.reason, res.authenticated) == ("answer", "unauthenticated", False)
-        ev_b.wait("replica_refused", reason="unauthenticated")
+        ev_b.wait_live(ReplicaRefused, reason="unauthenticated")
         assert p.refused_in("b", "unauthenticated") == refused0 + 1
         assert imported_blocks(p) == imported0
         assert_nothing_landed(p, wrong.session)
@@ -57,9 +59,9 @@ def test_wrong_secret_is_refused_and_the_previous_secret_is_accepted(kv_pair: Pa
             n = offers[conv.session].offer.n_blocks
             res = hand_send(p.kv["b"], key, offers[conv.session])
             assert res == wire.Completed(n * BLOCK), f"{conv.session}: {res}"
-            ready = ev_b.wait("replica_ready", session=conv.session)
-            assert ready["blocks"] == n and ready["imported"] is True and ready["src"] == "hand"
-        assert ev_b.all("replica_ready", session=wrong.session) == []
+            ready = ev_b.wait_live(ReplicaReady, session=conv.session)
+            assert ready.blocks == n and ready.imported is True and ready.src == "hand"
+        assert ev_b.live(ReplicaReady, session=wrong.session) == []
     # The refused session runs cold on b; the one signed with the previous secret runs warm.
     assert p.turn("b", wrong).cached == 0
     n = offers[prev.session].offer.n_blocks
@@ -76,19 +78,19 @@ def test_bit_flipped_in_transit_is_refused_and_nothing_lands(kv_pair: Pair) -> N
     with p.events("a") as ev_a, p.events("b") as ev_b:
         t = p.turn("a", conv)
         n = t.prompt_tokens // BLOCK
-        refused = ev_b.wait("replica_refused", session=conv.session)
-        ev_a.wait("replica_refused", session=conv.session)  # a's push ended (its reason: whatever a saw)
+        refused = ev_b.wait_live(ReplicaRefused, session=conv.session)
+        ev_a.wait_live(ReplicaRefused, session=conv.session)  # a's push ended (its reason: whatever a saw)
         assert p.proxy.applied and p.proxy.applied[-1].kind == "flip", "the proxy did not flip the bit"
-        assert refused["reason"] == "digest" and refused["src"] == "a", refused
+        assert refused.reason == "digest" and refused.src == "a", refused
         assert p.refused_in("b", "digest") == digest0 + 1
-        assert ev_b.all("replica_ready", session=conv.session) == []
+        assert ev_b.live(ReplicaReady, session=conv.session) == []
         assert imported_blocks(p) == imported0
         assert_nothing_landed(p, conv.session)
         # b keeps serving: the same replica, pushed again, lands in full (b kept no block of the refused one).
         r = p.admin("a", f"/v1/admin/sessions/{conv.session}/replicate")
         assert r.status_code == 200 and r.json()["ok"], r.text
-        ready = ev_b.wait("replica_ready", session=conv.session)
-    assert ready["blocks"] == n and ready["tokens"] == n * BLOCK, ready
+        ready = ev_b.wait_live(ReplicaReady, session=conv.session)
+    assert ready.blocks == n and ready.tokens == n * BLOCK, ready
     assert p.holding("b", conv.session)["resident_tokens"] == n * BLOCK
 
 
@@ -111,7 +113,7 @@ def test_bit_flipped_by_a_hand_driven_sender_is_refused_with_digest(kv_pair: Pai
     with p.events("b") as ev_b:
         assert hand_send(p.kv["b"], p.secret, hand_offer(p.facts["b"], "corrupt-hand-2", conv.tokens())) \
             == wire.Completed(n * BLOCK)
-        ev_b.wait("replica_ready", session="corrupt-hand-2")
+        ev_b.wait_live(ReplicaReady, session="corrupt-hand-2")
 
 
 def test_refusal_reaches_a_sender_that_is_still_streaming(kv_pair: Pair) -> None:
@@ -151,17 +153,17 @@ def test_connection_dropped_half_way_leaves_no_replica(kv_pair: Pair, how: str) 
     with p.events("a") as ev_a, p.events("b") as ev_b:
         t = p.turn("a", conv)
         n = t.prompt_tokens // BLOCK
-        refused = ev_b.wait("replica_refused", session=conv.session)
-        ev_a.wait("replica_refused", session=conv.session)
+        refused = ev_b.wait_live(ReplicaRefused, session=conv.session)
+        ev_a.wait_live(ReplicaRefused, session=conv.session)
         assert p.proxy.applied and p.proxy.applied[-1].kind == "cut", "the proxy did not cut the connection"
-        assert refused["reason"] == {"fin": "truncated", "rst": "connection"}[how], refused
-        assert ev_b.all("replica_ready", session=conv.session) == []
+        assert refused.reason == {"fin": "truncated", "rst": "connection"}[how], refused
+        assert ev_b.live(ReplicaReady, session=conv.session) == []
         assert imported_blocks(p) == imported0
         assert_nothing_landed(p, conv.session)
         r = p.admin("a", f"/v1/admin/sessions/{conv.session}/replicate")
         assert r.status_code == 200 and r.json()["ok"], r.text
-        ready = ev_b.wait("replica_ready", session=conv.session)
-    assert ready["blocks"] == n, f"b kept {n - ready['blocks']} blocks of the torn transfer"
+        ready = ev_b.wait_live(ReplicaReady, session=conv.session)
+    assert ready.blocks == n, f"b kept {n - ready.blocks} blocks of the torn transfer"
     # Now b's engine has the blocks: another session with the same tokens finds them by hash.
     assert p.turn("b", conv.twin(f"torn-{how}-probe")).cached == n * BLOCK
 
@@ -174,14 +176,14 @@ def test_sender_gone_after_some_whole_blocks_leaves_no_replica(kv_pair: Pair) ->
     n = ho.offer.n_blocks
     with p.events("b") as ev_b:
         assert hand_send(p.kv["b"], p.secret, ho, stop_after=3) == "cut"
-        refused = ev_b.wait("replica_refused", session=conv.session)
-        assert refused["reason"] == "truncated", refused
+        refused = ev_b.wait_live(ReplicaRefused, session=conv.session)
+        assert refused.reason == "truncated", refused
         assert_nothing_landed(p, conv.session)
         # The resend is asked for every block (b kept nothing of the torn one) and lands.
         res = hand_send(p.kv["b"], p.secret, ho)
         assert res == wire.Completed(n * BLOCK), res
-        ready = ev_b.wait("replica_ready", session=conv.session)
-        assert ready["blocks"] == n, f"b asked for {ready['blocks']} of {n} blocks: it kept some of the torn transfer"
+        ready = ev_b.wait_live(ReplicaReady, session=conv.session)
+        assert ready.blocks == n, f"b asked for {ready.blocks} of {n} blocks: it kept some of the torn transfer"
     assert p.turn("b", conv).cached == n * BLOCK
 
 
@@ -277,8 +279,8 @@ def test_garbage_truncated_oversized_and_malformed_offers_are_refused_and_the_li
         t0 = time.monotonic()
         assert hand_send(addr, secret, good) == wire.Completed(n * BLOCK)
         assert time.monotonic() - t0 < 10
-        ready = ev_b.wait("replica_ready", session=conv.session)
-    assert ready["blocks"] == n
+        ready = ev_b.wait_live(ReplicaReady, session=conv.session)
+    assert ready.blocks == n
     after = {r: p.refused_in("b", r) for r in before}
     assert after == {"oversized": before["oversized"] + 3, "malformed": before["malformed"] + 2,
                      "fingerprint": before["fingerprint"] + 1, "shape": before["shape"] + 1,

@@ -1,4 +1,4 @@
-"""Fixtures for the mesh integration tests (see helpers.py for the mesh, conversation and event helpers).
+"""Fixtures for the mesh integration tests (the mesh is in helpers.py; conversations and events in tests/support).
 
 - `shared_mesh` (session scope): three nodes, 2 slots each, a mesh secret and an admin token; tests on it
   use their own session ids and leave every host undrained.
@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.events import EventStream
 
-from .helpers import EventStream, Mesh, start_mesh
+from .helpers import Mesh, start_mesh
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +60,7 @@ def events() -> Iterator[Callable[[str], EventStream]]:
     opened: list[EventStream] = []
 
     def open_(api: str) -> EventStream:
-        s = EventStream(api.replace("http://", "ws://") + "/v1/events")
+        s = EventStream(api)
         opened.append(s)
         return s
 

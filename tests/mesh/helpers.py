@@ -1,25 +1,21 @@
 """Helpers for the mesh integration tests: real `kvmesh node` processes on loopback.
 
-Every mesh here is three sim-engine nodes (`a`, `b`, `c`) started with
-`node.launcher` (one TOML per node, free ports, a full mesh of static peers).
-Clients are the official `openai` package for turns and `httpx` for the admin,
-cluster, stats and metrics endpoints.
+Every mesh here is three sim-engine nodes (`a`, `b`, `c`): a `node.launcher.LocalMesh` (one TOML per
+node, free ports, a full mesh of static peers) with an admin token and, by default, a mesh secret.
+Clients are the official `openai` package for turns and `httpx` for the admin, cluster, stats and
+metrics endpoints; conversations are `support.conversation`'s, events `support.events`'.
 
-Nodes learn of each other's turns by polling (every `poll_interval_s`, 0.2 s
-here), so a test that changes entry node first waits until every entry has heard
-(`Mesh.settle`), and waits for replicas to land (`Mesh.wait_replica`) instead of
-sleeping: `wait_for` polls a predicate with a deadline and says what it was
-waiting for when it gives up. The fixtures are in conftest.py.
+Nodes learn of each other's turns by polling (every `poll_interval_s`, 0.2 s here), so a test that
+changes entry node first waits until every entry has heard (`Mesh.settle`), and waits for replicas to
+land (`Mesh.wait_replica`) instead of sleeping: `wait_for` polls a predicate with a deadline and says
+what it was waiting for when it gives up. The fixtures are in conftest.py.
 """
 
 from __future__ import annotations
 
 import random
 import secrets
-import threading
-import time
-import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,20 +23,17 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
+from support.conversation import Conversation, Turn
 
-from kvmesh.node.bench.workload import grow_conversation, text
-from kvmesh.node.launcher import NodeProcess, mesh_configs, write_toml
-from kvmesh.node.protocol import parse_event
+from kvmesh.node.bench.workload import text
+from kvmesh.node.launcher import LocalMesh, wait_for, write_mesh
+from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 NAMES = ("a", "b", "c")
 MODEL = "kvmesh-sim"
 SIM = {"kv_scale": 0.02, "decode_tps": 200.0, "prefill_tps": 20000.0}
 POLL_S = 0.2
 STALE_S = 1.5
-CONV_TOKENS = 8000  # prompt of a "long" conversation (byte tokenizer: ~1 token per character)
-TOOL_CHARS = 300  # appended per turn: well under 10% of the prompt, so a move with the replica is warm
-WAIT_S = 10.0  # bound for every poll loop
 BLOCK = 256  # the engine's block size (default): replicas and reuse come in whole blocks
 HOG_TOKENS = 120_000  # a hog turn's prefill: 6 s at the sim's 20k tokens/s
 
@@ -49,57 +42,10 @@ def whole_blocks(tokens: int) -> int:
     return tokens // BLOCK * BLOCK
 
 
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = WAIT_S, interval: float = 0.05) -> Any:
-    """Poll `pred` until it returns something truthy; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last_exc: BaseException | None = None
-    while True:
-        try:
-            v = pred()
-            if v:
-                return v
-        except (httpx.HTTPError, KeyError, ValueError) as e:  # a node answering late or not yet
-            last_exc = e
-        if time.monotonic() > deadline:
-            extra = f" (last error: {last_exc!r})" if last_exc else ""
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}{extra}")
-        time.sleep(interval)
-
-
 @dataclass
-class Turn:
-    host: str
-    handoff: str
-    cached: int  # X-Kvmesh-Cached-Tokens
-    prompt_tokens: int
-    cached_usage: int  # usage.prompt_tokens_details.cached_tokens
-    text: str
-    status: int
-    session: str
+class Mesh(LocalMesh):
+    """Three nodes, with the clients and the views the mesh tests use."""
 
-    @property
-    def reused(self) -> float:
-        return self.cached / max(1, self.prompt_tokens)
-
-
-class Conversation:
-    """A long coding-agent conversation that grows by an assistant reply and a tool output per turn."""
-
-    def __init__(self, session: str, seed: int, tokens: int = CONV_TOKENS):
-        self.session = session
-        self.rng = random.Random(seed)
-        self.messages: list[dict[str, Any]] = grow_conversation(self.rng, tokens)
-        self.turns: list[Turn] = []
-
-    def grow(self, reply: str, tool_chars: int = TOOL_CHARS) -> None:
-        self.messages.append({"role": "assistant", "content": reply})
-        self.messages.append({"role": "tool", "content": text(self.rng, tool_chars)})
-
-
-@dataclass
-class Mesh:
-    workdir: Path
-    nodes: dict[str, NodeProcess]
     admin_token: str
     secret: str | None
     poll_s: float = POLL_S
@@ -107,20 +53,13 @@ class Mesh:
     http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=60.0))
     _clients: dict[str, openai.OpenAI] = field(default_factory=dict)
 
-    # ---- addresses and clients -------------------------------------------------
-
-    def api(self, name: str) -> str:
-        return self.nodes[name].api
+    # ---- clients -------------------------------------------------------------------
 
     def client(self, name: str) -> openai.OpenAI:
         if name not in self._clients:
             self._clients[name] = openai.OpenAI(base_url=self.api(name) + "/v1", api_key="unused", max_retries=0,
                                                 timeout=60.0)
         return self._clients[name]
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.nodes)
 
     def others(self, *exclude: str) -> list[str]:
         return [n for n in self.nodes if n not in exclude]
@@ -142,10 +81,9 @@ class Mesh:
         reply = c.choices[0].message.content or ""
         assert c.usage is not None
         details = c.usage.prompt_tokens_details
-        t = Turn(host=raw.headers["x-kvmesh-host"], handoff=raw.headers["x-kvmesh-handoff"],
-                 cached=int(raw.headers["x-kvmesh-cached-tokens"]), prompt_tokens=c.usage.prompt_tokens,
-                 cached_usage=(details.cached_tokens or 0) if details else 0, text=reply, status=raw.http_response.status_code,
-                 session=conv.session)
+        t = Turn.answered(raw.headers, prompt_tokens=c.usage.prompt_tokens, reply=reply, session=conv.session,
+                          status=raw.http_response.status_code,
+                          cached_usage=(details.cached_tokens or 0) if details else 0)
         conv.turns.append(t)
         if grow:
             conv.grow(reply)
@@ -168,10 +106,9 @@ class Mesh:
         assert usage is not None, "no usage chunk although stream_options.include_usage was set"
         reply = "".join(parts)
         details = usage.prompt_tokens_details
-        t = Turn(host=raw.headers["x-kvmesh-host"], handoff=raw.headers["x-kvmesh-handoff"],
-                 cached=int(raw.headers["x-kvmesh-cached-tokens"]), prompt_tokens=usage.prompt_tokens,
-                 cached_usage=(details.cached_tokens or 0) if details else 0, text=reply,
-                 status=raw.http_response.status_code, session=conv.session)
+        t = Turn.answered(raw.headers, prompt_tokens=usage.prompt_tokens, reply=reply, session=conv.session,
+                          status=raw.http_response.status_code,
+                          cached_usage=(details.cached_tokens or 0) if details else 0)
         conv.turns.append(t)
         if grow:
             conv.grow(reply)
@@ -260,11 +197,6 @@ class Mesh:
             wait_for(lambda e=e: (self.session_info(e, session) or {}).get("home") == home,
                      f"{e} to see {home} as the home of {session}")
 
-    def wait_all_reachable(self) -> None:
-        for e in self.names:
-            wait_for(lambda e=e: all(h["reachable"] for h in self.cluster(e)["hosts"]) and
-                     len(self.cluster(e)["hosts"]) == len(self.nodes), f"{e} to see every peer reachable")
-
     # ---- admin ---------------------------------------------------------------------
 
     def admin(self, entry: str, path: str, body: dict[str, Any] | None = None, *, token: str | None = "",
@@ -291,8 +223,6 @@ class Mesh:
                          f"{e} to see {host} {'draining' if draining else 'undrained'}")
 
     def peer_headers(self) -> dict[str, str]:
-        from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
-
         return {PEER_HEADER: peer_token(self.secret.encode())} if self.secret else {}
 
     def peer_status(self, host: str) -> dict[str, Any]:
@@ -307,21 +237,11 @@ class Mesh:
 
     # ---- lifecycle -------------------------------------------------------------------
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {n} ---\n{p.tail(30)}" for n, p in self.nodes.items())
-
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15.0) -> None:
         for c in self._clients.values():  # idle keep-alive connections first: nothing left for a node to wait on
             c.close()
         self.http.close()
-        for p in self.nodes.values():
-            if p.proc is not None and p.proc.poll() is None:
-                p.proc.terminate()  # all at once (each by its own PID), then wait for each
-        for p in self.nodes.values():
-            try:
-                p.stop()
-            except Exception:  # noqa: BLE001 - stop the others whatever happens
-                p.kill()
+        super().stop(timeout)
 
 
 # A frozen node polls its peers once, when it starts (after every other node is ready), and then not
@@ -332,7 +252,8 @@ FROZEN_MESH = {"poll_interval_s": 3600.0, "stale_after_s": 7200.0}
 def start_mesh(workdir: Path, *, slots: int = 2, cache_bytes: int = 64 << 20, secret: bool = True,
                mesh: dict[str, Any] | None = None, kvshare: dict[str, Any] | None = None,
                sim: dict[str, Any] | None = None, frozen: str | None = None) -> Mesh:
-    workdir.mkdir(parents=True, exist_ok=True)
+    """The mesh tests' three nodes, started: `mesh`, `kvshare` and `sim` settings override the defaults here;
+    a `frozen` node starts last and polls its peers only then (FROZEN_MESH)."""
     admin_token = "adm-" + secrets.token_hex(12)
     mesh_secret = "msk-" + secrets.token_hex(16) if secret else None
     mesh_cfg: dict[str, Any] = {"poll_interval_s": POLL_S, "stale_after_s": STALE_S, "cold_move_after_s": 30.0}
@@ -342,70 +263,9 @@ def start_mesh(workdir: Path, *, slots: int = 2, cache_bytes: int = 64 << 20, se
     engine = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_max": 8, "sim": {**SIM, **(sim or {})}}
     extra = {"kvshare": {"replicate_min_tokens": 1024, "fsync": "never", **(kvshare or {})},
              "mesh": mesh_cfg, "admin_token": admin_token}
-    cfgs = mesh_configs(workdir, list(NAMES), engine=engine, extra=extra)
-    if frozen is not None:
-        cfg = tomllib.loads(cfgs[frozen].read_text())
-        cfg["mesh"].update(FROZEN_MESH)
-        write_toml(cfgs[frozen], cfg)
-    nodes = {n: NodeProcess(n, p, workdir) for n, p in cfgs.items()}
-    m = Mesh(workdir, nodes, admin_token, mesh_secret, poll_s=float(mesh_cfg["poll_interval_s"]),
+    base = write_mesh(workdir, NAMES, engine=engine, extra=extra,
+                      overrides={frozen: {"mesh": FROZEN_MESH}} if frozen else None)
+    m = Mesh(base.workdir, base.nodes, base.configs, admin_token, mesh_secret, poll_s=float(mesh_cfg["poll_interval_s"]),
              stale_s=float(mesh_cfg["stale_after_s"]))
-    try:
-        for stage in ([p for n, p in nodes.items() if n != frozen], [p for n, p in nodes.items() if n == frozen]):
-            for p in stage:
-                p.start()
-            for p in stage:
-                p.wait_ready()
-        m.wait_all_reachable()
-    except BaseException:
-        m.stop()
-        raise
+    m.start(last=[frozen] if frozen else ())
     return m
-
-
-class EventStream:
-    """A background websocket reader of one node's /v1/events: every message, parsed, in order."""
-
-    def __init__(self, url: str):
-        from websockets.sync.client import connect
-
-        self.url = url
-        self.events: list[Any] = []
-        self.raw: list[str] = []
-        self.error: BaseException | None = None
-        self._ws = connect(url, open_timeout=10, max_size=None).__enter__()  # closed by close()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        from websockets.exceptions import ConnectionClosed
-
-        try:
-            while True:
-                try:
-                    msg = self._ws.recv()
-                except ConnectionClosed:
-                    return
-                ev = parse_event(msg)
-                with self._lock:
-                    self.raw.append(msg if isinstance(msg, str) else msg.decode())
-                    self.events.append(ev)
-        except BaseException as e:  # noqa: BLE001 - reported by the test that reads it
-            self.error = e
-
-    def snapshot(self) -> list[Any]:
-        with self._lock:
-            return list(self.events)
-
-    def wait(self, pred: Callable[[Any], bool], what: str, timeout: float = WAIT_S) -> Any:
-        def find() -> Any:
-            return next((e for e in self.snapshot() if pred(e)), None)
-
-        return wait_for(find, what, timeout)
-
-    def close(self) -> None:
-        try:
-            self._ws.close()
-        finally:
-            self._thread.join(5)

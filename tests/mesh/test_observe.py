@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
+from support.conversation import Conversation
 
+from kvmesh.node.launcher import wait_for
 from kvmesh.node.protocol import PROTOCOL_VERSION, SnapshotEvent
 
-from .helpers import Conversation, Mesh, wait_for, whole_blocks
+from .helpers import Mesh, whole_blocks
 
 
 def move_warm(m: Mesh, conv: Conversation) -> tuple[str, str, str]:
@@ -65,7 +67,7 @@ def test_events_snapshot_then_replay_then_live(shared_mesh: Mesh, events) -> Non
 
     for n, st in streams.items():
         assert st.error is None, f"{n}: {st.error!r}"
-        evs = st.snapshot()
+        evs = st.received()
         assert isinstance(evs[0], SnapshotEvent) and all(not isinstance(e, SnapshotEvent) for e in evs[1:])
         flags = [e.replay for e in evs[1:]]
         k = flags.index(False) if False in flags else len(flags)
@@ -73,9 +75,9 @@ def test_events_snapshot_then_replay_then_live(shared_mesh: Mesh, events) -> Non
         assert all(e.node == n and e.v == PROTOCOL_VERSION for e in evs[1:])
         seqs = [e.seq for e in evs[1:]]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), f"{n}: seq not increasing: {seqs}"
-    ev_home = streams[home].snapshot()
+    ev_home = streams[home].received()
     assert ev_home.index(started) < ev_home.index(finished) < ev_home.index(sent)  # type: ignore[arg-type]
-    ev_t = streams[target].snapshot()
+    ev_t = streams[target].received()
     assert ev_t.index(ready_t) < ev_t.index(handoff)  # type: ignore[arg-type]
 
     # A consumer that reconnects gets the same events again from the ring, marked replay, same (node, seq).
@@ -94,7 +96,7 @@ def test_events_include_periodic_host_status(shared_mesh: Mesh, events) -> None:
     # Periodic status is coalesced: it is not replayed to a consumer that connects later.
     later = events(shared_mesh.api("b"))
     later.wait(lambda e: not e.replay and e.type != "snapshot", "a live event on the second connection", timeout=5.0)
-    assert not any(e.replay and e.type == "host_status" for e in later.snapshot())
+    assert not any(e.replay and e.type == "host_status" for e in later.received())
 
 
 def metrics(m: Mesh, n: str) -> dict[str, list]:  # type: ignore[type-arg]

@@ -7,11 +7,12 @@ import json
 import secrets
 
 import pytest
+from support.conversation import Conversation
 
 from kvmesh.node.bench.workload import text
-from kvmesh.node.launcher import NodeProcess, mesh_configs
+from kvmesh.node.launcher import NodeProcess, mesh_configs, wait_for
 
-from .helpers import Conversation, Mesh, wait_for, whole_blocks
+from .helpers import Mesh, whole_blocks
 
 
 def test_drain_keeps_the_drained_hosts_sessions_warm(make_mesh, events) -> None:  # type: ignore[no-untyped-def]
@@ -62,7 +63,7 @@ def test_drain_keeps_the_drained_hosts_sessions_warm(make_mesh, events) -> None:
     assert m.http.get(m.api(x) + "/health").json()["status"] == "draining"
 
     done = ws.wait(lambda e: e.type == "drain_completed" and e.host == x, f"drain_completed from {x}")
-    seen = ws.snapshot()
+    seen = ws.received()
     started = [e for e in seen if e.type == "drain_started" and e.host == x]
     progress = [e for e in seen if e.type == "drain_progress" and e.host == x]
     assert len(started) == 1 and started[0].sessions == 4, started

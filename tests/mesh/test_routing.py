@@ -3,7 +3,11 @@ staying warm when the replica holder's engine evicted the imported replica (re-i
 
 from __future__ import annotations
 
-from .helpers import Conversation, Mesh, wait_for, whole_blocks
+from support.conversation import Conversation
+
+from kvmesh.node.launcher import wait_for
+
+from .helpers import Mesh, whole_blocks
 
 
 def test_affinity_keeps_a_session_on_its_host_with_cached_tokens(shared_mesh: Mesh) -> None:

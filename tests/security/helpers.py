@@ -1,7 +1,8 @@
 """Helpers for the bad-input and security tests.
 
-- `start_mesh(workdir)`: real `kvmesh node` processes (sim engine) with a mesh secret, a previous secret and
-  an admin token, every node at `--log-level DEBUG` so that whatever a node can log is in its log file.
+- `start_mesh(workdir)`: a `node.launcher.LocalMesh` of real `kvmesh node` processes (sim engine) with a mesh
+  secret, a previous secret and an admin token, every node at `--log-level DEBUG` so that whatever a node can
+  log is in its log file.
 - `tree(path)`: a snapshot of a directory tree (relative names, sizes), to prove nothing touched a disk.
 - `openai_error(resp)`: asserts an OpenAI-shaped error body.
 
@@ -12,18 +13,14 @@ from __future__ import annotations
 
 import os
 import secrets
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
-
 
 from kvmesh.node.config import NodeConfig
-from kvmesh.node.launcher import NodeProcess, free_port, write_toml
+from kvmesh.node.launcher import LocalMesh, NodeProcess, wait_peers, write_mesh
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 MODEL = "kvmesh-sim"
@@ -37,22 +34,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
     env.update(extra)
     return env
-
-
-def wait_for(pred: Callable[[], Any], what: str, timeout: float = 15.0, interval: float = 0.05) -> Any:
-    """Poll `pred` until it returns something truthy; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    last: BaseException | None = None
-    while True:
-        try:
-            v = pred()
-            if v:
-                return v
-        except (httpx.HTTPError, OSError, KeyError, ValueError) as e:
-            last = e
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g}s waiting for {what}" + (f" (last error: {last!r})" if last else ""))
-        time.sleep(interval)
 
 
 def openai_error(resp: httpx.Response, status: int | None = None) -> dict[str, Any]:
@@ -108,23 +89,19 @@ def sim_config(name: str = "sec", *, engine: dict[str, Any] | None = None, **fie
 # ---- real node processes -----------------------------------------------------------------------------------
 
 
-def Proc(name: str, config: Path, workdir: Path) -> NodeProcess:  # noqa: N802 - reads as the class it builds
+def debug_node(name: str, config: Path, workdir: Path) -> NodeProcess:
     """A node process at DEBUG log level, with no secrets inherited from the test runner's environment."""
     return NodeProcess(name, config, workdir, env=clean_env(), inherit_env=False, cli_args=["--log-level", "DEBUG"])
 
 
 @dataclass
-class Mesh:
-    workdir: Path
-    nodes: dict[str, NodeProcess]
-    configs: dict[str, dict[str, Any]]
+class Mesh(LocalMesh):
+    """The security tests' mesh: its secrets, and the headers that present them."""
+
     secret: str
     previous_secret: str
     admin_token: str
     http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=60.0))
-
-    def api(self, name: str) -> str:
-        return self.nodes[name].api
 
     def store_dir(self, name: str) -> Path:
         return Path(self.configs[name]["kvshare"]["store_dir"])
@@ -149,63 +126,25 @@ class Mesh:
                 "peer token (previous)": self.previous_peer_token}
 
     def wait_reachable(self) -> None:
-        for n in self.nodes:
-            def ok(n: str = n) -> bool:
-                hosts = self.http.get(self.api(n) + "/v1/cluster").json()["hosts"]
-                return len(hosts) == len(self.nodes) and all(h["reachable"] and not h["draining"] for h in hosts)
-            wait_for(ok, f"{n} to see every host reachable and undrained", timeout=30)
+        """Every node sees every host reachable and undrained (after a test drained or overloaded one)."""
+        wait_peers(self.nodes.values())
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {n} ---\n{p.tail(60)}" for n, p in self.nodes.items())
-
-    def stop(self) -> None:
-        for p in self.nodes.values():
-            try:
-                p.stop(15.0)
-            except Exception:  # noqa: BLE001 - stop the others whatever happens
-                if p.proc is not None and p.proc.poll() is None:
-                    p.proc.kill()
-                    p.proc.wait(10)
+    def stop(self, timeout: float = 15.0) -> None:
         self.http.close()
+        super().stop(timeout)
 
 
 def start_mesh(workdir: Path, names: tuple[str, ...] = ("a", "b"), *, kvshare: dict[str, Any] | None = None,
                api: dict[str, Any] | None = None) -> Mesh:
-    """A full mesh of `kvmesh node` processes on loopback, with every secret configured."""
-    workdir.mkdir(parents=True, exist_ok=True)
+    """A full mesh of `kvmesh node` processes on loopback, with every secret configured, started."""
     secret = "MESHSECRET-" + secrets.token_hex(16)
     previous = "PREVSECRET-" + secrets.token_hex(16)
     admin = "ADMINTOKEN-" + secrets.token_hex(12)
-    ports = {n: (free_port(), free_port()) for n in names}
-    configs: dict[str, dict[str, Any]] = {}
-    nodes: dict[str, NodeProcess] = {}
-    for n in names:
-        peers = [{"name": p, "api": f"http://127.0.0.1:{ports[p][0]}", "kvshare": f"127.0.0.1:{ports[p][1]}"}
-                 for p in names if p != n]
-        cfg: dict[str, Any] = {
-            "name": n,
-            "admin_token": admin,
-            "api": {"host": "127.0.0.1", "port": ports[n][0], **(api or {})},
-            "engine": {"kind": "sim", "slots": 2, "cache_bytes": 32 << 20, "block_size": 64,
-                       "sim": {"kv_scale": 0.02, "prefill_tps": 1e6, "decode_tps": 2000.0}},
-            "kvshare": {"listen": f"127.0.0.1:{ports[n][1]}", "store_dir": str(workdir / f"store-{n}"),
-                        "replicate_min_tokens": 0, "fsync": "never", **(kvshare or {})},
-            "mesh": {"peers": peers, "secret": secret, "previous_secret": previous, "poll_interval_s": 0.2,
-                     "stale_after_s": 2.0},
-        }
-        configs[n] = cfg
-        path = workdir / f"{n}.toml"
-        write_toml(path, cfg)
-        nodes[n] = Proc(n, path, workdir)
-    mesh = Mesh(workdir, nodes, configs, secret, previous, admin)
-    try:
-        for p in nodes.values():
-            p.start()
-        for p in nodes.values():
-            p.wait_ready(90.0)
-        mesh.wait_reachable()
-    except BaseException:
-        print(mesh.logs())
-        mesh.stop()
-        raise
-    return mesh
+    base = write_mesh(
+        workdir, names, node=debug_node,
+        engine={"kind": "sim", "slots": 2, "cache_bytes": 32 << 20, "block_size": 64,
+                "sim": {"kv_scale": 0.02, "prefill_tps": 1e6, "decode_tps": 2000.0}},
+        extra={"admin_token": admin, "api": dict(api or {}),
+               "kvshare": {"replicate_min_tokens": 0, "fsync": "never", **(kvshare or {})},
+               "mesh": {"secret": secret, "previous_secret": previous, "poll_interval_s": 0.2, "stale_after_s": 2.0}})
+    return Mesh(base.workdir, base.nodes, base.configs, secret, previous, admin).start(ready_timeout=90.0)

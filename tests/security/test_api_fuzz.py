@@ -20,9 +20,9 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
 
-from .conftest import FUZZ_ADMIN_TOKEN
 from kvmesh.node.server import ThreadedServer
 
+from .conftest import FUZZ_ADMIN_TOKEN
 from .helpers import MODEL, openai_error
 
 EXAMPLES_PER_MODE = 20

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from kvmesh.node.launcher import wait_for
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
-from .helpers import Mesh, chat, openai_error, wait_for
+from .helpers import Mesh, chat, openai_error
 
 
 def _bad_admin_headers(m: Mesh) -> dict[str, dict[str, str]]:

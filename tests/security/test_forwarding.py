@@ -11,7 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from .helpers import Mesh, chat, wait_for
+from kvmesh.node.launcher import wait_for
+
+from .helpers import Mesh, chat
 from .test_auth import undrained_after
 
 
@@ -21,7 +23,8 @@ class Attacker:
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.sock.settimeout(0.1)
-        self.addr = "%s:%d" % self.sock.getsockname()[:2]
+        host, port = self.sock.getsockname()[:2]
+        self.addr = f"{host}:{port}"
         self.connections: list[bytes] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="attacker", daemon=True)

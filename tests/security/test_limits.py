@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator
 
 import httpx
 
+from kvmesh.node.launcher import wait_for
 from kvmesh.node.server import HEADER_DEADLINE_S
 
 from .conftest import KV_IO_TIMEOUT_S
-from .helpers import Mesh, chat, openai_error, wait_for
+from .helpers import Mesh, chat, openai_error
 
 LIMIT = 64 << 10
 

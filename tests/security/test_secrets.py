@@ -8,57 +8,21 @@ capture of both nodes' /v1/events are searched for the three secret strings and 
 
 from __future__ import annotations
 
-import json
 import socket
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from websockets.sync.client import connect
+from support.events import EventStream
 
 from kvmesh.node.config import load_config
 from kvmesh.node.errors import ConfigError
 from kvmesh.node.kvshare import wire
+from kvmesh.node.launcher import wait_for
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
-from .helpers import Mesh, chat, wait_for
+from .helpers import Mesh, chat
 from .test_auth import undrained_after
-
-
-class EventCapture:
-    """Every message of a node's /v1/events websocket, from connect to close."""
-
-    def __init__(self, api: str):
-        self.messages: list[str] = []
-        self.url = api.replace("http://", "ws://") + "/v1/events"
-        self._stop = threading.Event()
-        self._open = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="events", daemon=True)
-        self._thread.start()
-        assert self._open.wait(20) and self.error is None, f"could not open {self.url}: {self.error!r}"
-
-    def _run(self) -> None:
-        try:
-            with connect(self.url, open_timeout=15) as ws:
-                self._open.set()
-                while not self._stop.is_set():
-                    try:
-                        self.messages.append(str(ws.recv(timeout=0.2)))
-                    except TimeoutError:
-                        continue
-        except Exception as e:  # noqa: BLE001 - closed by the node, or never opened
-            self.error = e
-        finally:
-            self._open.set()
-
-    def types(self) -> set[str]:
-        return {json.loads(m).get("type", "?") for m in self.messages}
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
 
 def _kv_offer(addr: str, secret: bytes, session: str) -> None:
@@ -138,7 +102,7 @@ def _exercise(m: Mesh, seen: list[str]) -> None:
 def test_secrets_never_appear_in_logs_events_views_or_responses(mesh: Mesh) -> None:
     """After a full run: no secret, previous secret, admin token or peer token in any log, event, view, metric or response."""
     m = mesh
-    captures = {n: EventCapture(m.api(n)) for n in m.nodes}
+    captures = {n: EventStream(m.api(n), open_timeout=15) for n in m.nodes}
     seen: list[str] = []
     try:
         _exercise(m, seen)
@@ -157,7 +121,7 @@ def test_secrets_never_appear_in_logs_events_views_or_responses(mesh: Mesh) -> N
             r = m.http.get(api + path, headers=headers)
             assert r.status_code == 200, (n, path, r.status_code)
             corpus[f"{n} GET {path}"] = f"{dict(r.headers)}\n{r.text}"
-        corpus[f"{n} /v1/events"] = "\n".join(captures[n].messages)
+        corpus[f"{n} /v1/events"] = "\n".join(captures[n].raw())
         proc = m.nodes[n].proc
         assert proc is not None
         corpus[f"{n} cmdline"] = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode(errors="replace")

@@ -21,10 +21,11 @@ import openai
 import pytest
 from websockets.sync.client import connect
 
+from kvmesh.node.launcher import wait_for
 from kvmesh.node.protocol import session_key
 from kvmesh.node.server import ThreadedServer, serve_in_thread
 
-from .helpers import MODEL, Mesh, chat, openai_error, sim_config, start_mesh, tree, wait_for
+from .helpers import MODEL, Mesh, chat, openai_error, sim_config, start_mesh, tree
 
 # The prompt must fill KV blocks (64 tokens each) so that every served turn writes its session to the store.
 LONG = "Please summarise the following text about replicas and caches. " * 4
