@@ -4,8 +4,8 @@ The drill copies this file as `sitecustomize.py` into a directory it puts first 
 node's PYTHONPATH, with `KVMESH_CHAOS_CLOCK_FILE` naming an offset file ("+3600" or "-3600",
 seconds). Python imports sitecustomize at start-up, before any kvmesh module, so every
 `time.time()` and `time.time_ns()` in that process (`from time import time` included) reads the
-real clock plus the file's current offset; the drill rewrites the file mid-run to jump the clock
-forward or back. The monotonic clocks are left alone: they cannot jump. Standard library only
+real clock plus the file's current offset; the drill replaces the file mid-run (write a new one,
+rename it into place) to jump the clock forward or back, and the next call sees the jump. The monotonic clocks are left alone: they cannot jump. Standard library only
 (it runs before anything else is importable), and pure Python, so no system package is needed.
 
 What it does not shift: C code that reads CLOCK_REALTIME itself (the node has none on its
@@ -23,28 +23,32 @@ import sys
 import time
 
 ENV = "KVMESH_CHAOS_CLOCK_FILE"
-_REREAD_S = 0.02  # the file is re-read at most this often (monotonic), not on every call
 _real_time = time.time
 _real_time_ns = time.time_ns
 
 
 class _Offset:
-    """The offset file's value, cached for _REREAD_S; an unreadable file keeps the last value."""
+    """The offset file's value. Each call stats the file (a microsecond) and re-reads it only when
+    it was replaced (the drill renames a new file into place), so a jump is seen by the very next
+    call; an unreadable file keeps the last value."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.seconds = 0.0
-        self._checked = -1e18
+        self._stamp: tuple[int, int] | None = None
 
     def now(self) -> float:
-        mono = time.monotonic()
-        if mono - self._checked >= _REREAD_S:
-            self._checked = mono
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return self.seconds  # gone for a moment: keep the last offset
+        if (st.st_ino, st.st_mtime_ns) != self._stamp:
             try:
                 with open(self.path, encoding="ascii") as f:
-                    self.seconds = float(f.read().strip() or 0.0)
+                    self.seconds = float(f.read().strip())  # empty: mid-write, ValueError
+                self._stamp = (st.st_ino, st.st_mtime_ns)
             except (OSError, ValueError):
-                pass  # mid-rewrite or gone: keep the last offset
+                pass  # mid-write: read it again next call
         return self.seconds
 
 
