@@ -68,6 +68,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import json
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -339,6 +340,49 @@ def encode_result(key: bytes | None, offer_mac: bytes, *, tokens: int = 0, reaso
     r, m = _reason_message(reason or "", message if reason else "")
     frame = _RESULT_FIXED.pack(Kind.RESULT, status, tokens, len(r), len(m)) + r + m
     return frame + (_mac(key, offer_mac, frame) if key else _ZERO_MAC)
+
+
+# ---- observers: reading frames without the key (fault proxies) ------------------------------
+
+
+@dataclass(frozen=True)
+class OfferFrame:
+    """What an observer without the key reads of an OFFER: the whole frame's length (blocks start
+    right after it) and its header JSON, NOT authenticated."""
+
+    length: int
+    header: dict[str, Any]
+
+
+def peek_offer(head: bytes | bytearray | memoryview) -> OfferFrame | None:
+    """The OFFER at the start of `head`, once `head` holds its prefix and header; None while more
+    bytes are needed. ProtocolError: the stream is not a kv_share v1 offer."""
+    if len(head) < _OFFER_PREFIX.size:
+        return None
+    magic, version, kind, header_len, n_tokens, n_hashes = _OFFER_PREFIX.unpack_from(head)
+    if magic != MAGIC or version != VERSION or kind != Kind.OFFER:
+        raise ProtocolError(Reason.UNEXPECTED, "not a kv_share v1 OFFER")
+    end = _OFFER_PREFIX.size + header_len
+    if len(head) < end:
+        return None
+    try:
+        header = json.loads(bytes(head[_OFFER_PREFIX.size : end]))
+    except ValueError as e:
+        raise ProtocolError(Reason.MALFORMED, f"the OFFER header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(Reason.MALFORMED, "the OFFER header is not a JSON object")
+    return OfferFrame(end + 4 * n_tokens + HASH_BYTES * n_hashes + MAC_BYTES, header)
+
+
+def peek_answer(head: bytes | bytearray | memoryview) -> int | None:
+    """The first missing block an ANSWER at the start of `head` asks for, once `head` holds the
+    ANSWER's fixed part; None while more bytes are needed. ProtocolError: not an ANSWER."""
+    if len(head) < _ANSWER_FIXED.size:
+        return None
+    magic, version, kind, _status, first_missing, _rlen, _mlen = _ANSWER_FIXED.unpack_from(head)
+    if magic != MAGIC or version != VERSION or kind != Kind.ANSWER:
+        raise ProtocolError(Reason.UNEXPECTED, "not a kv_share v1 ANSWER")
+    return int(first_missing)
 
 
 # ---- receiver --------------------------------------------------------------------------

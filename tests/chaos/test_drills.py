@@ -1,7 +1,7 @@
 """Fault drills (`kvmesh chaos`): kv_share faults never fail or corrupt a user's turn.
 
 Each scenario ran on a fresh three-node sim mesh under the coding-agent workload; these
-tests assert the invariants the drill measured (see node/chaos.py for how each is measured):
+tests assert the invariants the drill measured (see node/chaos/ for how each is measured):
 0 failed turns and 0 5xx, 0 corrupt or partial replicas (every stored block re-hashed), every
 reply identical to a never-failing reference node's, no leaked temp files, every node serving
 afterwards; and that the fault really happened.
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 
-
 def _kv_share_invariants(d: dict[str, Any]) -> None:
+    assert d["status"] != "not_run", f"the drill could not inject its fault: {d['not_run']}"
     assert d["fault"].get("hit"), f"the fault was not injected: {d['fault']}"
     assert d["corrupt_imports"] == 0, d["corrupt"]
     assert d["blocks_rehashed"] > 0 and d["replicas_checked"] > 0, "nothing was re-hashed"
@@ -86,3 +86,19 @@ def test_evict_all_restores_while_a_push_is_in_flight(chaos: dict[str, dict[str,
     assert d["fault"]["restore_while_pushing"]["push_in_flight"], d["fault"]
     assert d["checks"]["restored_from_store_while_a_push_is_in_flight"], d["fault"]["restore_while_pushing"]
     assert d["passed"], d["failures"]
+
+
+def test_clock_jump_really_jumps_the_victims_clock(chaos: dict[str, dict[str, Any]]) -> None:
+    """The victim's own answers show its wall clock +1 h, then -1 h off; migrations still move the
+    home everywhere, peers stay reachable, no turn fails, and the node uses monotonic clocks for durations."""
+    d = chaos["clock-jump"]
+    assert d["status"] != "not_run", f"the clock jump was not injected: {d['not_run']}"
+    f = d["fault"]
+    assert f["hit"] and len(f["jumps"]) == 2, f
+    seen = [j["victim_clock_offset_s"] for j in f["jumps"]]
+    assert abs(seen[0] - 3600) < 60 and abs(seen[1] + 3600) < 60, seen
+    assert d["checks"] == {k: True for k in d["checks"]} and len(d["checks"]) == 5, d["checks"]
+    assert not f["static_check"]["violations"], f["static_check"]
+    _no_turn_lost(d)
+    assert d["corrupt_imports"] == 0 and d["leaked_temp_files"] == 0 and d["serving_after"], d["failures"]
+    assert d["status"] == "passed" and d["passed"], d["failures"]

@@ -1,6 +1,6 @@
-"""Helpers for the kv_share service tests: real node processes on loopback, a fault-injecting TCP proxy
-on the a -> b kv_share path, and a hand-driven kv_share sender (conversations and the /v1/events reader
-are tests/support's).
+"""Helpers for the kv_share service tests: real node processes on loopback, the drills' fault proxy
+(`kvmesh.node.chaos.proxy.LinkProxy`) on the a -> b kv_share path, and a hand-driven kv_share sender
+(conversations and the /v1/events reader are tests/support's).
 
 - `start_pair(workdir, ...)`: two `kvmesh node` processes (`a`, `b`, sim engine, blocks of 64 tokens), a
   `node.launcher.LocalMesh` whose link a -> b is routed through the proxy: a's peer entry for b names the
@@ -8,26 +8,23 @@ are tests/support's).
   directly. Both nodes share a mesh secret; b also accepts a previous secret (rotation).
 - Turns are pinned to a node with the peer-forwarding headers (`X-Kvmesh-Forwarded` + the mesh secret's
   peer token): the node runs them itself, without placement, so each test says where a turn runs.
-- `Proxy`: pass-through by default; one-shot faults (flip one bit in a block's payload, or cut the
-  connection inside a block's payload, with a FIN or a RST), a pause gate, a rate limit, and a count of
-  concurrent connections.
+- `Pair.proxy` (a `LinkProxy`): pass-through by default; armed one-shot faults (flip one bit in a block's
+  payload, or cut the connection inside a block's payload, with a FIN or a RST), a pause gate, a rate
+  limit, and counts of connections.
 - `hand_send(...)`: drives `node.kvshare.wire.Sender` over a raw socket with real offers (tokens of a chat
   template, chain hashes seeded with the node's engine fingerprint, sim KV bytes) and optional faults.
 
 Nothing waits a fixed time where it can poll (`wait_for`); every process, socket and thread started here
-is stopped by its owner (`Pair.stop`, `Proxy.close`, `EventStream.close`).
+is stopped by its owner (`Pair.stop`, `LinkProxy.close`, `EventStream.close`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import secrets
 import socket
-import struct
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +34,7 @@ import numpy as np
 from support.conversation import Conversation, Turn
 from support.events import EventStream
 
+from kvmesh.node.chaos.proxy import LinkProxy
 from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
@@ -75,206 +73,6 @@ def whole(tokens: int) -> int:
     return tokens // BLOCK * BLOCK
 
 
-# ---- the proxy ------------------------------------------------------------------------------
-
-_PREFIX = struct.Struct("<4sBBIII")
-_MAC = 32
-_BLOCK_HDR = 37
-
-
-@dataclass
-class Fault:
-    """One-shot: applied to the next connection through the proxy.
-
-    kind "flip": flip bit 0 of byte `offset` of the payload of the `block`-th block sent;
-    kind "cut": forward up to that byte, then drop both connections ("fin": close; "rst": abort)."""
-
-    kind: str
-    block: int
-    offset: int
-    how: str = "fin"
-
-
-class Proxy:
-    """A TCP proxy thread between a kv_share sender and a listener, with faults on the sender's stream."""
-
-    def __init__(self, target: tuple[str, int]):
-        self.target = target
-        self.fault: Fault | None = None
-        self.applied: list[Fault] = []
-        self.rate_bps: float | None = None  # sender -> listener bytes per second (None: as fast as it goes)
-        self.connections = 0
-        self.active = 0
-        self.max_active = 0
-        self._gate = threading.Event()
-        self._gate.set()
-        self._lock = threading.Lock()
-        self._socks: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []
-        self._closed = False
-        ls = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        ls.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)  # inherited: little buffering in the proxy
-        ls.bind(("127.0.0.1", 0))
-        ls.listen(16)
-        self._listener = ls
-        self.port = ls.getsockname()[1]
-        self.address = f"127.0.0.1:{self.port}"
-        self._spawn(self._accept_loop, "proxy-accept")
-
-    # -- controls
-
-    def reset_counts(self) -> None:
-        with self._lock:
-            self.connections = 0
-            self.max_active = self.active
-
-    def pause(self) -> None:
-        """Hold the sender's bytes in the proxy (the connection stays open) until resume()."""
-        self._gate.clear()
-
-    def resume(self) -> None:
-        self._gate.set()
-
-    # -- plumbing
-
-    def _spawn(self, fn: Callable[..., None], name: str, *args: Any) -> None:
-        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
-        with self._lock:
-            self._threads.append(t)
-        t.start()
-
-    def _track(self, s: socket.socket) -> None:
-        with self._lock:
-            self._socks.add(s)
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            if self._closed:
-                client.close()
-                return
-            with self._lock:
-                fault, self.fault = self.fault, None
-                self.connections += 1
-                self.active += 1
-                self.max_active = max(self.max_active, self.active)
-            self._track(client)
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-                upstream.settimeout(None)
-            except OSError:
-                client.close()
-                self._done_one()
-                continue
-            self._track(upstream)
-            conn = _Conn(self, client, upstream, fault)
-            self._spawn(conn.forward, "proxy-a2b")
-            self._spawn(conn.backward, "proxy-b2a")
-
-    def _done_one(self) -> None:
-        with self._lock:
-            self.active -= 1
-
-    def close(self) -> None:
-        self._closed = True
-        self._gate.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        with self._lock:
-            socks, threads = list(self._socks), list(self._threads)
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-        for t in threads:
-            t.join(5)
-
-
-class _Conn:
-    def __init__(self, proxy: Proxy, client: socket.socket, upstream: socket.socket, fault: Fault | None):
-        self.p, self.c, self.u, self.fault = proxy, client, upstream, fault
-        self._ends = 0
-        self._lock = threading.Lock()
-
-    def _end(self) -> None:
-        with self._lock:
-            self._ends += 1
-            last = self._ends == 2
-        if last:
-            for s in (self.c, self.u):
-                s.close()
-            self.p._done_one()
-
-    def _drop(self, how: str) -> None:
-        """Cut the connection, both sides at once: with FINs ("fin"), or resetting the listener's side ("rst")."""
-        if how == "rst":
-            with contextlib.suppress(OSError):
-                self.u.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                self.u.shutdown(socket.SHUT_RD)  # wakes the other pump's recv without sending anything
-                self.u.close()  # linger 0: the close sends a RST
-        for s in (self.u, self.c):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def forward(self) -> None:
-        """Sender -> listener, where faults apply."""
-        pos = 0
-        head = bytearray()
-        target: int | None = None
-        f = self.fault
-        try:
-            while True:
-                data = self.c.recv(16384)
-                if not data:
-                    with contextlib.suppress(OSError):
-                        self.u.shutdown(socket.SHUT_WR)
-                    return
-                self.p._gate.wait()
-                if f is not None and target is None:
-                    head += data
-                    if len(head) >= _PREFIX.size:
-                        _, _, _, hlen, ntok, nhash = _PREFIX.unpack(head[: _PREFIX.size])
-                        if len(head) >= _PREFIX.size + hlen:
-                            bb = json.loads(bytes(head[_PREFIX.size : _PREFIX.size + hlen]))["block_bytes"]
-                            offer_len = _PREFIX.size + hlen + 4 * ntok + 16 * nhash + _MAC
-                            target = offer_len + f.block * (_BLOCK_HDR + bb) + _BLOCK_HDR + f.offset
-                buf = bytearray(data)
-                if f is not None and target is not None and pos <= target < pos + len(buf):
-                    self.p.applied.append(f)
-                    if f.kind == "flip":
-                        buf[target - pos] ^= 0x01
-                        f = None
-                    else:
-                        self.u.sendall(buf[: target - pos])
-                        self._drop(f.how)
-                        return
-                self.u.sendall(buf)
-                pos += len(buf)
-                if self.p.rate_bps:
-                    time.sleep(len(buf) / self.p.rate_bps)
-        except OSError:
-            self._drop("fin")
-        finally:
-            self._end()
-
-    def backward(self) -> None:
-        try:
-            while True:
-                data = self.u.recv(65536)
-                if not data:
-                    with contextlib.suppress(OSError):
-                        self.c.shutdown(socket.SHUT_WR)
-                    return
-                self.c.sendall(data)
-        except OSError:
-            self._drop("fin")
-        finally:
-            self._end()
 
 
 # ---- the pair ---------------------------------------------------------------------------------------
@@ -284,7 +82,7 @@ class _Conn:
 class Pair(LocalMesh):
     """Nodes a and b, the proxy on a's link to b, their secrets and engine facts."""
 
-    proxy: Proxy
+    proxy: LinkProxy
     secret: str
     previous_secret: str
     admin_token: str
@@ -379,7 +177,7 @@ def start_pair(workdir: Path, *, engines: dict[str, dict[str, Any]] | None = Non
     """Nodes a and b started, a's replicas to b through a new proxy; `engines` per node (default engine_cfg())."""
     names = ["a", "b"]
     ports = {n: (free_port(), free_port()) for n in names}
-    proxy = Proxy(("127.0.0.1", ports["b"][1]))
+    proxy = LinkProxy("a", "b", target=("127.0.0.1", ports["b"][1]))
     engines = {n: (engines or {}).get(n, engine_cfg()) for n in names}
     secret = "mesh-" + secrets.token_hex(16)
     previous = "prev-" + secrets.token_hex(16)

@@ -14,17 +14,19 @@ import hmac
 import socket
 import struct
 import time
+from typing import Literal
 
 import numpy as np
 import pytest
 from support.conversation import Conversation
 
+from kvmesh.node.chaos.proxy import Fault
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
 from kvmesh.node.kvshare import wire
 from kvmesh.node.launcher import wait_for
 from kvmesh.node.protocol import ReplicaReady, ReplicaRefused, session_key
 
-from .service_helpers import BLOCK, Fault, Pair, hand_offer, hand_send, read_reply
+from .service_helpers import BLOCK, Pair, hand_offer, hand_send, read_reply
 
 
 def assert_nothing_landed(p: Pair, session: str) -> None:
@@ -74,13 +76,13 @@ def test_bit_flipped_in_transit_is_refused_and_nothing_lands(kv_pair: Pair) -> N
     conv = Conversation("corrupt-proxy", chars=1500)
     imported0 = imported_blocks(p)
     digest0 = p.refused_in("b", "digest")
-    p.proxy.fault = Fault("flip", block=3, offset=100)
+    f = p.proxy.arm(Fault("flip", conv.session, block=3, byte=100, bit=0))
     with p.events("a") as ev_a, p.events("b") as ev_b:
         t = p.turn("a", conv)
         n = t.prompt_tokens // BLOCK
         refused = ev_b.wait_live(ReplicaRefused, session=conv.session)
         ev_a.wait_live(ReplicaRefused, session=conv.session)  # a's push ended (its reason: whatever a saw)
-        assert p.proxy.applied and p.proxy.applied[-1].kind == "flip", "the proxy did not flip the bit"
+        assert f.fired.is_set() and "flipped" in f.info, f"the proxy did not flip the bit: {f.info}"
         assert refused.reason == "digest" and refused.src == "a", refused
         assert p.refused_in("b", "digest") == digest0 + 1
         assert ev_b.live(ReplicaReady, session=conv.session) == []
@@ -144,18 +146,18 @@ def test_refusal_reaches_a_sender_that_is_still_streaming(kv_pair: Pair) -> None
 
 
 @pytest.mark.parametrize("how", ["fin", "rst"])
-def test_connection_dropped_half_way_leaves_no_replica(kv_pair: Pair, how: str) -> None:
+def test_connection_dropped_half_way_leaves_no_replica(kv_pair: Pair, how: Literal["fin", "rst"]) -> None:
     """The a -> b connection dropped in the middle of a block's payload: no replica on b (engine or store), b keeps serving."""
     p = kv_pair
     conv = Conversation(f"torn-{how}", chars=1500)
     imported0 = imported_blocks(p)
-    p.proxy.fault = Fault("cut", block=4, offset=p.facts["a"].block_bytes // 2, how=how)
+    f = p.proxy.arm(Fault("cut", conv.session, block=4, byte=p.facts["a"].block_bytes // 2, how=how))
     with p.events("a") as ev_a, p.events("b") as ev_b:
         t = p.turn("a", conv)
         n = t.prompt_tokens // BLOCK
         refused = ev_b.wait_live(ReplicaRefused, session=conv.session)
         ev_a.wait_live(ReplicaRefused, session=conv.session)
-        assert p.proxy.applied and p.proxy.applied[-1].kind == "cut", "the proxy did not cut the connection"
+        assert f.fired.is_set() and "bytes_delivered" in f.info, f"the proxy did not cut the connection: {f.info}"
         assert refused.reason == {"fin": "truncated", "rst": "connection"}[how], refused
         assert ev_b.live(ReplicaReady, session=conv.session) == []
         assert imported_blocks(p) == imported0
