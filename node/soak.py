@@ -29,8 +29,9 @@ not, and the exit status says so:
 - errors: 0 failed turns, and at least one turn completed;
 - latency: client-side p99 turn latency at most `--max-p99-s` (30 s);
 - fds: on every node, open file descriptors at the end at most `--max-fd-growth`
-  (32) above the steady state ("start" above). At the end the load has stopped,
-  so the clients' connections are closed; 32 leaves room for the peers'
+  (96) above the steady state ("start" above). At the end the load has stopped,
+  so the clients' connections are closed; 96 leaves room for the replica store's
+  segment mappings (at most 64 open store-wide, by design) and for the peers'
   keep-alive and kv_share connections opened after the start. A leak of one fd
   per turn or per transfer is far above it within a minute;
 - RSS, when the run lasts 10 minutes or more: growth under `--max-rss-growth-pct`
@@ -61,7 +62,7 @@ MIB = 1 << 20
 GROWTH_MIN_MINUTES = 10.0  # shorter runs are dominated by warm-up; their growth is reported, not judged
 STORE_FULL = 0.9  # a store at this share of its byte budget is full: its index stops growing
 MAX_P99_S = 30.0  # default bound on the client-side p99 turn latency
-MAX_FD_GROWTH = 32  # default bound on a node's open fds at the end above the steady state (see the docstring)
+MAX_FD_GROWTH = 96  # default bound on a node's open fds at the end above the steady state (see the docstring)
 
 
 def _sample(p: NodeProcess) -> dict[str, float]:

@@ -22,7 +22,7 @@ def test_soak_half_a_minute() -> None:
         assert 0 < n["fds_start"] and 0 < n["fds_end"] < 1000, (name, n)
         # No thread leaks: each node ran ~100 turns and as many transfers; one thread each would show.
         assert 0 < n["threads_start"] and n["threads_end"] <= n["threads_start"] + 8, (name, n)
-        assert n["fds_end"] <= n["fds_start"] + 64, (name, n)  # no fd left per turn or transfer
+        assert n["fds_end"] <= n["fds_start"] + 96, (name, n)  # ~100 turns each: an fd left per turn or transfer shows
         # Every node stored replicas, and the store's own byte count is what its files hold on disk
         # (within 10%: a write-behind may land between the two readings).
         assert n["store_bytes"] > 0, (name, n)
