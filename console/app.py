@@ -26,6 +26,7 @@ from kvmesh.console.actions import MeshAction
 from kvmesh.console.admin import AdminClient, TokenSource
 from kvmesh.console.config import ConsoleConfig
 from kvmesh.console.format import glyphs_for
+from kvmesh.console.host import PaletteCommand
 from kvmesh.console.ingest import stream_node
 from kvmesh.console.palette import MeshCommands
 from kvmesh.console.screens.confirm import ConfirmScreen
@@ -40,7 +41,6 @@ from kvmesh.node.protocol import ActionResult
 Source = Callable[[ConsoleState], Awaitable[None]]
 # Below this many sessions a full collection is quick and freezing is not worth its one-off cost.
 GC_FREEZE_MIN_SESSIONS = 500
-PaletteCommand = tuple[str, str, Callable[[], object]]
 
 
 class KvmeshConsole(App[None]):

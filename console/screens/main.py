@@ -14,7 +14,7 @@ do not inherit them: a `d` typed into a confirm dialog must not start another dr
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from rich.text import Text
 from textual import events
@@ -28,6 +28,7 @@ from textual.widgets import Footer, Input, Static
 from kvmesh.console.actions import MESH_ACTIONS
 from kvmesh.console.screens.ascii import use_ascii_scrollbars
 from kvmesh.console.format import Glyphs, fmt_clock
+from kvmesh.console.host import ConsoleHost
 from kvmesh.console.state import Changes, ConsoleState
 from kvmesh.console.theme import Palette
 from kvmesh.console.widgets.counters import CountersLine, CountersPanel
@@ -36,9 +37,6 @@ from kvmesh.console.widgets.hosts import HostsTable
 from kvmesh.console.widgets.links import LinksTable
 from kvmesh.console.widgets.sessions import SessionsTable
 from kvmesh.console.widgets.topbar import TopBar
-
-if TYPE_CHECKING:
-    from kvmesh.console.app import KvmeshConsole
 
 VIEWS: tuple[str, ...] = ("sessions", "links", "events")
 
@@ -81,8 +79,8 @@ class MainScreen(Screen[None]):
         self._viewbar_last: Text | None = None
 
     @property
-    def console_app(self) -> KvmeshConsole:
-        return cast("KvmeshConsole", self.app)
+    def console_app(self) -> ConsoleHost:
+        return cast(ConsoleHost, self.app)
 
     def compose(self) -> ComposeResult:
         yield TopBar(readonly=self.readonly, id="topbar")
