@@ -26,9 +26,9 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
 from kvmesh.console.actions import MESH_ACTIONS
-from kvmesh.console.screens.ascii import use_ascii_scrollbars
 from kvmesh.console.format import Glyphs, fmt_clock
 from kvmesh.console.host import ConsoleHost
+from kvmesh.console.screens.ascii import use_ascii_scrollbars
 from kvmesh.console.state import Changes, ConsoleState
 from kvmesh.console.theme import Palette
 from kvmesh.console.widgets.counters import CountersLine, CountersPanel
