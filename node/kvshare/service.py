@@ -34,7 +34,9 @@ from kvmesh.node.errors import ImportRefused, KVMeshError
 from kvmesh.node.kvshare import wire
 from kvmesh.node.kvshare.store import ReplicaStore, SegmentWriter
 from kvmesh.node.tls import client_context, server_context
-from kvmesh.node.protocol import LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaSuperseded
+from kvmesh.node.protocol import (
+    LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaStarted, ReplicaSuperseded,
+)
 
 if TYPE_CHECKING:
     from kvmesh.node.node import Node
@@ -449,6 +451,7 @@ class KVShare:
                                sent_at=time.time())
             toks = np.ascontiguousarray(tokens[: len(blocks) * bs])
             job.offer_tip = (len(blocks), blocks[-1].hash)
+            node.hub.publish(ReplicaStarted(session=job.session, src=node.name, dst=job.target, blocks=len(blocks), tokens=len(toks)))
             assert self._loop is not None
             result = await self._loop.run_in_executor(self._send_pool, self._send_blocking, peer.cfg.kvshare, offer,
                                                       toks, blocks, job)
