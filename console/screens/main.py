@@ -26,7 +26,7 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
 from kvmesh.console.actions import MESH_ACTIONS
-from kvmesh.console.format import Glyphs, fmt_clock
+from kvmesh.console.format import Glyphs, fmt_clock, glyphs_for
 from kvmesh.console.host import ConsoleHost
 from kvmesh.console.screens.ascii import use_ascii_scrollbars
 from kvmesh.console.state import Changes, ConsoleState
@@ -59,6 +59,7 @@ class MainScreen(Screen[None]):
         Binding("r", "replicate", "Replicate", tooltip="ship a replica of the selected (or marked) sessions now (confirm first)"),
         Binding("space", "mark", "Mark", show=False, tooltip="mark the row under the cursor for a batch action"),
         Binding("t", "cycle_theme", "Theme", tooltip="cycle themes: dark, light, colour-blind safe"),
+        Binding("a", "show_all", "All", show=False, tooltip="sessions: live only (running, idle) or all, ended too"),
         Binding("s", "sort", "Sort", show=False, tooltip="sort sessions by the next column (or click a header)"),
         Binding("e", "log_scope", "Log scope", show=False, tooltip="event log: mesh events / all incl. turns / actions only"),
         Binding("o", "log_order", "Log order", show=False, tooltip="event log: newest first or tail"),
@@ -146,6 +147,9 @@ class MainScreen(Screen[None]):
         for i, view in enumerate(VIEWS, 1):
             current = view == self.view
             t.append(f"{glyphs.cursor if current else ' '}{i} {view.capitalize()} ", style=palette.bold if current else palette.muted)
+            if view == "sessions":  # the compact layout has no panel titles: the counts go here
+                live = state.lifecycle_counts["running"] + state.lifecycle_counts["idle"]
+                t.append(f"({live} live {glyphs.dot} {state.lifecycle_counts['ended']} ended) ", style=palette.muted)
         notes = []
         for name in state.host_names():
             word, level, since = state.host_state(name)
@@ -172,7 +176,8 @@ class MainScreen(Screen[None]):
     def action_help(self) -> None:
         from kvmesh.console.screens.help import HelpScreen
 
-        self.console_app.push_modal(HelpScreen(list(self.BINDINGS), self.readonly))  # type: ignore[arg-type]
+        glyphs = glyphs_for(self.ascii_only)
+        self.console_app.push_modal(HelpScreen(list(self.BINDINGS), self.readonly, glyphs))  # type: ignore[arg-type]
 
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
@@ -248,6 +253,11 @@ class MainScreen(Screen[None]):
     def action_sort(self) -> None:
         by = self.query_one(SessionsTable).cycle_sort()
         self.notify(f"sessions sorted by {by}", timeout=2)
+        self.console_app.schedule_refresh()
+
+    def action_show_all(self) -> None:
+        shown = "all sessions, ended too" if self.query_one(SessionsTable).toggle_all() else "live sessions only"
+        self.notify(shown, timeout=2)
         self.console_app.schedule_refresh()
 
     def action_log_scope(self) -> None:
