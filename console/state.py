@@ -907,6 +907,18 @@ class ConsoleState:
         changes, self._changes = self._changes, Changes()
         return changes
 
+    def merge_changes(self, changes: Changes) -> None:
+        """Put taken changes back (a view that was not on screen patches them later)."""
+        c = self._changes
+        c.hosts |= changes.hosts
+        c.sessions |= changes.sessions
+        c.removed_sessions |= changes.removed_sessions
+        c.links |= changes.links
+        c.counters |= changes.counters
+        c.log |= changes.log
+        c.nodes |= changes.nodes
+        c.full |= changes.full
+
     def touch_session(self, sid: str) -> None:
         """Ask for a session's row to be rendered again (its mark changed, say)."""
         if sid in self.sessions:

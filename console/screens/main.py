@@ -67,6 +67,8 @@ class MainScreen(Screen[None]):
         Binding("2", "view('links')", "Links", show=False, tooltip="links panel"),
         Binding("3", "view('events')", "Events", show=False, tooltip="event log panel"),
         Binding("h", "focus_hosts", "Hosts", show=False, tooltip="move to the hosts table to select a host"),
+        Binding("v", "demo_view", "Demo view", show=False,
+                tooltip="big counters, link sparklines, handoffs as they happen (v or Esc comes back)"),
     ]
 
     def __init__(self, *, readonly: bool, ascii_only: bool) -> None:
@@ -279,6 +281,9 @@ class MainScreen(Screen[None]):
         self.call_after_refresh(self.query_one(widget).focus)
         self._viewbar_last = None
         self.console_app.schedule_refresh()
+
+    def action_demo_view(self) -> None:
+        self.console_app.show_demo_view()
 
     def action_focus_hosts(self) -> None:
         self.query_one(HostsTable).focus()

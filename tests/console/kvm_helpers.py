@@ -146,6 +146,7 @@ def make_app(
     source: FakeSource | None = None,
     admin: FakeAdmin | None = None,
     snapshot: SnapshotEvent | None = None,
+    view: str = "main",
 ) -> tuple[KvmeshConsole, ConsoleState]:
     """An app over a pre-filled state (snapshot applied), optionally fed by a FakeSource."""
     st = ConsoleState(clock=clock)
@@ -153,7 +154,7 @@ def make_app(
         st.node_connected(NODE1)
         st.feed(NODE1, snapshot)
     cfg = ConsoleConfig(readonly=readonly, theme=theme, ascii=ascii_only, utc=True, discover=False,
-                        refresh_interval=0.1)
+                        refresh_interval=0.1, view=view)  # type: ignore[arg-type]
     sources = [(source.url, source.run)] if source is not None else []
     app = KvmeshConsole(cfg, state=st, sources=sources, admin=admin)  # type: ignore[arg-type]
     return app, st
