@@ -26,9 +26,11 @@ from kvmesh.console.actions import MeshAction
 from kvmesh.console.admin import AdminClient, TokenSource
 from kvmesh.console.config import ConsoleConfig
 from kvmesh.console.format import glyphs_for
+from kvmesh.console.host import PaletteCommand
 from kvmesh.console.ingest import stream_node
 from kvmesh.console.palette import MeshCommands
 from kvmesh.console.screens.confirm import ConfirmScreen
+from kvmesh.console.screens.demo import DemoScreen
 from kvmesh.console.screens.main import VIEWS, MainScreen
 from kvmesh.console.screens.picker import TargetPicker
 from kvmesh.console.state import ConsoleState
@@ -40,7 +42,6 @@ from kvmesh.node.protocol import ActionResult
 Source = Callable[[ConsoleState], Awaitable[None]]
 # Below this many sessions a full collection is quick and freezing is not worth its one-off cost.
 GC_FREEZE_MIN_SESSIONS = 500
-PaletteCommand = tuple[str, str, Callable[[], object]]
 
 
 class KvmeshConsole(App[None]):
@@ -61,6 +62,7 @@ class KvmeshConsole(App[None]):
         self.glyphs = glyphs_for(config.ascii)
         self.state = state or ConsoleState(glyphs=self.glyphs)
         self.state.glyphs = self.glyphs
+        self.state.idle_after_s = config.idle_minutes * 60
         super().__init__()
         for theme in load_themes():
             self.register_theme(theme)
@@ -71,6 +73,7 @@ class KvmeshConsole(App[None]):
         self.token = token
         self._palette: Palette | None = None
         self._main: MainScreen | None = None
+        self._demo: DemoScreen | None = None  # the demo view, while it is open
         self._refresh_pending = False
         self.patch_ms: deque[float] = deque(maxlen=100_000)
         self.refresh_ms: deque[float] = deque(maxlen=100_000)
@@ -125,7 +128,23 @@ class KvmeshConsole(App[None]):
                     level="warn",
                 )
         self._start_sources()
+        if self.config.view == "demo":
+            self.show_demo_view()
         self.call_after_refresh(self.refresh_view)
+
+    def show_demo_view(self) -> None:
+        """Open the demo view over the main screen; closing it comes back to the main screen as it was."""
+        if self._demo is not None:
+            return
+        self._demo = DemoScreen(readonly=self.config.readonly, ascii_only=self.config.ascii)
+
+        def closed(_: None) -> None:
+            self._demo = None
+            self.state.mark_all_dirty()  # the main screen was not patched while the demo view was up
+            self.schedule_refresh()
+
+        self.push_screen(self._demo, callback=closed)
+        self.schedule_refresh()
 
     async def on_unmount(self) -> None:
         if self.admin is not None:
@@ -182,7 +201,12 @@ class KvmeshConsole(App[None]):
         changes = self.state.take_changes()
         try:
             with self.batch_update():
-                self._main.patch(self.state, changes, self.palette, self.glyphs)
+                if self._demo is not None and self.screen is self._demo:
+                    if self._demo.is_mounted:
+                        self._demo.patch(self.state, self.palette, self.glyphs)
+                    self.state.merge_changes(changes)  # kept for the main screen, patched when it is back
+                else:
+                    self._main.patch(self.state, changes, self.palette, self.glyphs)
         except NoMatches:
             return  # the screen is being torn down (quitting): nothing left to patch
         self.patch_ms.append((time.perf_counter() - t0) * 1000)

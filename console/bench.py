@@ -1,7 +1,8 @@
 """`kvmesh-console bench`: the real app, headless, against a synthetic busy mesh.
 
 Defaults: 2,000 sessions, 200 events/s, 30 s, a 120x40 screen (every panel on
-screen). Events go through the same path as the wire (JSON -> parse_event ->
+screen). `--ended N`: N of the sessions finished long ago (a long run's history);
+the sessions table lists live ones only, so `rows_on_screen_table` is the live count. Events go through the same path as the wire (JSON -> parse_event ->
 ConsoleState) and the same timer-driven patching; only the terminal write is
 skipped (headless driver), the rendering into screen lines is not.
 
@@ -40,9 +41,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def _run(
-    seconds: float, sessions: int, events_per_s: float, size: tuple[int, int], warmup: float
+    seconds: float, sessions: int, events_per_s: float, size: tuple[int, int], warmup: float, ended: int
 ) -> dict[str, Any]:
-    mesh = SyntheticMesh(sessions=sessions, hosts=4)
+    mesh = SyntheticMesh(sessions=sessions, hosts=4, ended=ended)
     state = ConsoleState()
 
     async def source(st: ConsoleState) -> None:
@@ -75,6 +76,7 @@ async def _run(
     wall = wall1 - wall0
     return {
         "sessions": len(state.sessions),
+        "ended_sessions": state.lifecycle_counts["ended"],
         "events_per_s": round((events1 - events0) / wall, 1),
         "cpu_core_fraction": round((cpu1 - cpu0) / wall, 4),
         "p95_refresh_ms": round(percentile(refresh, 95), 2),
@@ -97,11 +99,11 @@ async def _run(
 
 def run_bench(
     seconds: float = 30.0, sessions: int = 2000, events_per_s: float = 200.0, size: tuple[int, int] = (120, 40),
-    as_json: bool = False, warmup: float = WARMUP_S,
+    as_json: bool = False, warmup: float = WARMUP_S, ended: int = 0,
 ) -> dict[str, Any]:
-    print(f"kvmesh-console bench: {sessions} sessions, {events_per_s:g} events/s, {seconds:g} s, {size[0]}x{size[1]}",
-          flush=True)
-    result = asyncio.run(_run(seconds, sessions, events_per_s, size, warmup))
+    print(f"kvmesh-console bench: {sessions} sessions ({ended} ended), {events_per_s:g} events/s, {seconds:g} s,"
+          f" {size[0]}x{size[1]}", flush=True)
+    result = asyncio.run(_run(seconds, sessions, events_per_s, size, warmup, ended))
     print(f"  events applied      {result['events_per_s']:.0f}/s")
     print(f"  cpu core fraction   {result['cpu_core_fraction']:.3f}  (goal <= 0.25)")
     print(f"  refresh p50 / p95   {result['p50_refresh_ms']:.1f} / {result['p95_refresh_ms']:.1f} ms  (goal p95 <= 100)")
@@ -109,6 +111,7 @@ def run_bench(
     print(f"  load average        {result['loadavg_1m']:.1f} on {result['cpu_cores']} cores (other processes)")
     print(f"  max RSS             {result['max_rss_mb']:.0f} MiB")
     print(f"  startup             {result['startup_s']:.2f} s")
+    print(f"  sessions table      {result['rows_on_screen_table']} rows ({result['ended_sessions']} ended not listed)")
     if as_json:
         print(json.dumps(result), flush=True)
     return result

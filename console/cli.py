@@ -3,7 +3,9 @@
     kvmesh-console --node http://127.0.0.1:8000 [--node URL ...] [--readonly]
     kvmesh-console --config console.toml
     kvmesh-console --demo                 # a synthetic mesh, no nodes needed
-    kvmesh-console bench --json [--seconds 30]
+    kvmesh-console --view demo            # the demo view (read-only unless --admin)
+    kvmesh-console --serve [--port 8080]  # the same console in a browser (read-only unless --admin)
+    kvmesh-console bench --json [--seconds 30] [--ended 1800]
 
 The admin token is read from KVMESH_ADMIN_TOKEN or --admin-token-file, never
 from a flag value (it would be visible in `ps`).
@@ -41,6 +43,15 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=("auto", "compact", "large"), default=None)
     p.add_argument("--refresh", type=float, default=None, metavar="SECONDS", help="screen refresh interval (0.5)")
     p.add_argument("--demo", action="store_true", default=None, help="play a synthetic mesh (no nodes needed)")
+    p.add_argument("--view", choices=("main", "demo"), default=None,
+                   help="start in this view; 'demo': big counters and sparklines for a room (read-only unless --admin)")
+    p.add_argument("--admin", action="store_true", default=None,
+                   help="allow mesh-changing actions in the demo view and the browser view (read-only otherwise)")
+    p.add_argument("--idle-minutes", type=float, default=None, metavar="N",
+                   help="a session with no turn for longer has ended (default 5)")
+    p.add_argument("--serve", action="store_true", help="serve this console to a browser (textual-serve)")
+    p.add_argument("--host", default="127.0.0.1", help="with --serve: address to bind (loopback unless told)")
+    p.add_argument("--port", type=int, default=8080, help="with --serve: port (8080)")
     return p
 
 
@@ -49,6 +60,7 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--sessions", type=int, default=2000)
+    p.add_argument("--ended", type=int, default=0, help="of the sessions, this many finished long ago")
     p.add_argument("--events-per-s", type=float, default=200.0)
     p.add_argument("--size", default="120x40", help="terminal size WxH")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds after the snapshot before measuring")
@@ -58,10 +70,17 @@ def _bench_parser() -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> ConsoleConfig:
     values = load_config_file(args.config) if args.config else {}
     cfg = ConsoleConfig(**values)
-    for name in ("readonly", "ascii", "theme", "utc", "discover", "admin_token_file", "layout", "demo"):
+    for name in ("readonly", "ascii", "theme", "utc", "discover", "admin_token_file", "layout", "demo", "view",
+                 "admin", "idle_minutes"):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)
+    if cfg.readonly and cfg.admin:
+        raise ValueError("--readonly and --admin contradict each other")
+    # The demo view and the browser are for rooms and projectors: nothing changes the mesh there
+    # unless the operator asked for it.
+    if (cfg.view == "demo" or getattr(args, "serve", False)) and not cfg.admin:
+        cfg.readonly = True
     if args.node:
         cfg.nodes = list(args.node)
     if args.refresh is not None:
@@ -77,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvmesh.console.bench import run_bench
 
         run_bench(bargs.seconds, bargs.sessions, bargs.events_per_s, (int(w), int(h)), as_json=bargs.json,
-                  warmup=bargs.warmup)
+                  warmup=bargs.warmup, ended=bargs.ended)
         return 0
     for a in argv:
         if a == "--admin-token" or a.startswith("--admin-token="):
@@ -92,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if not cfg.nodes and not cfg.demo:
         parser.error("give at least one --node URL (or nodes in --config, or --demo)")
+    if args.serve:
+        from kvmesh.console.serve import serve
+
+        return serve(argv, cfg, host=args.host, port=args.port)
     return run_console(cfg)
 
 
@@ -113,7 +136,7 @@ def run_console(cfg: ConsoleConfig) -> int:
         from kvmesh.console.synthetic import SyntheticMesh, run_synthetic
 
         cfg.discover = False
-        mesh = SyntheticMesh(sessions=200, hosts=4, t0=time.time())
+        mesh = SyntheticMesh(sessions=200, hosts=4, ended=140, t0=time.time())
 
         async def demo(st: ConsoleState) -> None:
             await run_synthetic(mesh, st.feed_frame, st.node_connected, events_per_s=20, clock=time.time)

@@ -1,7 +1,8 @@
 """Console settings: from the command line, optionally from a TOML config file.
 
 A config file may hold the same keys as the flags (`nodes`, `readonly`, `theme`,
-`ascii`, `utc`, `discover`, `admin_token_file`, `refresh_interval`, `layout`);
+`ascii`, `utc`, `discover`, `admin_token_file`, `refresh_interval`, `layout`, `view`,
+`admin`, `idle_minutes`);
 flags given on the command line win. The admin token itself is never a setting.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from kvmesh.console.theme import DEFAULT_THEME
 
 Layout = Literal["auto", "compact", "large"]
+View = Literal["main", "demo"]
 
 
 @dataclass
@@ -30,6 +32,11 @@ class ConsoleConfig:
     show_clock: bool = True
     admin_token_file: str | None = None
     demo: bool = False  # play a synthetic mesh instead of connecting (for trying the UI)
+    view: View = "main"  # the view on start: the operator's, or the demo view for a room
+    # The demo view and the browser view are shown to people who are not operators: they are
+    # read-only unless this is set (`--admin`).
+    admin: bool = False
+    idle_minutes: float = 5.0  # a session with no turn for longer has ended (hidden by default)
 
 
 def load_config_file(path: str) -> dict[str, Any]:

@@ -26,7 +26,10 @@ class Glyphs:
     cold: str
     fresh: str  # replica caught up with the home cache
     behind: str  # replica exists but lags
-    stale: str  # replica old enough that a handoff to it would recompute a lot
+    stale: str  # replica missing whole blocks with no push coming
+    inflight: str  # a push of the replica is moving now
+    running: str  # session lifecycle: a turn in flight (idle sessions get a blank)
+    ended: str  # session lifecycle: no turn for a while, or held nowhere
     none: str  # no replica / no value
     bar_full: str
     bar_empty: str
@@ -51,12 +54,12 @@ class Glyphs:
 
 
 UNICODE = Glyphs(
-    warm="●", partial="◐", cold="○", fresh="●", behind="◐", stale="○", none="—",
+    warm="●", partial="◐", cold="○", fresh="●", behind="◐", stale="○", none="—", inflight="⇄", running="▶", ended="×",
     bar_full="█", bar_empty="░", spark="▁▂▃▄▅▆▇█", arrow="→", mark="✓", cursor="▸",
     down="↓", up="↑", ellipsis="…", dot="·", overflow="ellipsis",
 )
 ASCII = Glyphs(
-    warm="#", partial="~", cold=".", fresh="#", behind="~", stale=".", none="-",
+    warm="#", partial="~", cold=".", fresh="#", behind="~", stale=".", none="-", inflight="=", running=">", ended="x",
     bar_full="#", bar_empty=".", spark="_.-=+*#@", arrow=">", mark="*", cursor=">",
     down="v", up="^", ellipsis="~", dot="|", overflow="crop",
 )

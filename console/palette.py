@@ -7,12 +7,11 @@ read-only mode, and every one of them goes through the same confirm modal as its
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-if TYPE_CHECKING:
-    from kvmesh.console.app import KvmeshConsole
+from kvmesh.console.host import ConsoleHost
 
 # Fuzzy-matching every session on each keystroke is fine for thousands of them;
 # showing more than this many hits helps nobody.
@@ -21,8 +20,8 @@ MAX_HITS = 60
 
 class MeshCommands(Provider):
     @property
-    def console_app(self) -> KvmeshConsole:
-        return cast("KvmeshConsole", self.app)
+    def console_app(self) -> ConsoleHost:
+        return cast(ConsoleHost, self.app)
 
     async def discover(self) -> Hits:
         for name, help_text, callback in self.console_app.palette_commands(include_sessions=False):

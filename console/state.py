@@ -63,6 +63,7 @@ from kvmesh.node.protocol import (
     ReplicaReady,
     ReplicaRefused,
     ReplicaSent,
+    ReplicaStarted,
     ReplicaSuperseded,
     SessionInfo,
     SnapshotEvent,
@@ -75,11 +76,16 @@ from kvmesh.node.protocol import (
 LinkKey = tuple[str, str]
 Level = Literal["info", "ok", "warn", "error"]
 HostLevel = Literal["ok", "warn", "error", "stale"]
-Freshness = Literal["fresh", "behind", "stale", "none"]
+FreshKind = Literal["fresh", "behind", "inflight", "stale", "none"]
+Lifecycle = Literal["running", "idle", "ended"]
+LIFECYCLES: tuple[Lifecycle, ...] = ("running", "idle", "ended")
 
-# A replica older than this is shown as stale whatever its lag: a turn landing on
-# it would likely find the conversation moved on.
-REPLICA_STALE_AFTER_S = 300.0
+# A replica missing whole blocks is "behind" while a push can still be coming: the
+# node pushes after each turn, and a busy link queues pushes by value. Behind for
+# longer than this with nothing moving (or refused outright) is "stale".
+REPLICA_PUSH_GRACE_S = 60.0
+# A session with no turn for longer than this has ended (the default view hides it).
+IDLE_AFTER_S = 300.0
 # How many seqs per node the dedupe remembers; a node's replay ring is far
 # smaller (2,000), so a seq older than this is not a replay but a restarted node.
 DEDUPE_WINDOW = 20_000
@@ -87,7 +93,7 @@ DEDUPE_WINDOW = 20_000
 LINK_HISTORY_S = 120
 # Event types too frequent for the main log: they go to their own, smaller ring
 # so a burst of turns never pushes a drain's progress out of the log.
-NOISY_TYPES = frozenset({"turn_started", "turn_finished", "host_status"})
+NOISY_TYPES = frozenset({"turn_started", "turn_finished", "host_status", "replica_started"})
 # Console-originated log entries (action requests and results) use this as node.
 CONSOLE_NODE = "console"
 
@@ -135,6 +141,12 @@ class SessionRow:
     home_seq: int = 0  # turn sequence of the turn that put the session on `home` (the mesh's order)
     active: bool = False  # a turn is running now
     migrating_to: str | None = None
+    behind_since: float | None = None  # when the replica began missing whole blocks (None: not known to)
+    push_refused: bool = False  # the last push of it was refused: no transfer is coming
+    inflight_to: str | None = None  # a push of it is moving to this host...
+    inflight_at: float = 0.0  # ...since then,
+    inflight_tokens: int = 0  # ...covering this many tokens,
+    inflight_eta_s: float | None = None  # ...expected to take this long (the link's last measured rate)
 
     @classmethod
     def from_info(cls, info: SessionInfo, snap_ts: float) -> SessionRow:
@@ -149,16 +161,58 @@ class SessionRow:
             last_turn_at=info.last_turn_at, home_seq=info.home_seq,
         )
 
-    def freshness(self, now: float) -> tuple[Freshness, float | None]:
-        """How usable the replica is: fresh (caught up), behind, stale, or none; and its age."""
+    def missing_tokens(self, block_size: int) -> int:
+        """Tokens of whole blocks the replica lacks; a partial last block is never replicated.
+
+        With the block size unknown (an older node), every token counts."""
+        if block_size <= 0:
+            return self.replica_behind_tokens
+        return max(0, self.resident_tokens // block_size - self.replica_tokens // block_size) * block_size
+
+    def freshness(self, now: float, block_size: int = 0) -> ReplicaFreshness:
+        """How usable the replica is (see `ReplicaFreshness`)."""
+        if self.inflight_to:
+            progress = None
+            if self.inflight_eta_s:
+                progress = min(0.99, max(0.0, now - self.inflight_at) / self.inflight_eta_s)
+            return ReplicaFreshness("inflight", self.inflight_tokens, self.inflight_at, progress)
         if not self.replica_host:
-            return "none", None
-        age = None if self.replica_at is None else max(0.0, now - self.replica_at)
-        if age is not None and age > REPLICA_STALE_AFTER_S:
-            return "stale", age
-        if self.replica_behind_tokens > 0:
-            return "behind", age
-        return "fresh", age
+            return ReplicaFreshness("none", 0, None)
+        missing = self.missing_tokens(block_size)
+        if missing <= 0:
+            return ReplicaFreshness("fresh", 0, self.replica_at)
+        since = self.behind_since if self.behind_since is not None else self.replica_at
+        if self.push_refused or (since is not None and now - since > REPLICA_PUSH_GRACE_S):
+            return ReplicaFreshness("stale", missing, since)
+        return ReplicaFreshness("behind", missing, since)
+
+    def lifecycle(self, now: float, idle_after_s: float = IDLE_AFTER_S) -> Lifecycle:
+        """running: a turn in flight; idle: held somewhere and a turn within `idle_after_s`; else ended."""
+        if self.active:
+            return "running"
+        if self.resident_tokens <= 0 and not self.replica_host:
+            return "ended"  # resident nowhere: a next turn would start from scratch anyway
+        if not self.last_turn_at or now - self.last_turn_at > idle_after_s:
+            return "ended"
+        return "idle"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFreshness:
+    """A replica's state as the sessions table shows it.
+
+    fresh: holds every whole block of the session (the partial last block never moves);
+    behind: whole blocks missing (`tokens`), since `since`, and a push may still come;
+    inflight: a push of it is moving now (`tokens` offered, since `since`, `progress` 0-1
+    estimated from the link's last measured rate, None when the link has none yet);
+    stale: whole blocks missing and no push coming (refused, or none for REPLICA_PUSH_GRACE_S);
+    none: no replica. `since` is the replica's write time for fresh.
+    """
+
+    kind: FreshKind
+    tokens: int
+    since: float | None
+    progress: float | None = None
 
 
 @dataclass(slots=True)
@@ -172,6 +226,7 @@ class LinkRow:
     last_transfer_at: float | None = None
     last: tuple[str, int] = ("", 0)  # (node, seq) of the last transfer applied
     goodput_gbps: float | None = None
+    blocks_per_s: float | None = None  # the last transfer's rate in blocks (estimates in-flight progress)
     snap_bps: float = 0.0  # throughput the node reported in the last snapshot
     snap_ts: float = 0.0
     warm: int = 0
@@ -321,9 +376,14 @@ class ConsoleState:
         log_cap: int = 1000,
         noisy_log_cap: int = 300,
         glyphs: Glyphs = UNICODE,
+        idle_after_s: float = IDLE_AFTER_S,
     ) -> None:
         self.clock = clock
         self.glyphs = glyphs
+        self.idle_after_s = idle_after_s
+        # Each session's lifecycle as of the last tick, and how many are in each state.
+        self.lifecycles: dict[str, Lifecycle] = {}
+        self.lifecycle_counts: dict[Lifecycle, int] = dict.fromkeys(LIFECYCLES, 0)
         self.hosts: dict[str, HostRow] = {}
         self.sessions: dict[str, SessionRow] = {}
         self.links: dict[LinkKey, LinkRow] = {}
@@ -562,7 +622,8 @@ class ConsoleState:
         if s.replica_host == host:
             s.replica_host = None
             s.replica_tokens = s.replica_behind_tokens = 0
-            s.replica_at = None
+            s.replica_at = s.behind_since = None
+            s.push_refused = False
 
     @staticmethod
     def _in_turn_order(s: SessionRow, ev: TurnStarted | TurnFinished | Handoff) -> bool:
@@ -599,6 +660,8 @@ class ConsoleState:
                 s.resident_tokens = ev.prompt_tokens + ev.completion_tokens
             if s.replica_host:
                 s.replica_behind_tokens = max(0, s.resident_tokens - s.replica_tokens)
+                if s.behind_since is None and s.missing_tokens(self.block_size(s)) > 0:
+                    s.behind_since = ev.ts or self.clock()  # this turn left the replica whole blocks short
 
     def _on_handoff(self, ev: Handoff) -> None:
         c = self.counters
@@ -628,7 +691,38 @@ class ConsoleState:
             link.last_transfer_s = ev.seconds
             link.last_transfer_bytes = ev.bytes
             link.goodput_gbps = ev.bytes * 8 / ev.seconds / 1e9 if ev.seconds > 0 else None
+            if ev.seconds > 0 and ev.blocks > 0:
+                link.blocks_per_s = ev.blocks / ev.seconds
         link.add_transfer(ev.ts or self.clock(), ev.seconds, ev.bytes)
+        self._end_inflight(ev.session, ev.dst)
+
+    def _on_replica_started(self, ev: ReplicaStarted) -> None:
+        s = self._session(ev.session)
+        if not self._advance(s, ev):
+            return
+        s.inflight_to, s.inflight_at, s.inflight_tokens = ev.dst, ev.ts or self.clock(), ev.tokens
+        s.push_refused = False
+        # Only the blocks the target lacks cross the wire: estimate the time from those and the link's rate.
+        rate = self.links[(ev.src, ev.dst)].blocks_per_s if (ev.src, ev.dst) in self.links else None
+        bs = self.block_size(s)
+        held = s.replica_tokens // bs if bs and s.replica_host == ev.dst else 0
+        s.inflight_eta_s = max(1, ev.blocks - held) / rate if rate else None
+
+    def _end_inflight(self, sid: str, dst: str) -> SessionRow | None:
+        s = self.sessions.get(sid)
+        if s is not None and s.inflight_to == dst:
+            s.inflight_to, s.inflight_eta_s = None, None
+            self._changes.sessions.add(sid)
+        return s
+
+    def _on_replica_refused(self, ev: ReplicaRefused) -> None:
+        s = self._end_inflight(ev.session, ev.dst)
+        if s is not None and s.replica_host in (ev.dst, None):
+            s.push_refused = True  # no transfer is coming: a replica missing blocks is stale now
+            self._changes.sessions.add(ev.session)
+
+    def _on_replica_superseded(self, ev: ReplicaSuperseded) -> None:
+        self._end_inflight(ev.session, ev.dst)  # a newer push replaces it (its own replica_started follows)
 
     def _on_replica_ready(self, ev: ReplicaReady) -> None:
         s = self._session(ev.session)
@@ -637,6 +731,10 @@ class ConsoleState:
             s.replica_tokens = ev.tokens
             s.replica_at = ev.ts  # the replica's age is shown in the receiving host's clock
             s.replica_behind_tokens = max(0, s.resident_tokens - ev.tokens)
+            s.push_refused = False
+            # A turn that ran while it moved can leave it short already: behind from now.
+            s.behind_since = (ev.ts or self.clock()) if s.missing_tokens(self.block_size(s)) > 0 else None
+        self._end_inflight(ev.session, ev.dst)
 
     def _on_replica_imported(self, ev: ReplicaImported) -> None:
         s = self._session(ev.session)
@@ -652,7 +750,7 @@ class ConsoleState:
             s.replica_host = None
             s.replica_tokens = 0
             s.replica_behind_tokens = 0
-            s.replica_at = None
+            s.replica_at = s.behind_since = None
         elif ev.where == "engine" and s.home == ev.host:
             s.resident_tokens = 0
 
@@ -753,8 +851,9 @@ class ConsoleState:
     # ---- periodic ---------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Called on the UI timer: age out link history, update the event rate."""
+        """Called on the UI timer: age out link history, update the event rate and the lifecycles."""
         now = self.clock()
+        self._update_lifecycles(now)
         for link in self.links.values():
             if link.buckets:
                 link.trim(now)
@@ -767,9 +866,58 @@ class ConsoleState:
             self.events_per_s = rate
             self._changes.nodes = True
 
+    def _update_lifecycles(self, now: float) -> None:
+        """Re-derive every session's lifecycle (time alone ends a session); changed rows are marked dirty."""
+        old = self.lifecycles
+        new: dict[str, Lifecycle] = {}
+        counts: dict[Lifecycle, int] = dict.fromkeys(LIFECYCLES, 0)
+        idle_after = self.idle_after_s
+        dirty = self._changes.sessions
+        for sid, row in self.sessions.items():
+            life = row.lifecycle(now, idle_after)
+            new[sid] = life
+            counts[life] += 1
+            if old.get(sid) != life:
+                dirty.add(sid)
+        self.lifecycles = new
+        if counts != self.lifecycle_counts:
+            self.lifecycle_counts = counts
+            self._changes.nodes = True
+
+    def lifecycle(self, sid: str) -> Lifecycle:
+        """A session's lifecycle as of the last tick (a session new since then is computed now)."""
+        life = self.lifecycles.get(sid)
+        if life is None:
+            row = self.sessions.get(sid)
+            return row.lifecycle(self.clock(), self.idle_after_s) if row is not None else "ended"
+        return life
+
+    def block_size(self, s: SessionRow) -> int:
+        """Tokens per block on the session's home (else its replica's) engine; 0 when no node said."""
+        for name in (s.home, s.replica_host):
+            row = self.hosts.get(name) if name else None
+            if row is not None and row.info.block_size > 0:
+                return row.info.block_size
+        return 0
+
+    def replica_freshness(self, s: SessionRow, now: float | None = None) -> ReplicaFreshness:
+        return s.freshness(self.clock() if now is None else now, self.block_size(s))
+
     def take_changes(self) -> Changes:
         changes, self._changes = self._changes, Changes()
         return changes
+
+    def merge_changes(self, changes: Changes) -> None:
+        """Put taken changes back (a view that was not on screen patches them later)."""
+        c = self._changes
+        c.hosts |= changes.hosts
+        c.sessions |= changes.sessions
+        c.removed_sessions |= changes.removed_sessions
+        c.links |= changes.links
+        c.counters |= changes.counters
+        c.log |= changes.log
+        c.nodes |= changes.nodes
+        c.full |= changes.full
 
     def touch_session(self, sid: str) -> None:
         """Ask for a session's row to be rendered again (its mark changed, say)."""
@@ -834,7 +982,10 @@ _HANDLERS: dict[str, Callable[[ConsoleState, Event], None]] = {
     "turn_started": ConsoleState._on_turn_started,  # type: ignore[dict-item]
     "turn_finished": ConsoleState._on_turn_finished,  # type: ignore[dict-item]
     "handoff": ConsoleState._on_handoff,  # type: ignore[dict-item]
+    "replica_started": ConsoleState._on_replica_started,  # type: ignore[dict-item]
     "replica_sent": ConsoleState._on_replica_sent,  # type: ignore[dict-item]
+    "replica_refused": ConsoleState._on_replica_refused,  # type: ignore[dict-item]
+    "replica_superseded": ConsoleState._on_replica_superseded,  # type: ignore[dict-item]
     "replica_ready": ConsoleState._on_replica_ready,  # type: ignore[dict-item]
     "replica_imported": ConsoleState._on_replica_imported,  # type: ignore[dict-item]
     "replica_evicted": ConsoleState._on_replica_evicted,  # type: ignore[dict-item]
@@ -867,6 +1018,8 @@ def describe(ev: Event, g: Glyphs = UNICODE) -> tuple[str, Level]:
         extra = " (stale state)" if ev.stale_state else ""
         lvl: Level = "ok" if ev.cls == "warm" else ("warn" if ev.cls == "partial" else "error")
         return f"{g.handoff(ev.cls)} {word} {ev.session} {ev.src}{a}{ev.dst} reused {pct:.0f}%{extra}", lvl
+    if isinstance(ev, ReplicaStarted):
+        return f"{ev.session} {ev.src}{a}{ev.dst} moving: {ev.blocks} blocks offered, {fmt_tokens(ev.tokens)} tok", "info"
     if isinstance(ev, ReplicaSent):
         return (
             f"{ev.session} {ev.src}{a}{ev.dst} {fmt_bytes(ev.bytes)} ({ev.blocks} blocks,"

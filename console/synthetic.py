@@ -1,7 +1,9 @@
 """A synthetic mesh: deterministic snapshots and event streams, as JSON frames.
 
-Used by `kvmesh-console bench` (2,000 sessions at 200 events/s), by `--demo`
-(the console with no nodes, for trying the UI), and by tests. It emits exactly
+Used by `kvmesh-console bench` (2,000 sessions at 200 events/s, `--ended N` of
+them long finished), by `--demo` (the console with no nodes, for trying the UI,
+the demo view and the browser view), and by tests. Ended sessions get no events;
+live ones take turns, move, and have replicas pushed (started, then sent and ready). It emits exactly
 what a node would put on the wire (protocol models serialized to JSON), so the
 console's parse path is exercised too.
 """
@@ -23,6 +25,7 @@ from kvmesh.node.protocol import (
     LinkInfo,
     ReplicaReady,
     ReplicaSent,
+    ReplicaStarted,
     SessionInfo,
     SnapshotEvent,
     TurnFinished,
@@ -31,6 +34,7 @@ from kvmesh.node.protocol import (
 )
 
 GiB = 1 << 30
+BLOCK = 256  # tokens per KV block, as the synthetic hosts report it
 
 
 @dataclass
@@ -44,6 +48,7 @@ class _Sess:
     turns: int = 0
     moves: int = 0
     last: str | None = None
+    last_turn_at: float = 0.0
 
 
 @dataclass
@@ -52,11 +57,14 @@ class SyntheticMesh:
     sessions: int = 2000
     seed: int = 7
     slots: int = 4
+    ended: int = 0  # this many sessions (the first ones) finished long ago: no events for them
     t0: float = 1_700_000_000.0
     _rng: random.Random = field(init=False)
     _seq: dict[str, int] = field(init=False, default_factory=dict)
     _sess: list[_Sess] = field(init=False, default_factory=list)
     _busy: dict[str, int] = field(init=False, default_factory=dict)
+    # pushes moving now, oldest first: session id -> (target host, blocks offered)
+    _inflight: dict[str, tuple[str, int]] = field(init=False, default_factory=dict)
     counters: HandoffCounters = field(init=False, default_factory=HandoffCounters)
 
     def __post_init__(self) -> None:
@@ -70,13 +78,20 @@ class SyntheticMesh:
             s = _Sess(sid=f"sess-{i:05d}", home=home, tokens=self._rng.randint(2_000, 60_000))
             if self._rng.random() < 0.7:
                 s.replica = self.host_names[(i + 1) % self.hosts]
-                s.replica_tokens = s.tokens - self._rng.choice([0, 0, 0, 256, 1024])
+                # Whole blocks only; a few replicas lag by a block or four.
+                s.replica_tokens = s.tokens // BLOCK * BLOCK - self._rng.choice([0, 0, 0, 0, BLOCK, 4 * BLOCK])
                 s.replica_at = self.t0 - self._rng.uniform(1, 400)
+            ended = i < self.ended
+            s.last_turn_at = self.t0 - (self._rng.uniform(900, 5400) if ended else self._rng.uniform(1, 120))
+            if ended and s.replica and self._rng.random() < 0.3:
+                s.tokens = 0  # evicted from its engine; only the replica store holds it
             s.turns = self._rng.randint(1, 40)
             s.moves = self._rng.randint(0, 5)
             s.last = self._rng.choice([None, "warm", "warm", "warm", "partial", "cold"])
             self._sess.append(s)
         self.counters = HandoffCounters(warm=1200, partial=9, cold=2)
+        self._live = self._sess[self.ended :]
+        self._index = {x.sid: x for x in self._live}
 
     def _next_seq(self, node: str) -> int:
         self._seq[node] += 1
@@ -90,7 +105,7 @@ class SyntheticMesh:
             mem_used_bytes=(20 + 3 * i) * GiB, mem_total_bytes=64 * GiB,
             kv_cache_bytes=16 * GiB, kv_cache_used_bytes=(6 + i) * GiB, store_bytes=(40 + i) * GiB,
             kvshare_in_bps=1.2e9 * ((i + 1) % 3), kvshare_out_bps=0.8e9 * (i % 3),
-            prefill_tps=6000.0, last_seen=now,
+            prefill_tps=6000.0, last_seen=now, block_size=BLOCK,
         )
 
     def snapshot(self, now: float | None = None, node: str | None = None) -> SnapshotEvent:
@@ -103,7 +118,7 @@ class SyntheticMesh:
                 replica_tokens=s.replica_tokens if s.replica else 0,
                 replica_behind_tokens=max(0, s.tokens - s.replica_tokens) if s.replica else 0,
                 replica_age_s=(now - s.replica_at) if s.replica_at else None,
-                last_handoff=s.last, turns=s.turns, moves=s.moves, last_turn_at=now - 5,
+                last_handoff=s.last, turns=s.turns, moves=s.moves, last_turn_at=s.last_turn_at + (now - self.t0),
             )
             for s in self._sess
         ]
@@ -121,47 +136,74 @@ class SyntheticMesh:
         return SnapshotEvent(ts=now, node=node, seq=self._seq[node], cluster=cluster)
 
     def events(self, now: float, n: int) -> list[Event]:
-        """The next `n` events of a busy mesh: turns, handoffs, replicas, host status."""
+        """The next `n` events of a busy mesh: turns, handoffs, replica pushes, host status."""
         out: list[Event] = []
         rng = self._rng
-        for _ in range(n):
+        while self._live and len(out) < n:
             r = rng.random()
-            s = self._sess[rng.randrange(len(self._sess))]
+            s = self._live[rng.randrange(len(self._live))]
             if r < 0.06:
                 h = rng.choice(self.host_names)
                 out.append(HostStatus(ts=now, node=h, seq=self._next_seq(h), host=self.host_info(h, now)))
-            elif r < 0.40:
-                self._busy[s.home] = min(self.slots + 2, self._busy[s.home] + 1)
-                out.append(TurnStarted(ts=now, node=s.home, seq=self._next_seq(s.home), session=s.sid,
-                                       host=s.home, prompt_tokens=s.tokens, cached_tokens=s.tokens - 200))
             elif r < 0.74:
-                self._busy[s.home] = max(0, self._busy[s.home] - 1)
-                s.tokens += rng.randint(100, 600)
-                s.turns += 1
-                out.append(TurnFinished(ts=now, node=s.home, seq=self._next_seq(s.home), session=s.sid,
-                                        host=s.home, prompt_tokens=s.tokens - 300, cached_tokens=s.tokens - 500,
-                                        completion_tokens=300, ttft_s=0.08, total_s=2.1))
+                out.append(self._turn(s, now, started=r < 0.40))
             elif r < 0.82:
-                dst = s.replica or self.host_names[(self.host_names.index(s.home) + 1) % self.hosts]
-                reused = s.tokens if rng.random() < 0.985 else s.tokens // 2
-                cls = classify(reused / s.tokens)
-                setattr(self.counters, cls, getattr(self.counters, cls) + 1)
-                out.append(Handoff(ts=now, node=dst, seq=self._next_seq(dst), session=s.sid, src=s.home, dst=dst,
-                                   cls=cls, prompt_tokens=s.tokens, reused_tokens=reused))
-                s.home, s.moves, s.last = dst, s.moves + 1, cls
-                s.replica = None
-            elif r < 0.91:
-                dst = self.host_names[(self.host_names.index(s.home) + 1) % self.hosts]
-                nbytes = s.tokens * 4096
-                out.append(ReplicaSent(ts=now, node=s.home, seq=self._next_seq(s.home), session=s.sid, src=s.home,
-                                       dst=dst, blocks=max(1, s.tokens // 256), bytes=nbytes,
-                                       seconds=nbytes * 8 / 9e9, tokens=s.tokens))
-            else:
-                dst = self.host_names[(self.host_names.index(s.home) + 1) % self.hosts]
-                s.replica, s.replica_tokens, s.replica_at = dst, s.tokens, now
-                out.append(ReplicaReady(ts=now, node=dst, seq=self._next_seq(dst), session=s.sid, src=s.home,
-                                        dst=dst, tokens=s.tokens, bytes=s.tokens * 4096, lag_s=0.04, imported=True))
+                out.append(self._handoff(s, now))
+            elif r < 0.88 and s.sid not in self._inflight:
+                out.append(self._push_started(s, now))
+            elif self._inflight:
+                out.extend(self._push_done(now))
         return out
+
+    def _next_host(self, s: _Sess) -> str:
+        return self.host_names[(self.host_names.index(s.home) + 1) % self.hosts]
+
+    def _turn(self, s: _Sess, now: float, *, started: bool) -> Event:
+        if started:
+            self._busy[s.home] = min(self.slots + 2, self._busy[s.home] + 1)
+            return TurnStarted(ts=now, node=s.home, seq=self._next_seq(s.home), session=s.sid, host=s.home,
+                               prompt_tokens=s.tokens, cached_tokens=max(0, s.tokens - 200))
+        self._busy[s.home] = max(0, self._busy[s.home] - 1)
+        s.tokens += self._rng.randint(100, 600)
+        s.turns += 1
+        s.last_turn_at = now
+        return TurnFinished(ts=now, node=s.home, seq=self._next_seq(s.home), session=s.sid, host=s.home,
+                            prompt_tokens=s.tokens - 300, cached_tokens=max(0, s.tokens - 500),
+                            completion_tokens=300, ttft_s=0.08, total_s=2.1)
+
+    def _handoff(self, s: _Sess, now: float) -> Event:
+        dst = s.replica or self._next_host(s)
+        tokens = max(1, s.tokens)
+        reused = tokens if self._rng.random() < 0.985 else tokens // 2
+        cls = classify(reused / tokens)
+        setattr(self.counters, cls, getattr(self.counters, cls) + 1)
+        ev = Handoff(ts=now, node=dst, seq=self._next_seq(dst), session=s.sid, src=s.home, dst=dst,
+                     cls=cls, prompt_tokens=tokens, reused_tokens=reused)
+        s.home, s.moves, s.last = dst, s.moves + 1, cls
+        s.replica = None
+        return ev
+
+    def _push_started(self, s: _Sess, now: float) -> Event:
+        dst = self._next_host(s)
+        blocks = max(1, s.tokens // BLOCK)
+        self._inflight[s.sid] = (dst, blocks)
+        return ReplicaStarted(ts=now, node=s.home, seq=self._next_seq(s.home), session=s.sid, src=s.home, dst=dst,
+                              blocks=blocks, tokens=blocks * BLOCK)
+
+    def _push_done(self, now: float) -> list[Event]:
+        """The oldest push in flight lands: sent (from its source), then ready (on its target)."""
+        sid, (dst, blocks) = next(iter(self._inflight.items()))
+        del self._inflight[sid]
+        s = self._index[sid]
+        src = s.home if s.home != dst else self.host_names[(self.host_names.index(dst) - 1) % self.hosts]
+        tokens, nbytes = blocks * BLOCK, blocks * BLOCK * 4096
+        s.replica, s.replica_tokens, s.replica_at = dst, tokens, now
+        return [
+            ReplicaSent(ts=now, node=src, seq=self._next_seq(src), session=sid, src=src, dst=dst, blocks=blocks,
+                        bytes=nbytes, seconds=nbytes * 8 / 9e9, tokens=tokens),
+            ReplicaReady(ts=now, node=dst, seq=self._next_seq(dst), session=sid, src=src, dst=dst, tokens=tokens,
+                         bytes=nbytes, lag_s=0.04, imported=True),
+        ]
 
 
 async def run_synthetic(

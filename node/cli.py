@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--headless", action="store_true", help="print the counters once a second instead of the console")
     d.add_argument("--seconds", type=float, default=None, help="with --headless: stop after this long")
     d.add_argument("--sessions", type=int, default=16)
+    d.add_argument("--view", choices=("main", "demo"), default="main",
+                   help="the console's first view; 'demo': big counters for a room (read-only)")
     d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks; the last stdout line is one JSON object")

@@ -112,7 +112,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 os.chmod(token_file, 0o600)
                 from kvmesh.console.cli import main as console_main
 
-                console_main([*(f"--node={a}" for a in apis), f"--admin-token-file={token_file}"])
+                console_main([*(f"--node={a}" for a in apis), f"--admin-token-file={token_file}",
+                              f"--view={args.view}"])
         except KeyboardInterrupt:
             pass
         finally:

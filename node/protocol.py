@@ -116,6 +116,9 @@ class HostInfo(_Model):
     kvshare_out_bps: float = 0.0
     prefill_tps: float = 0.0
     last_seen: float = 0.0  # wall time this host was last heard from
+    # Tokens per KV block in this host's engine; replicas move whole blocks only, so a replica
+    # missing just the partial last block is as fresh as it can be. 0: not reported (older node).
+    block_size: int = 0
 
 
 class SessionInfo(_Model):
@@ -259,6 +262,17 @@ class Handoff(_Event):
     stale_state: bool = False  # cold although a usable replica was in the target's store
 
 
+class ReplicaStarted(_Event):
+    """A replica push began moving: its end is a replica_sent, replica_refused or replica_superseded."""
+
+    type: Literal["replica_started"] = "replica_started"
+    session: str
+    src: str
+    dst: str
+    blocks: int  # whole blocks offered (the receiver takes only those it lacks)
+    tokens: int  # tokens those blocks cover
+
+
 class ReplicaSent(_Event):
     type: Literal["replica_sent"] = "replica_sent"
     session: str
@@ -373,7 +387,7 @@ class MigrateCompleted(_Event):
 
 Event = Annotated[
     Union[
-        SnapshotEvent, TurnStarted, TurnFinished, Handoff, ReplicaSent, ReplicaReady, ReplicaImported,
+        SnapshotEvent, TurnStarted, TurnFinished, Handoff, ReplicaStarted, ReplicaSent, ReplicaReady, ReplicaImported,
         ReplicaEvicted, ReplicaRefused, ReplicaSuperseded, HostStatus, PeerUp, PeerDown, DrainStarted,
         DrainProgress, DrainCompleted, Undrained, MigrateStarted, MigrateCompleted,
     ],

@@ -9,7 +9,26 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from kvmesh.console.actions import MESH_ACTIONS
+from kvmesh.console.format import UNICODE, Glyphs
 from kvmesh.console.screens.ascii import use_ascii_scrollbars
+
+
+def notes(g: Glyphs) -> str:
+    """What the words and glyphs on the main screen mean (in the glyph set in use)."""
+    return f"""\
+Handoffs: WARM >= 90% of the prompt reused, PART 30-90%, COLD < 30%.
+Sessions: {g.running} running = a turn in flight; idle = held in an engine or a replica
+  store, last turn within the idle window; {g.ended} ended = no turn for longer, or
+  held nowhere. The list shows live ones (running first); a shows all.
+  Tokens "store: HOST": no engine holds it, HOST's replica store does.
+Replica freshness (replicas move whole KV blocks; the partial last block never does):
+  {g.fresh} fresh     holds every whole block of the session (age: when written)
+  {g.behind} behind    whole blocks missing: tokens short, since when; a push may come
+  {g.inflight} in flight a push is moving now: % done (estimated from the link's last
+              rate) or tokens offered, and for how long
+  {g.stale} stale     whole blocks missing and no push coming (refused, or none
+              for a minute)
+Esc closes."""
 
 
 def format_key(key: str) -> str:
@@ -38,8 +57,9 @@ class HelpScreen(ModalScreen[None]):
         Binding("escape,q,question_mark", "close", "Close"),
     ]
 
-    def __init__(self, bindings: list[Binding], readonly: bool) -> None:
+    def __init__(self, bindings: list[Binding], readonly: bool, glyphs: Glyphs = UNICODE) -> None:
         super().__init__()
+        self.glyphs = glyphs
         self.lines = help_lines(bindings, readonly)
         self.readonly = readonly
 
@@ -48,12 +68,7 @@ class HelpScreen(ModalScreen[None]):
             title = "kvmesh-console keys" + ("  (read-only: mesh actions are off)" if self.readonly else "")
             yield Static(title, classes="dialog-title")
             yield Static("\n".join(self.lines), id="help-keys", markup=False)
-            yield Static(
-                "Handoffs: WARM >= 90% of the prompt reused, PART 30-90%, COLD < 30%.\n"
-                "Freshness: fresh = replica caught up, behind = lagging (tokens, age), stale = old.\n"
-                "Esc closes.",
-                classes="dialog-note",
-            )
+            yield Static(notes(self.glyphs), classes="dialog-note", markup=False)
 
     def on_mount(self) -> None:
         if self.has_class("-ascii"):

@@ -14,7 +14,7 @@ do not inherit them: a `d` typed into a confirm dialog must not start another dr
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from rich.text import Text
 from textual import events
@@ -26,8 +26,9 @@ from textual.timer import Timer
 from textual.widgets import Footer, Input, Static
 
 from kvmesh.console.actions import MESH_ACTIONS
+from kvmesh.console.format import Glyphs, fmt_clock, glyphs_for
+from kvmesh.console.host import ConsoleHost
 from kvmesh.console.screens.ascii import use_ascii_scrollbars
-from kvmesh.console.format import Glyphs, fmt_clock
 from kvmesh.console.state import Changes, ConsoleState
 from kvmesh.console.theme import Palette
 from kvmesh.console.widgets.counters import CountersLine, CountersPanel
@@ -36,9 +37,6 @@ from kvmesh.console.widgets.hosts import HostsTable
 from kvmesh.console.widgets.links import LinksTable
 from kvmesh.console.widgets.sessions import SessionsTable
 from kvmesh.console.widgets.topbar import TopBar
-
-if TYPE_CHECKING:
-    from kvmesh.console.app import KvmeshConsole
 
 VIEWS: tuple[str, ...] = ("sessions", "links", "events")
 
@@ -61,6 +59,7 @@ class MainScreen(Screen[None]):
         Binding("r", "replicate", "Replicate", tooltip="ship a replica of the selected (or marked) sessions now (confirm first)"),
         Binding("space", "mark", "Mark", show=False, tooltip="mark the row under the cursor for a batch action"),
         Binding("t", "cycle_theme", "Theme", tooltip="cycle themes: dark, light, colour-blind safe"),
+        Binding("a", "show_all", "All", show=False, tooltip="sessions: live only (running, idle) or all, ended too"),
         Binding("s", "sort", "Sort", show=False, tooltip="sort sessions by the next column (or click a header)"),
         Binding("e", "log_scope", "Log scope", show=False, tooltip="event log: mesh events / all incl. turns / actions only"),
         Binding("o", "log_order", "Log order", show=False, tooltip="event log: newest first or tail"),
@@ -68,6 +67,8 @@ class MainScreen(Screen[None]):
         Binding("2", "view('links')", "Links", show=False, tooltip="links panel"),
         Binding("3", "view('events')", "Events", show=False, tooltip="event log panel"),
         Binding("h", "focus_hosts", "Hosts", show=False, tooltip="move to the hosts table to select a host"),
+        Binding("v", "demo_view", "Demo view", show=False,
+                tooltip="big counters, link sparklines, handoffs as they happen (v or Esc comes back)"),
     ]
 
     def __init__(self, *, readonly: bool, ascii_only: bool) -> None:
@@ -81,8 +82,8 @@ class MainScreen(Screen[None]):
         self._viewbar_last: Text | None = None
 
     @property
-    def console_app(self) -> KvmeshConsole:
-        return cast("KvmeshConsole", self.app)
+    def console_app(self) -> ConsoleHost:
+        return cast(ConsoleHost, self.app)
 
     def compose(self) -> ComposeResult:
         yield TopBar(readonly=self.readonly, id="topbar")
@@ -148,6 +149,9 @@ class MainScreen(Screen[None]):
         for i, view in enumerate(VIEWS, 1):
             current = view == self.view
             t.append(f"{glyphs.cursor if current else ' '}{i} {view.capitalize()} ", style=palette.bold if current else palette.muted)
+            if view == "sessions":  # the compact layout has no panel titles: the counts go here
+                live = state.lifecycle_counts["running"] + state.lifecycle_counts["idle"]
+                t.append(f"({live} live {glyphs.dot} {state.lifecycle_counts['ended']} ended) ", style=palette.muted)
         notes = []
         for name in state.host_names():
             word, level, since = state.host_state(name)
@@ -174,7 +178,8 @@ class MainScreen(Screen[None]):
     def action_help(self) -> None:
         from kvmesh.console.screens.help import HelpScreen
 
-        self.console_app.push_modal(HelpScreen(list(self.BINDINGS), self.readonly))  # type: ignore[arg-type]
+        glyphs = glyphs_for(self.ascii_only)
+        self.console_app.push_modal(HelpScreen(list(self.BINDINGS), self.readonly, glyphs))  # type: ignore[arg-type]
 
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
@@ -252,6 +257,11 @@ class MainScreen(Screen[None]):
         self.notify(f"sessions sorted by {by}", timeout=2)
         self.console_app.schedule_refresh()
 
+    def action_show_all(self) -> None:
+        shown = "all sessions, ended too" if self.query_one(SessionsTable).toggle_all() else "live sessions only"
+        self.notify(shown, timeout=2)
+        self.console_app.schedule_refresh()
+
     def action_log_scope(self) -> None:
         scope = self.query_one(EventLog).cycle_scope()
         self.notify(f"event log: {scope}", timeout=2)
@@ -271,6 +281,9 @@ class MainScreen(Screen[None]):
         self.call_after_refresh(self.query_one(widget).focus)
         self._viewbar_last = None
         self.console_app.schedule_refresh()
+
+    def action_demo_view(self) -> None:
+        self.console_app.show_demo_view()
 
     def action_focus_hosts(self) -> None:
         self.query_one(HostsTable).focus()

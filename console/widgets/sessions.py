@@ -1,10 +1,15 @@
 """Sessions panel: one row per session, patched by session id, filterable and sortable.
 
-Columns: id, home host, resident tokens, replica host, replica freshness (glyph,
-tokens behind, age), last handoff class (glyph + WARM/PART/COLD), turns, moves.
-Only rows the state marked dirty are re-rendered; the age column, which changes
-with time alone, is refreshed for the rows on screen. The cursor stays on the
-same session id whatever moves.
+Columns: lifecycle glyph and id, home host, resident tokens (or "store: HOST" when
+no engine holds it but a replica store does), replica host, replica freshness
+(fresh / behind / in flight / stale, see `state.ReplicaFreshness`), last handoff
+class (glyph + WARM/PART/COLD), turns, moves.
+
+By default only live sessions are listed (running, then idle: `state.Lifecycle`);
+`a` shows ended ones too. The title counts each lifecycle state.
+Only rows the state marked dirty are re-rendered; the freshness column, which
+changes with time alone, is refreshed for the rows on screen. The cursor stays on
+the same session id whatever moves.
 """
 
 from __future__ import annotations
@@ -16,32 +21,34 @@ from typing import Callable
 from rich.text import Text
 
 from kvmesh.console.format import CLASS_WORDS, Glyphs, fmt_age, fmt_tokens, truncate
-from kvmesh.console.state import Changes, ConsoleState, SessionRow
+from kvmesh.console.state import Changes, ConsoleState, Lifecycle, ReplicaFreshness, SessionRow
 from kvmesh.console.theme import Palette
 from kvmesh.console.widgets.table import Cell, Column, KeyedTable
 
-SORTS: tuple[str, ...] = ("session", "home", "tokens", "behind", "age", "last", "turns", "moves")
+SORTS: tuple[str, ...] = ("state", "session", "home", "tokens", "behind", "age", "last", "turns", "moves")
 _CLASS_RANK = {"cold": 0, "partial": 1, "warm": 2}
+_LIFE_RANK: dict[Lifecycle, int] = {"running": 0, "idle": 1, "ended": 2}
 
 
 class SessionsTable(KeyedTable):
     COLUMNS = (
-        Column("session", "Session", 14),
-        Column("home", "Home", 8),
-        Column("tokens", "Tokens", 6),
-        Column("replica", "Replica", 8),
-        Column("fresh", "Fresh", 12),
+        Column("session", "Session", 13),
+        Column("home", "Home", 7),
+        Column("tokens", "Tokens", 12),
+        Column("replica", "Replica", 7),
+        Column("fresh", "Fresh", 11),
         Column("last", "Last", 6),
-        Column("turns", "Turns", 5),
-        Column("moves", "Mv", 3),
+        Column("turns", "Turn", 4),
+        Column("moves", "Mv", 2),
     )
     FRESH = 4  # index of the time-dependent column
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
         self.filter_text = ""
-        self.sort_by = "session"
+        self.sort_by = "state"  # running first, then idle, then ended; by id within each
         self.sort_reverse = False
+        self.show_all = False  # False: live sessions only (running and idle)
         self._refilter = True
         self._resort = False
         self._stale_homes: frozenset[str] = frozenset()
@@ -54,6 +61,12 @@ class SessionsTable(KeyedTable):
         if text != self.filter_text:
             self.filter_text = text
             self._refilter = True
+
+    def toggle_all(self) -> bool:
+        """Show ended sessions too, or live ones only; returns whether all are shown now."""
+        self.show_all = not self.show_all
+        self._refilter = True
+        return self.show_all
 
     def cycle_sort(self) -> str:
         i = SORTS.index(self.sort_by)
@@ -100,6 +113,8 @@ class SessionsTable(KeyedTable):
             s = sessions.get(sid)
             if s is None or by == "session":
                 return sid
+            if by == "state":
+                return (_LIFE_RANK[state.lifecycle(sid)], sid)
             if by == "home":
                 return (s.home or "", sid)
             if by == "tokens":
@@ -136,9 +151,10 @@ class SessionsTable(KeyedTable):
             drop.update(k for k in self.shown_keys() if k not in state.sessions)
         candidates = state.sessions.keys() if full else changes.sessions
         keep = []
+        show_all = self.show_all
         for sid in candidates:
             s = state.sessions.get(sid)
-            if s is None or not self.matches(s):
+            if s is None or not (show_all or state.lifecycle(sid) != "ended") or not self.matches(s):
                 drop.add(sid)
             else:
                 keep.append(s)
@@ -146,8 +162,10 @@ class SessionsTable(KeyedTable):
         added = False
         touched = False
         for s in keep:
-            render = partial(self.render_session, s, palette, glyphs, now)
-            added |= self.sync_row(s.sid, render, self.signature(s, now))
+            life = state.lifecycle(s.sid)
+            fresh = state.replica_freshness(s, now)
+            render = partial(self.render_session, s, life, fresh, palette, glyphs, now)
+            added |= self.sync_row(s.sid, render, self.signature(s, life, fresh, glyphs, now))
             touched = True
         dynamic = self.sort_by not in ("session", "home")
         if added or self._resort or (touched and dynamic):
@@ -158,27 +176,40 @@ class SessionsTable(KeyedTable):
         for sid in [] if state.paused else self.visible_keys():
             s = state.sessions.get(sid)
             if s is not None:
-                self.sync_cell(sid, self.FRESH, self.fresh_cell(s, palette, glyphs, now))
+                self.sync_cell(sid, self.FRESH, self.fresh_cell(s, state.replica_freshness(s, now), palette, glyphs, now))
         self.flush()
-        label = f"Sessions {self.row_count}/{len(state.sessions)}" if self.filter_text else f"Sessions {len(state.sessions)}"
-        arrow = "v" if self.sort_reverse else "^"
+        self._patch_title(state, glyphs)
+
+    def counts_label(self, state: ConsoleState, glyphs: Glyphs) -> str:
+        """'3 running · 21 idle · 57 ended': the sessions in each lifecycle state."""
+        n = state.lifecycle_counts
+        return f" {glyphs.dot} ".join(f"{n[k]} {k}" for k in ("running", "idle", "ended"))
+
+    def _patch_title(self, state: ConsoleState, glyphs: Glyphs) -> None:
         dot = glyphs.dot
-        title = f"{label} {dot} sort {self.sort_by} {arrow}" + (f" {dot} filter '{self.filter_text}'" if self.filter_text else "")
+        label = f"Sessions {self.counts_label(state, glyphs)}" + ("" if self.show_all else f" {dot} live shown")
+        if self.filter_text:
+            label += f" {dot} {self.row_count} match '{self.filter_text}'"
+        arrow = "v" if self.sort_reverse else "^"
+        title = f"{label} {dot} sort {self.sort_by} {arrow}"
         if self.border_title != title:
             self.border_title = title
 
-    def signature(self, s: SessionRow, now: float) -> tuple[object, ...]:
-        """Everything a row is rendered from (the age as displayed), so unchanged rows cost no rendering."""
-        kind, age = s.freshness(now)
+    def signature(
+        self, s: SessionRow, life: Lifecycle, fresh: ReplicaFreshness, glyphs: Glyphs, now: float
+    ) -> tuple[object, ...]:
+        """Everything a row is rendered from (times as displayed), so unchanged rows cost no rendering."""
         return (
-            s.sid in self.marked, s.home, s.migrating_to, s.active, s.resident_tokens, s.replica_host,
-            s.last_handoff, s.turns, s.moves, s.home in self._stale_homes, kind, s.replica_behind_tokens,
-            fmt_age(age) if kind != "none" else "",
+            s.sid in self.marked, life, s.home, s.migrating_to, s.resident_tokens, s.replica_host,
+            s.last_handoff, s.turns, s.moves, s.home in self._stale_homes, self.fresh_text(fresh, glyphs, now),
         )
 
-    def render_session(self, s: SessionRow, palette: Palette, glyphs: Glyphs, now: float) -> tuple[Text, ...]:
-        base = palette.stale if s.home in self._stale_homes else None
+    def render_session(
+        self, s: SessionRow, life: Lifecycle, fresh: ReplicaFreshness, palette: Palette, glyphs: Glyphs, now: float
+    ) -> tuple[Text, ...]:
+        base = palette.stale if s.home in self._stale_homes else (palette.muted if life == "ended" else None)
         mark = glyphs.mark if s.sid in self.marked else " "
+        life_glyph = {"running": glyphs.running, "idle": " ", "ended": glyphs.ended}[life]
 
         def cell(text: str, style: object = None) -> Cell:
             return Cell(text, style=base or style or "", no_wrap=True)  # type: ignore[arg-type]
@@ -188,24 +219,47 @@ class SessionsTable(KeyedTable):
             home = f"{home}{glyphs.arrow}{s.migrating_to}"
         last_cls = s.last_handoff
         last = f"{glyphs.handoff(last_cls)} {CLASS_WORDS[last_cls]}" if last_cls else glyphs.none
+        # Held by no engine but kept in a replica store: say where, not "0".
+        tokens = fmt_tokens(s.resident_tokens)
+        if s.resident_tokens <= 0 and s.replica_host:
+            tokens = f"store: {s.replica_host}"
+            if len(tokens) > 12:
+                tokens = f"store:{s.replica_host}"  # "store:node-1" still fits the column
         return (
-            Cell.assemble((mark, palette.marked), (truncate(s.sid, 13, glyphs), base or ""), no_wrap=True),
-            cell(truncate(home, 8, glyphs), palette.bold if s.active else None),
-            cell(fmt_tokens(s.resident_tokens)),
-            cell(truncate(s.replica_host or glyphs.none, 8, glyphs)),
-            self.fresh_cell(s, palette, glyphs, now),
+            Cell.assemble(
+                (mark, palette.marked), (life_glyph, palette.bold), (truncate(s.sid, 11, glyphs), base or ""),
+                no_wrap=True,
+            ),
+            cell(truncate(home, 7, glyphs), palette.bold if s.active else None),
+            cell(truncate(tokens, 12, glyphs)),
+            cell(truncate(s.replica_host or glyphs.none, 7, glyphs)),
+            self.fresh_cell(s, fresh, palette, glyphs, now),
             cell(last, palette.handoff(last_cls)),
             cell(str(s.turns)),
             cell(str(s.moves)),
         )
 
-    def fresh_cell(self, s: SessionRow, palette: Palette, glyphs: Glyphs, now: float) -> Cell:
-        kind, age = s.freshness(now)
+    @staticmethod
+    def fresh_text(fresh: ReplicaFreshness, glyphs: Glyphs, now: float) -> str:
+        """The freshness cell: a glyph, then what it means in numbers (11 columns)."""
+        kind = fresh.kind
+        if kind == "none":
+            return glyphs.none
+        ago = fmt_age(now - fresh.since) if fresh.since is not None else "-"
+        if kind == "fresh":
+            return f"{glyphs.fresh} fresh {ago:>3}"
+        if kind == "inflight":
+            if fresh.progress is not None:
+                return f"{glyphs.inflight} {fresh.progress * 100:3.0f}% {ago:>3}"
+            return f"{glyphs.inflight} {fmt_tokens(fresh.tokens):>4} {ago:>3}"
+        glyph = glyphs.behind if kind == "behind" else glyphs.stale
+        return f"{glyph} {fmt_tokens(fresh.tokens):>4} {ago:>4}"
+
+    def fresh_cell(self, s: SessionRow, fresh: ReplicaFreshness, palette: Palette, glyphs: Glyphs, now: float) -> Cell:
+        kind = fresh.kind
         if kind == "none":
             return Cell(glyphs.none, style=palette.stale if s.home in self._stale_homes else palette.muted)
-        glyph = {"fresh": glyphs.fresh, "behind": glyphs.behind, "stale": glyphs.stale}[kind]
-        style = {"fresh": palette.ok, "behind": palette.warn, "stale": palette.error}[kind]
+        style = {"fresh": palette.ok, "behind": palette.warn, "inflight": palette.bold, "stale": palette.error}[kind]
         if s.home in self._stale_homes:
             style = palette.stale
-        text = f"{glyph} {fmt_tokens(s.replica_behind_tokens):>5} {fmt_age(age):>4}"
-        return Cell(text, style=style, no_wrap=True)
+        return Cell(self.fresh_text(fresh, glyphs, now), style=style, no_wrap=True)

@@ -39,7 +39,16 @@ from kvmesh.node.errors import ImportRefused, KVMeshError
 from kvmesh.node.kvshare import wire
 from kvmesh.node.kvshare.store import ReplicaStore, SegmentWriter, copy_block
 from kvmesh.node.tls import client_context, server_context
-from kvmesh.node.protocol import Event, LinkInfo, ReplicaImported, ReplicaReady, ReplicaRefused, ReplicaSent, ReplicaSuperseded
+from kvmesh.node.protocol import (
+    Event,
+    LinkInfo,
+    ReplicaImported,
+    ReplicaReady,
+    ReplicaRefused,
+    ReplicaSent,
+    ReplicaStarted,
+    ReplicaSuperseded,
+)
 
 log = logging.getLogger("kvmesh.kvshare")
 T = TypeVar("T")
@@ -526,6 +535,8 @@ class KVShare:
                                block_bytes=e.block_bytes, n_blocks=len(pinned.ids), generation=self._generation,
                                sent_at=time.time())
             job.offer_tip = (len(pinned.ids), pinned.hashes[-1])
+            self._publish(ReplicaStarted(session=job.session, src=self.name, dst=job.target, blocks=len(pinned.ids),
+                                         tokens=len(pinned.ids) * e.block_size))
             assert self._loop is not None
             fut = self._loop.run_in_executor(self._send_pool, self._send_blocking, addr, offer, pinned, job)
             result = await _await_worker(fut, stop=job.supersede, release=pinned.release)

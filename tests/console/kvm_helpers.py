@@ -56,9 +56,13 @@ def host(name: str, i: int, **kw: Any) -> HostInfo:
     return HostInfo(**base)
 
 
-def make_snapshot(node: str = "node-1", seq: int = 0, ts: float = T0, n_sessions: int = 6) -> SnapshotEvent:
-    """Three hosts, a few sessions, two links: small enough to read in a snapshot SVG."""
-    hosts = [host("node-1", 1), host("node-2", 2), host("node-3", 3)]
+def make_snapshot(
+    node: str = "node-1", seq: int = 0, ts: float = T0, n_sessions: int = 6, block_size: int = 0
+) -> SnapshotEvent:
+    """Three hosts, a few sessions, two links: small enough to read in a snapshot SVG.
+
+    block_size 0: the hosts do not report one (an older node)."""
+    hosts = [host(f"node-{i}", i, block_size=block_size) for i in (1, 2, 3)]
     sessions = []
     for i in range(n_sessions):
         home = f"node-{i % 3 + 1}"
@@ -68,6 +72,7 @@ def make_snapshot(node: str = "node-1", seq: int = 0, ts: float = T0, n_sessions
             replica_tokens=10_000 + 1000 * i - (256 if i == 2 else 0) if replica else 0,
             replica_behind_tokens=256 if i == 2 else 0, replica_age_s=4.0 + i if replica else None,
             last_handoff=[None, "warm", "partial", "cold", "warm", "warm"][i % 6], turns=3 + i, moves=i % 3,
+            last_turn_at=ts - 5 - i,  # every one idle (a turn within the idle window)
         ))
     links = [
         LinkInfo(src="node-1", dst="node-2", bytes_sent=3 * GiB, transfers=12, last_transfer_s=0.31,
@@ -141,6 +146,7 @@ def make_app(
     source: FakeSource | None = None,
     admin: FakeAdmin | None = None,
     snapshot: SnapshotEvent | None = None,
+    view: str = "main",
 ) -> tuple[KvmeshConsole, ConsoleState]:
     """An app over a pre-filled state (snapshot applied), optionally fed by a FakeSource."""
     st = ConsoleState(clock=clock)
@@ -148,7 +154,7 @@ def make_app(
         st.node_connected(NODE1)
         st.feed(NODE1, snapshot)
     cfg = ConsoleConfig(readonly=readonly, theme=theme, ascii=ascii_only, utc=True, discover=False,
-                        refresh_interval=0.1)
+                        refresh_interval=0.1, view=view)  # type: ignore[arg-type]
     sources = [(source.url, source.run)] if source is not None else []
     app = KvmeshConsole(cfg, state=st, sources=sources, admin=admin)  # type: ignore[arg-type]
     return app, st

@@ -222,7 +222,7 @@ async def test_cursor_stays_on_session_across_updates(clock: Clock) -> None:
         await settle(pilot)
         assert sessions.row_count == 7 and sessions.get_row_index("a-new") == 0
         assert sessions.cursor_key == "s-003"
-        await pilot.press("s", "s")  # sort by tokens, largest first
+        await pilot.press("s", "s", "s")  # state -> session -> home -> tokens, largest first
         await settle(pilot)
         assert sessions.sort_by == "tokens"
         assert sessions.cursor_key == "s-003"

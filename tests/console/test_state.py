@@ -38,8 +38,8 @@ def test_snapshot_builds_hosts_sessions_links_counters(state: ConsoleState) -> N
     assert (state.counters.warm, state.counters.partial, state.counters.cold) == (50, 1, 1)
     assert state.nodes[NODE1].name == "node-1"
     s0 = state.sessions["s-000"]
-    assert s0.replica_host == "node-2" and s0.freshness(state.clock())[0] == "fresh"
-    assert state.sessions["s-002"].freshness(state.clock())[0] == "behind"
+    assert s0.replica_host == "node-2" and s0.freshness(state.clock()).kind == "fresh"
+    assert state.sessions["s-002"].freshness(state.clock()).kind == "behind"
 
 
 def test_replay_is_logged_not_reapplied_then_live_applies(state: ConsoleState) -> None:
@@ -263,7 +263,7 @@ def test_replica_consumed_when_session_moves_onto_it(state: ConsoleState) -> Non
     assert (s.home, s.replica_host) == ("node-1", "node-2")
     state.feed(NODE1, handoff(seq=1, session="s-000", src="node-1", dst="node-2"))
     assert (s.home, s.replica_host) == ("node-2", None)
-    assert s.freshness(state.clock())[0] == "none"
+    assert s.freshness(state.clock()).kind == "none"
 
 
 def test_skewed_host_clocks_do_not_block_updates(state: ConsoleState) -> None:

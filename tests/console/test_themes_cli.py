@@ -117,16 +117,18 @@ async def test_discovers_peers_from_one_node() -> None:
 
 
 def test_bench_prints_json_last_line() -> None:
-    """`kvmesh-console bench --json` (shortened) ends with one JSON object carrying the five figures."""
+    """`kvmesh-console bench --json --ended N` (shortened) ends with one JSON object: the five figures, the
+    ended sessions, and a sessions table that lists the live ones only."""
     out = subprocess.run(
         [sys.executable, "-m", "kvmesh.console", "bench", "--json", "--seconds", "1.5", "--sessions", "300",
-         "--events-per-s", "100", "--warmup", "0.3"],
+         "--events-per-s", "100", "--warmup", "0.3", "--ended", "200"],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     for key in ("sessions", "events_per_s", "cpu_core_fraction", "p95_refresh_ms", "max_rss_mb"):
         assert key in result
     assert result["sessions"] == 300 and result["events_per_s"] > 50
+    assert result["ended_sessions"] == 200 and result["rows_on_screen_table"] == 100
     assert 0 < result["cpu_core_fraction"] < 2 and result["max_rss_mb"] > 10
 
 

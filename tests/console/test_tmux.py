@@ -56,7 +56,8 @@ class Tmux:
 
 @pytest.fixture
 def node() -> Iterator[FakeEventsServer]:
-    srv = FakeEventsServer(lambda: make_snapshot(ts=T0))
+    # Stamped now: the console runs on the real clock, and sessions with no turn for minutes have ended.
+    srv = FakeEventsServer(lambda: make_snapshot(ts=time.time()))
     srv.start()
     yield srv
     srv.stop()
@@ -88,5 +89,30 @@ def test_console_in_tmux_shows_hosts_counters_and_answers_keys(node: FakeEventsS
         while tmux.alive() and time.monotonic() < end:
             time.sleep(0.2)
         assert not tmux.alive(), "q quits the console (its tmux session ends)"
+    finally:
+        tmux.kill()
+
+
+def test_kvmesh_demo_opens_the_demo_view_in_tmux() -> None:
+    """`kvmesh demo --view demo` at 80x24: the read-only demo view with live counters and a link; v flips to the
+    operator view and back; q quits and the demo stops."""
+    tmux = Tmux()
+    cmd = f"{sys.executable} -m kvmesh demo --view demo --sessions 8"
+    try:
+        tmux.run("new-session", "-d", "-s", "console", "-x", "80", "-y", "24", "-c", str(REPO), cmd)
+        tmux.socket_path = tmux.run("display-message", "-p", "#{socket_path}").stdout.strip() or None
+        screen = tmux.wait_for(lambda s: "WARM % of" in s and "Handoffs as they happen" in s, timeout=90)
+        assert " RO " in screen and "nodes 2/2" in screen
+        # Replicas cross the link within a few turns; its row (and a sparkline) appears in the demo view.
+        tmux.wait_for(lambda s: "gpu-1→gpu-2" in s or "gpu-2→gpu-1" in s, timeout=120)
+        tmux.run("send-keys", "-t", "console", "v")
+        tmux.wait_for(lambda s: "Sessions" in s and " live " in s and "Host" in s)
+        tmux.run("send-keys", "-t", "console", "v")
+        tmux.wait_for(lambda s: "WARM % of" in s)
+        tmux.run("send-keys", "-t", "console", "q")
+        end = time.monotonic() + 60
+        while tmux.alive() and time.monotonic() < end:
+            time.sleep(0.5)
+        assert not tmux.alive(), "q quits the console and the demo stops"
     finally:
         tmux.kill()
