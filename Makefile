@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean sysdeps
+.PHONY: demo test lint venv clean sysdeps
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,12 @@ sysdeps:
 			|| echo "sysdeps: could not install chromium; the browser test will skip"; \
 	fi
 
-test: $(STAMP) sysdeps
+# The code stays lint-clean: ruff (rules in pyproject.toml) and mypy over the kvmesh package.
+lint: $(STAMP)
+	$(BIN)/ruff check node console kvmesh
+	$(BIN)/mypy -p kvmesh
+
+test: $(STAMP) sysdeps lint
 	$(BIN)/python -m pytest -q
 
 clean:

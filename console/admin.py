@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 from urllib.parse import quote
 
 import httpx

@@ -15,8 +15,9 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any
 
 from textual.app import App
 from textual.css.query import NoMatches

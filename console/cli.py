@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvmesh.console.admin import TOKEN_ENV, AdminClient, TokenError, load_admin_token
 from kvmesh.console.config import ConsoleConfig, load_config_file

@@ -9,8 +9,9 @@ glyph from here, never alone.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 HandoffWord = Literal["WARM", "PART", "COLD"]
 

@@ -9,7 +9,8 @@ TYPE_CHECKING. `KvmeshConsole` satisfies it structurally.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from textual.screen import ModalScreen
 

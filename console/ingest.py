@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from websockets.asyncio.client import connect as ws_connect

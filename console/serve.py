@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shlex
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvmesh.console.config import ConsoleConfig
 

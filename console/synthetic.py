@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvmesh.node.protocol import (
     ClusterSnapshot,

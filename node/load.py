@@ -148,7 +148,7 @@ class LoadRunner:
     async def _sleep(self, s: float) -> None:
         try:
             await asyncio.wait_for(self._stop.wait(), s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     async def _discover_model(self, client: httpx.AsyncClient) -> None:

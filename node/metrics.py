@@ -14,8 +14,8 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvmesh.node.looplag import LAG_BUCKETS
 from kvmesh.node.engine.engine import Engine
+from kvmesh.node.looplag import LAG_BUCKETS
 from kvmesh.node.protocol import (
     Event,
     Handoff,

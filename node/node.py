@@ -23,8 +23,8 @@ from kvmesh.node.engine.engine import Engine
 from kvmesh.node.errors import InvalidRequest
 from kvmesh.node.events import EventHub
 from kvmesh.node.kvshare.service import KVShare
-from kvmesh.node.mesh.actions import Operator
 from kvmesh.node.looplag import LoopLagMonitor
+from kvmesh.node.mesh.actions import Operator
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.turn import TurnPath
 from kvmesh.node.metrics import Metrics

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import unicodedata
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
@@ -386,11 +386,7 @@ class MigrateCompleted(_Event):
 
 
 Event = Annotated[
-    Union[
-        SnapshotEvent, TurnStarted, TurnFinished, Handoff, ReplicaStarted, ReplicaSent, ReplicaReady, ReplicaImported,
-        ReplicaEvicted, ReplicaRefused, ReplicaSuperseded, HostStatus, PeerUp, PeerDown, DrainStarted,
-        DrainProgress, DrainCompleted, Undrained, MigrateStarted, MigrateCompleted,
-    ],
+    SnapshotEvent | TurnStarted | TurnFinished | Handoff | ReplicaStarted | ReplicaSent | ReplicaReady | ReplicaImported | ReplicaEvicted | ReplicaRefused | ReplicaSuperseded | HostStatus | PeerUp | PeerDown | DrainStarted | DrainProgress | DrainCompleted | Undrained | MigrateStarted | MigrateCompleted,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)

@@ -8,7 +8,6 @@ dimmed, with "stale since" in the panel's subtitle.
 
 from __future__ import annotations
 
-
 from rich.text import Text
 
 from kvmesh.console.format import Glyphs, fmt_bps, fmt_clock, fmt_mem, slot_bar, truncate

@@ -7,7 +7,6 @@ the cursor is the "selected link" whose handoff counts the counters panel shows.
 
 from __future__ import annotations
 
-
 from rich.text import Text
 
 from kvmesh.console.format import Glyphs, fmt_bytes, fmt_mbps, fmt_seconds, sparkline, truncate

@@ -14,9 +14,8 @@ the same session id whatever moves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
-
 
 from rich.text import Text
 

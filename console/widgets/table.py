@@ -10,8 +10,9 @@ and the operator's selection where they left it.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Sequence, cast
+from typing import Any, cast
 
 from rich.text import Text
 from textual.coordinate import Coordinate

@@ -94,7 +94,7 @@ class Drill:
                 if s != d:
                     self.proxies[(s, d)] = LinkProxy(s, d)
         ports = {n: (free_port(), free_port()) for n in NAMES}
-        for (s, d), px in self.proxies.items():
+        for (_src, d), px in self.proxies.items():
             px.target = ("127.0.0.1", ports[d][1])
         for n in NAMES:
             self.stores[n].mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,7 @@ class SlotScheduler:
         self._waiters.append(fut)
         try:
             slot = await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if fut.done() and not fut.cancelled():
                 self.release(fut.result(), finished=False)  # handed over just as we gave up
             fut.cancel()

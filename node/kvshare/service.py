@@ -38,7 +38,6 @@ from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.errors import ImportRefused, KVMeshError
 from kvmesh.node.kvshare import wire
 from kvmesh.node.kvshare.store import ReplicaStore, SegmentWriter, copy_block
-from kvmesh.node.tls import client_context, server_context
 from kvmesh.node.protocol import (
     Event,
     LinkInfo,
@@ -49,6 +48,7 @@ from kvmesh.node.protocol import (
     ReplicaStarted,
     ReplicaSuperseded,
 )
+from kvmesh.node.tls import client_context, server_context
 
 log = logging.getLogger("kvmesh.kvshare")
 T = TypeVar("T")
@@ -283,7 +283,7 @@ class KVShare:
         return ib.tokens, max(0.0, ib.started + ib.eta_s - time.monotonic())
 
     def inflight_to(self, session: str) -> str | None:
-        for (s, t), job in self._jobs.items():
+        for s, t in self._jobs:
             if s == session:
                 return t
         return None
@@ -345,7 +345,7 @@ class KVShare:
             wait = min(30.0, max(0.5, ib.started + ib.eta_s + 2.0 - time.monotonic()))
             try:
                 await asyncio.wait_for(ib.landed.wait(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("replica of %s still in flight after %.1fs; running with what is here", session, wait)
         e = self.engine
         held = e.cached_prefix(session, prompt)
