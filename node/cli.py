@@ -10,6 +10,8 @@ from pathlib import Path
 
 from kvmesh.node.errors import ConfigError
 
+Subparsers = argparse._SubParsersAction  # the type argparse gives `add_subparsers`
+
 
 def _node_overrides(args: argparse.Namespace) -> dict[str, object]:
     o: dict[str, object] = {}
@@ -76,11 +78,22 @@ def cmd_soak(args: argparse.Namespace) -> int:
     return run_soak(args)
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from kvmesh.node.meshinit import cmd_init as run_init
+
+    return run_init(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: keep long LLM conversations warm across hosts")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = p.add_subparsers(dest="cmd", required=True)
+    for add in (_add_node, _add_demo, _add_bench, _add_netlab, _add_load, _add_chaos, _add_soak, _add_init):
+        add(sub)
+    return p
 
+
+def _add_node(sub: Subparsers) -> None:
     n = sub.add_parser("node", help="run a node agent (engine + API)")
     n.add_argument("--config", type=Path, help="TOML config file for this host")
     n.add_argument("--name")
@@ -94,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--ready-file", type=Path, help="write {name, api, pid} JSON here once listening")
     n.set_defaults(func=cmd_node)
 
+
+def _add_demo(sub: Subparsers) -> None:
     d = sub.add_parser("demo", help="a live two-node mesh with a coding-agent workload and the console")
     d.add_argument("--headless", action="store_true", help="print the counters once a second instead of the console")
     d.add_argument("--seconds", type=float, default=None, help="with --headless: stop after this long")
@@ -102,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the console's first view; 'demo': big counters for a room (read-only)")
     d.set_defaults(func=cmd_demo)
 
+
+def _add_bench(sub: Subparsers) -> None:
     b = sub.add_parser("bench", help="benchmarks; the last stdout line is one JSON object")
     bsub = b.add_subparsers(dest="bench", required=True)
     t = bsub.add_parser("ttft", help="cold vs warm (replica-imported) time to first token")
@@ -130,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--repeat", type=int, default=3)
     b.set_defaults(func=cmd_bench)
 
+
+def _add_netlab(sub: Subparsers) -> None:
     nl = sub.add_parser("netlab", help="the field report's experiment: two namespaces, shaped links (root)")
     nl.add_argument("--quick", action="store_true", help="both links in under 10 minutes")
     nl.add_argument("--links", default="1gbit,10gbit")
@@ -144,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     nl.add_argument("--json", action="store_true")
     nl.set_defaults(func=cmd_netlab)
 
+
+def _add_load(sub: Subparsers) -> None:
     ld = sub.add_parser("load", help="drive a mesh like a fleet of coding agents")
     ld.add_argument("--node", action="append", required=True, help="entry node URL (repeat for several)")
     ld.add_argument("--sessions", type=int, default=16)
@@ -157,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     ld.add_argument("--json", action="store_true")
     ld.set_defaults(func=cmd_load)
 
+
+def _add_chaos(sub: Subparsers) -> None:
     ch = sub.add_parser("chaos", help="fault drills on a local three-node sim mesh; invariants checked after each")
     ch.add_argument("--json", action="store_true")
     ch.add_argument("--only", nargs="+", action="extend", metavar="NAME", help="run only these scenarios (see --list)")
@@ -165,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--keep", action="store_true", help="keep the work directory (configs, logs, stores)")
     ch.set_defaults(func=cmd_chaos)
 
+
+def _add_soak(sub: Subparsers) -> None:
     so = sub.add_parser("soak", help="64 agent sessions on a three-node sim mesh: errors, latency, RSS, fds, store")
     so.add_argument("--minutes", type=float, default=2.0)
     so.add_argument("--sessions", type=int, default=64)
@@ -176,10 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fail when a node ends with this many more fds than at steady state (96)")
     so.set_defaults(func=cmd_soak)
 
-    from kvmesh.node.meshinit import add_parser as add_init_parser
 
-    add_init_parser(sub)
-    return p
+def _add_init(sub: Subparsers) -> None:
+    i = sub.add_parser("init", help="write one commented TOML config per host of a new mesh",
+                       description="Write <name>.toml per host (a fresh mesh secret and admin token), "
+                                   "admin-token and console.toml into --out.")
+    i.add_argument("--host", action="append", required=True, metavar="NAME=ADDR[,KVSHARE_ADDR]",
+                   help="a host of the mesh (repeat); the second address, if given, is where kv_share listens")
+    i.add_argument("--out", type=Path, default=Path("kvmesh-mesh"), help="folder for the files (default: kvmesh-mesh)")
+    i.add_argument("--engine", choices=["sim", "tiny", "torch"], default="sim")
+    i.add_argument("--model", default="", help="with --engine torch: the checkpoint directory on every host")
+    i.add_argument("--slots", type=int, default=4)
+    i.add_argument("--api-port", type=int, default=8000)
+    i.add_argument("--kvshare-port", type=int, default=9000)
+    i.add_argument("--store-dir", default="/var/lib/kvmesh/store", help="replica store folder on each host")
+    i.add_argument("--force", action="store_true", help="overwrite files that exist")
+    i.set_defaults(func=cmd_init)
 
 
 def main(argv: list[str] | None = None) -> int:

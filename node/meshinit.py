@@ -28,7 +28,6 @@ from kvmesh.node.errors import ConfigError
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
-ENGINES = ("sim", "tiny", "torch")
 
 
 @dataclass(frozen=True)
@@ -196,23 +195,6 @@ def write_files(files: dict[Path, str], *, force: bool) -> None:
     finally:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    i = sub.add_parser("init", help="write one commented TOML config per host of a new mesh",
-                       description="Write <name>.toml per host (a fresh mesh secret and admin token), "
-                                   "admin-token and console.toml into --out.")
-    i.add_argument("--host", action="append", required=True, metavar="NAME=ADDR[,KVSHARE_ADDR]",
-                   help="a host of the mesh (repeat); the second address, if given, is where kv_share listens")
-    i.add_argument("--out", type=Path, default=Path("kvmesh-mesh"), help="folder for the files (default: kvmesh-mesh)")
-    i.add_argument("--engine", choices=ENGINES, default="sim")
-    i.add_argument("--model", default="", help="with --engine torch: the checkpoint directory on every host")
-    i.add_argument("--slots", type=int, default=4)
-    i.add_argument("--api-port", type=int, default=8000)
-    i.add_argument("--kvshare-port", type=int, default=9000)
-    i.add_argument("--store-dir", default="/var/lib/kvmesh/store", help="replica store folder on each host")
-    i.add_argument("--force", action="store_true", help="overwrite files that exist")
-    i.set_defaults(func=cmd_init)
 
 
 def cmd_init(args: argparse.Namespace) -> int:
