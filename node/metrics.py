@@ -14,7 +14,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from kvmesh.node.engine.engine import Engine
+from kvmesh.node.engine.boundary import EngineAPI
 from kvmesh.node.looplag import LAG_BUCKETS
 from kvmesh.node.protocol import (
     Event,
@@ -81,7 +81,7 @@ class Metrics:
     def _on_replica_refused(self, ev: ReplicaRefused) -> None:
         self.refused.labels(ev.reason).inc()
 
-    def render(self, engine: Engine, store_bytes: int) -> tuple[bytes, str]:
+    def render(self, engine: EngineAPI, store_bytes: int) -> tuple[bytes, str]:
         """The exposition text (and its content type), gauges read from the engine now."""
         self.slots_busy.set(engine.slots.busy)
         self.slots_total.set(engine.slots.slots)

@@ -11,7 +11,8 @@ Grouped by who uses what (grep of node/kvshare, node/mesh, node/api, node/node.p
   kv_bytes_per_token, model_name, tokenizer;
 - what the engine holds (kv_share, mesh): sessions, cached_prefix, resident_tokens,
   session_tokens, block_hash;
-- moving KV (kv_share): export (pinned block views), begin_import (an `ImportAPI`),
+- moving KV (kv_share): export (pinned block views), pin (blocks pinned for another thread
+  to read), begin_import (an `ImportAPI`),
   and for the store's write-behind, `blocks` (pin by hash) and `pool` (read bytes);
 - turns (API, through the node): validate, generate;
 - load (mesh placement): slots, prefill_rate.
@@ -30,7 +31,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from kvmesh.node.engine.engine import ExportedBlock, GenerateRequest, TextDelta, TurnBegin, TurnDone
+from kvmesh.node.engine.engine import ExportedBlock, GenerateRequest, PinnedBlocks, TextDelta, TurnBegin, TurnDone
 from kvmesh.node.engine.tokenizer import Tokenizer
 
 
@@ -68,6 +69,10 @@ class BlockPins(Protocol):
     def release(self, bids: list[int]) -> None:
         """Drop references taken by `acquire`."""
 
+    @property
+    def num_free(self) -> int:
+        """Blocks no session holds (for the KV-in-use gauge)."""
+
 
 @runtime_checkable
 class PoolBytes(Protocol):
@@ -75,6 +80,10 @@ class PoolBytes(Protocol):
 
     def read_bytes(self, block_id: int) -> memoryview:
         """One block's bytes: a zero-copy view in host memory, a host copy otherwise."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
 
 
 @runtime_checkable
@@ -132,6 +141,9 @@ class EngineAPI(Protocol):
 
     def export(self, session: str, from_block: int = 0) -> AbstractContextManager[list[ExportedBlock]]:
         """The session's full blocks from `from_block`, pinned while the context is open."""
+
+    def pin(self, session: str) -> PinnedBlocks | None:
+        """The session's full blocks pinned for readers on other threads; None when there is none."""
 
     def begin_import(self, session: str, fingerprint: str, tokens: np.ndarray, hashes: list[bytes]) -> ImportAPI:
         """Check a replica's fingerprint and hash chain, then reserve blocks for what is missing."""

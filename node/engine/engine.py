@@ -85,6 +85,24 @@ class ExportedBlock:
 
 
 @dataclass
+class PinnedBlocks:
+    """A session's full blocks, pinned in the pool; a thread other than the pinning one may read
+    their bytes. `release` (idempotent) unpins them once no thread reads them any more."""
+
+    ids: list[int]
+    hashes: list[bytes]
+    tokens: np.ndarray  # [len(ids) * block_size] the pinned blocks' token ids
+    read: Callable[[int], memoryview]  # a block's bytes by id (a host copy when the pool is on an accelerator)
+    _release: Callable[[list[int]], None]
+    _released: bool = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release(self.ids)
+
+
+@dataclass
 class EngineCounters:
     turns: int = 0
     prefill_tokens: int = 0
@@ -461,6 +479,19 @@ class Engine:
             ]
         finally:
             self.blocks.release(ids)
+
+    def pin(self, session: str) -> PinnedBlocks | None:
+        """The session's full blocks pinned, none of their bytes read (unlike `export`): the threads
+        that send or store them read them. None when the engine holds no full block of it."""
+        seq = self.sessions.get(session)
+        if seq is None or not seq.hashes:
+            return None
+        n = len(seq.hashes)
+        ids = list(seq.block_ids[:n])
+        for bid in ids:
+            self.blocks.acquire(bid)
+        return PinnedBlocks(ids, list(seq.hashes), np.ascontiguousarray(seq.tokens[: n * self.block_size]),
+                            self.pool.read_bytes, self.blocks.release)
 
     def begin_import(self, session: str, fingerprint: str, tokens: np.ndarray, hashes: list[bytes]) -> ImportTxn:
         """Check a replica's fingerprint and hash chain, then reserve blocks for what is missing."""

@@ -33,7 +33,8 @@ from typing import TypeVar
 import numpy as np
 
 from kvmesh.node.config import KVShareConfig
-from kvmesh.node.engine.engine import Engine, ImportTxn
+from kvmesh.node.engine.boundary import EngineAPI, ImportAPI
+from kvmesh.node.engine.engine import PinnedBlocks
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.errors import ImportRefused, KVMeshError
 from kvmesh.node.kvshare import wire
@@ -136,30 +137,12 @@ class _Superseded(Exception):
 
 
 @dataclass
-class _Pinned:
-    """A session's full blocks, pinned in the engine's pool on the loop; worker threads read their bytes."""
-
-    ids: list[int]
-    hashes: list[bytes]
-    tokens: np.ndarray  # the pinned blocks' token ids
-    read: Callable[[int], memoryview]  # a block's bytes (a host copy when the pool is on an accelerator)
-    _release: Callable[[list[int]], None]
-    _released: bool = False
-
-    def release(self) -> None:
-        """Unpin (on the loop, once no thread reads the blocks any more); idempotent."""
-        if not self._released:
-            self._released = True
-            self._release(self.ids)
-
-
-@dataclass
 class _Plan:
     """The receiver's decision on an offer, made on the event loop."""
 
     refuse: tuple[str, str] | None = None
     first_missing: int = 0
-    txn: ImportTxn | None = None  # payloads land in the engine's pool...
+    txn: ImportAPI | None = None  # payloads land in the engine's pool...
     store_only: bool = False  # ...or, when the engine has no room, in the store
     engine_held: int = 0
     store_held: int = 0
@@ -175,7 +158,7 @@ class _Conn:
     offer: wire.Offer | None = None
     src: str = "?"
     plan: _Plan = field(default_factory=_Plan)
-    txn: ImportTxn | None = None  # reserved in the engine, not committed yet
+    txn: ImportAPI | None = None  # reserved in the engine, not committed yet
     writer: SegmentWriter | None = None  # a store write, not committed yet
     received: int = 0
     t_first: float = 0.0
@@ -189,7 +172,7 @@ class KVShare:
     section, the mesh secrets, a publish function for its events, and a peer resolver (host name
     -> that host's kv_share address, None for a host outside the mesh)."""
 
-    def __init__(self, name: str, engine: Engine, cfg: KVShareConfig, *, secrets: list[bytes],
+    def __init__(self, name: str, engine: EngineAPI, cfg: KVShareConfig, *, secrets: list[bytes],
                  publish: Callable[[Event], object], peer_address: Callable[[str], str | None]):
         self.name = name
         self.engine = engine
@@ -527,7 +510,7 @@ class KVShare:
         if addr is None:
             return PushResult(False, reason="unknown_peer", message=f"{job.target} is not a configured peer")
         self._generation += 1
-        pinned = self._pin(job.session)
+        pinned = self.engine.pin(job.session)
         if pinned is None:
             return PushResult(False, reason="nothing", message="the engine holds no whole block of this session")
         try:
@@ -560,7 +543,7 @@ class KVShare:
                                          message=result.message))
         return result
 
-    def _send_blocking(self, addr: str, offer: wire.Offer, pinned: _Pinned, job: _Job) -> PushResult:
+    def _send_blocking(self, addr: str, offer: wire.Offer, pinned: PinnedBlocks, job: _Job) -> PushResult:
         host, port = addr.rsplit(":", 1)
         tx = wire.Sender(self.secret)
         t0 = time.monotonic()
@@ -636,32 +619,17 @@ class KVShare:
             if events:
                 return events[0]
 
-    def _pin(self, session: str) -> _Pinned | None:
-        """Pin the session's full blocks in the pool, as `Engine.export` does, but read none of
-        their bytes here: the threads that send or store them read them. None when there is none."""
-        e = self.engine
-        seq = e.sessions.get(session)
-        if seq is None or not seq.hashes:
-            return None
-        n = len(seq.hashes)
-        ids = list(seq.block_ids[:n])
-        for bid in ids:
-            e.blocks.acquire(bid)
-        return _Pinned(ids, list(seq.hashes), np.ascontiguousarray(seq.tokens[: n * e.block_size]), e.pool.read_bytes,
-                       e.blocks.release)
-
     def _persist_own(self, session: str) -> None:
         """Write-behind this host's own session to its store (delta), so an eviction here is
         restored from disk rather than recomputed."""
         e = self.engine
-        seq = e.sessions.get(session)
-        if seq is None or not seq.hashes:
+        pinned = e.pin(session)  # for its hashes and tokens only: the write-behind pins what it copies
+        if pinned is None:
             return
-        hashes = list(seq.hashes)
-        have = self.store.held_prefix_blocks(session, e.fingerprint, hashes)
-        if have >= len(hashes):
-            return
-        self._write_behind(session, seq.tokens[: len(hashes) * e.block_size], hashes, have)
+        pinned.release()
+        have = self.store.held_prefix_blocks(session, e.fingerprint, pinned.hashes)
+        if have < len(pinned.hashes):
+            self._write_behind(session, pinned.tokens, pinned.hashes, have)
 
     def _write_behind(self, session: str, tokens: np.ndarray, hashes: list[bytes], first_block: int) -> None:
         """Copy blocks [first_block, n) from the engine's pool to the store on the disk thread.
@@ -896,7 +864,7 @@ class KVShare:
             self._write_behind(offer.session, plan.tokens, plan.hashes, plan.store_held)
         return tokens
 
-    def _abort(self, offer: wire.Offer | None, txn: ImportTxn) -> None:
+    def _abort(self, offer: wire.Offer | None, txn: ImportAPI) -> None:
         txn.abort()
         if offer is not None:
             ib = self._inbound.pop(offer.session, None)

@@ -76,7 +76,7 @@ from kvmesh.node.kvshare.wire import check_session_id, is_valid_session_id
 from kvmesh.node.protocol import session_key
 
 if TYPE_CHECKING:
-    from kvmesh.node.engine.engine import Engine, ImportTxn
+    from kvmesh.node.engine.boundary import EngineAPI, ImportAPI
 
 log = logging.getLogger("kvmesh.kvshare.store")
 
@@ -562,7 +562,7 @@ class ReplicaStore:
 
     # ---- import into an engine ------------------------------------------------------
 
-    def import_into(self, engine: Engine, session: str, *, upto_blocks: int | None = None) -> int:
+    def import_into(self, engine: EngineAPI, session: str, *, upto_blocks: int | None = None) -> int:
         """Import the session's replica (or its first `upto_blocks`) into `engine`; returns tokens resident.
 
         Only blocks the engine lacks are copied, each straight from the mapped
@@ -580,7 +580,7 @@ class ReplicaStore:
             imp.txn.abort()
             raise
 
-    def begin_import(self, engine: Engine, session: str, *, upto_blocks: int | None = None) -> StoreImport | None:
+    def begin_import(self, engine: EngineAPI, session: str, *, upto_blocks: int | None = None) -> StoreImport | None:
         """Reserve the engine's blocks for the session's replica (or its first `upto_blocks`); None when
         there is nothing to import. Call it where the engine's bookkeeping lives (its event loop); then
         `copy()` on any thread, then `txn.commit()` or `txn.abort()` back where it began."""
@@ -863,7 +863,7 @@ class StoreImport:
 
     store: ReplicaStore
     entry: _Entry
-    txn: ImportTxn
+    txn: ImportAPI
 
     @property
     def session(self) -> str:
@@ -894,7 +894,7 @@ def copy_bytes(dst: memoryview, src: memoryview | bytes | np.ndarray) -> None:
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))  # type: ignore[arg-type]  # buffers
 
 
-def copy_block(txn: ImportTxn, i: int, view: memoryview) -> None:
+def copy_block(txn: ImportAPI, i: int, view: memoryview) -> None:
     """One memcpy from the page cache into the engine's pool block."""
     try:
         dst = txn.buffer(i)

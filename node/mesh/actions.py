@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from kvmesh.node.engine.engine import Engine
+from kvmesh.node.engine.boundary import EngineAPI
 from kvmesh.node.kvshare.service import PushResult
 from kvmesh.node.mesh.auth import PEER_HEADER
 from kvmesh.node.mesh.mesh import Mesh
@@ -63,7 +63,7 @@ class Operator:
     # A relayed session action may push a whole replica before it answers.
     SESSION_RELAY_TIMEOUT_S = 120.0
 
-    def __init__(self, name: str, engine: Engine, mesh: Mesh, *, push: Callable[[str, str], Awaitable[PushResult]],
+    def __init__(self, name: str, engine: EngineAPI, mesh: Mesh, *, push: Callable[[str, str], Awaitable[PushResult]],
                  publish: Callable[[Event], object]):
         """`push(session, target)` sends the session's replica to target (kv_share)."""
         self.name, self.engine, self.mesh = name, engine, mesh

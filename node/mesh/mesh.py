@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvmesh.node.config import MeshConfig
-from kvmesh.node.engine.engine import Engine
+from kvmesh.node.engine.boundary import EngineAPI
 from kvmesh.node.mesh.auth import peer_token
 from kvmesh.node.mesh.peers import PeerTable
 from kvmesh.node.mesh.placement import (
@@ -63,7 +63,7 @@ class ReplicaView(Protocol):
 
 
 class Mesh:
-    def __init__(self, name: str, cfg: MeshConfig, engine: Engine, replicas: ReplicaView, *,
+    def __init__(self, name: str, cfg: MeshConfig, engine: EngineAPI, replicas: ReplicaView, *,
                  publish: Callable[[Event], object], host_info: Callable[[], HostInfo],
                  on_decision: Callable[[float], None], verify: ssl.SSLContext | bool = True):
         """`host_info` reports this host (status polls and the cluster view); `on_decision` is

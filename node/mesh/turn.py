@@ -23,8 +23,8 @@ import httpx
 import numpy as np
 from fastapi.responses import Response
 
+from kvmesh.node.engine.boundary import EngineAPI
 from kvmesh.node.engine.engine import (
-    Engine,
     GenerateRequest,
     TextDelta,
     TurnBegin,
@@ -98,7 +98,7 @@ Render = Callable[["HostTurn"], AsyncIterator[bytes]]
 class TurnPath:
     """What a turn's path needs on this node, and the one entry to it (`serve`)."""
 
-    def __init__(self, name: str, engine: Engine, mesh: Mesh, replicas: TurnReplicas, *,
+    def __init__(self, name: str, engine: EngineAPI, mesh: Mesh, replicas: TurnReplicas, *,
                  publish: Callable[[Event], object], forward_timeout_s: float, on_resumed: Callable[[], None]):
         """`on_resumed` counts streams continued on another host after theirs stopped."""
         self.name, self.engine, self.mesh, self.replicas = name, engine, mesh, replicas
