@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean sysdeps
+.PHONY: demo test lint venv clean sysdeps vocab
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,7 +32,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check node console kvmesh
 	$(BIN)/mypy -p kvmesh
 
-test: $(STAMP) sysdeps lint
+# Real tokenizers and chat templates (vocabulary-only GGUFs from the llama-cpp-python sdist), once.
+vocab: $(STAMP)
+	@$(BIN)/python -m kvmesh.node.engine.vocab fetch >/dev/null
+
+test: $(STAMP) sysdeps lint vocab
 	$(BIN)/python -m pytest -q
 
 clean:
