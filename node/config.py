@@ -29,6 +29,18 @@ class SimConfig(_Strict):
     kv_bytes_per_token: int = Field(20480, gt=0, description="KV bytes per token at scale 1.0 (~1 GB per 50k tokens)")
     kv_scale: float = Field(1.0, gt=0, le=1.0, description="shrinks KV bytes per token by this factor")
     max_context: int = Field(131072, gt=0)
+    # Test only: a fixed reply, so an API test can see a given text (a tool call) come back
+    # through the real turn path; prefill, decode and KV stay the sim's. Unset in service.
+    scripted_reply: str | None = Field(None, min_length=1, max_length=65536,
+                                       description="test only: every reply is this text (printable ASCII, newlines)")
+
+    @field_validator("scripted_reply")
+    @classmethod
+    def _printable(cls, v: str | None) -> str | None:
+        # The byte tokenizer lets the sim emit printable ASCII and newlines only.
+        if v is not None and any(not (" " <= c <= "~" or c == "\n") for c in v):
+            raise ValueError("scripted_reply must be printable ASCII and newlines")
+        return v
 
     def scaled_kv_bytes_per_token(self) -> int:
         # Whole 16-byte words, so block bytes tile with the block hash.

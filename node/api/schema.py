@@ -6,11 +6,30 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvmesh.node.errors import InvalidRequest
+
+TOOL_CHOICES = ("none", "auto", "required")
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends JSON text; an object is accepted too
+
+
+class AssistantToolCall(BaseModel):
+    """One tool call of an earlier assistant message, as the client sends it back."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str = Field("", max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class ChatMessage(BaseModel):
@@ -19,6 +38,40 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = Field(None, max_length=512)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    # OpenAI's rule for function names, so a request that works here works there.
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema_object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError('parameters must be a JSON Schema of an object ({"type": "object", "properties": ...})')
+        return v
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: ChosenFunction
 
 
 class StreamOptions(BaseModel):
@@ -27,7 +80,7 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    # Unknown OpenAI fields (logprobs, tools, ...) are accepted and ignored, as
+    # Unknown OpenAI fields (logprobs, ...) are accepted and ignored, as
     # most OpenAI-compatible servers do; the ones we honour are validated.
     model_config = ConfigDict(extra="ignore")
 
@@ -43,6 +96,16 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = Field(None, max_length=512)
+    tools: list[ToolDef] | None = Field(None, max_length=512)
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        if isinstance(v, str) and v not in TOOL_CHOICES:
+            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -64,6 +127,29 @@ class ChatCompletionRequest(BaseModel):
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         return [m.model_dump() for m in self.messages]
+
+    def tools_as_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as OpenAI sends them (unset fields left out, as a template expects)."""
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_choice_value(self) -> str | dict[str, Any]:
+        """"auto" unless set; a named choice as its OpenAI object."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or "auto"
+
+    def check_tools(self) -> None:
+        """What one field cannot say alone: unique names, and a tool_choice that names a declared tool."""
+        names = [t.function.name for t in self.tools or []]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise InvalidRequest(f"tools: the function name {dup!r} is declared twice", param="tools")
+        choice = self.tool_choice
+        if choice == "required" and not names:
+            raise InvalidRequest('tool_choice "required" needs tools', param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequest(f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+                                 param="tool_choice")
 
 
 class ErrorDetail(BaseModel):

@@ -25,6 +25,7 @@ from kvmesh.node.engine.hf import Checkpoint, load_decoder, open_checkpoint
 from kvmesh.node.engine.model import ModelConfig, fingerprint, preset
 from kvmesh.node.engine.runner import Runner, SimCost, SimRunner, TorchRunner, blocks_for
 from kvmesh.node.engine.sampling import sample
+from kvmesh.node.engine.scripted import ScriptedRunner
 from kvmesh.node.engine.sequence import Match, Sequence
 from kvmesh.node.engine.slots import SlotScheduler
 from kvmesh.node.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -181,6 +182,8 @@ class Engine:
         if cfg.kind == "sim":
             self.runner = SimRunner(self.pool, SimCost(cfg.sim.prefill_tps, cfg.sim.decode_tps), self.tokenizer.vocab_size,
                                     seed=self.seed_hash, block_size=self.block_size, slots=cfg.slots)
+            if cfg.sim.scripted_reply is not None:  # test only: see node.engine.scripted
+                self.runner = ScriptedRunner(self.runner, self.tokenizer.encode(cfg.sim.scripted_reply), self.tokenizer.eos_id)
         else:
             weights = load_decoder(self.checkpoint, self.dtype, self.device) if self.checkpoint is not None else None
             self.runner = TorchRunner(

@@ -6,33 +6,26 @@ ever grow at the end between turns, which is what makes prefix reuse work.
 
 HFTokenizer: a checkpoint's `tokenizer.json` (the `tokenizers` package) and the
 chat template of its `tokenizer_config.json` (or `chat_template.jinja`), rendered
-with jinja2 the way `transformers` renders it. Both have one interface (`Tokenizer`).
+with jinja2 the way `transformers` renders it (node.engine.chat, which also renders
+`tools`). Both have one interface (`Tokenizer`).
 """
 
 from __future__ import annotations
 
 import codecs
-import datetime
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from kvmesh.node.engine.chat import ChatTemplate, ToolChoice, plain_messages, tools_for_prompt
+
 BOS, END, SYSTEM, USER, ASSISTANT, TOOL = range(256, 262)
 VOCAB_SIZE = 262
 ROLE_TOKENS = {"system": SYSTEM, "developer": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
 ROLE_NAMES = {SYSTEM: "system", USER: "user", ASSISTANT: "assistant", TOOL: "tool"}
-
-
-def _content_text(content: Any) -> str:
-    """OpenAI content is a string or a list of parts; only text parts are kept."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
 
 
 class Tokenizer(Protocol):
@@ -46,7 +39,9 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int]) -> str: ...
     def incremental_decoder(self) -> codecs.IncrementalDecoder: ...
     def token_bytes(self, token_id: int) -> bytes: ...
-    def apply_chat_template(self, messages: Iterable[Mapping[str, Any]]) -> list[int]: ...
+    def apply_chat_template(self, messages: Iterable[Mapping[str, Any]], *,
+                            tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: ToolChoice = "auto",
+                            parallel_tool_calls: bool = True) -> list[int]: ...
     def message_starts(self, ids: np.ndarray) -> np.ndarray: ...
     def generation_mask(self) -> np.ndarray | None: ...
 
@@ -70,11 +65,17 @@ class ByteTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id]) if token_id < 256 else b""
 
-    def apply_chat_template(self, messages: Iterable[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Iterable[Mapping[str, Any]], *,
+                            tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: ToolChoice = "auto",
+                            parallel_tool_calls: bool = True) -> list[int]:
+        """The byte template; tools go into the system message in the generic form (node.engine.chat),
+        tool results keep the tool role and an assistant's tool calls follow its text."""
+        shown = tools_for_prompt(tools, tool_choice)
         ids = [BOS]
-        for m in messages:
+        for m in plain_messages(messages, shown, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
+                                tool_role=True):
             ids.append(ROLE_TOKENS[m["role"]])
-            ids.extend(self.encode(_content_text(m.get("content"))))
+            ids.extend(self.encode(m["content"]))
             ids.append(END)
         ids.append(ASSISTANT)
         return ids
@@ -151,9 +152,6 @@ class HFTokenizer:
         extra_eos_ids: Iterable[int] = (),
         decoder_kind: str = "bytelevel",
     ) -> None:
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         self._tok = tokenizer
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
         self.bos_token, self.eos_token, self.pad_token, self.unk_token = bos_token, eos_token, pad_token, unk_token
@@ -169,14 +167,9 @@ class HFTokenizer:
         self.eos_ids: tuple[int, ...] = tuple(eos_ids)
         self.eos_id: int = eos_ids[0] if eos_ids else -1
         self.bos_id: int | None = tokenizer.token_to_id(bos_token) if bos_token else None
-        # The settings transformers renders chat templates with.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self.has_chat_template = chat_template is not None
         self.chat_template = chat_template if chat_template is not None else FALLBACK_CHAT_TEMPLATE
-        self._template = env.from_string(self.chat_template)
+        self._template = ChatTemplate(self.chat_template)
         self._markers = self._find_message_markers()
 
     @classmethod
@@ -276,26 +269,31 @@ class HFTokenizer:
 
     # ---- chat ------------------------------------------------------------------
 
-    def render(self, messages: Iterable[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
-        """The chat template's text for these messages (OpenAI content parts joined to text)."""
-        msgs = [{**m, "content": _content_text(m.get("content"))} for m in messages]
+    def render(self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
+               tool_choice: ToolChoice = "auto", parallel_tool_calls: bool = True,
+               add_generation_prompt: bool = True) -> str:
+        """The chat template's text for these messages and tools (node.engine.chat decides native or generic)."""
         return self._template.render(
-            messages=msgs,
+            messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
             add_generation_prompt=add_generation_prompt,
-            tools=None,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             pad_token=self.pad_token or "",
             unk_token=self.unk_token or "",
         )
 
-    def apply_chat_template(self, messages: Iterable[Mapping[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Iterable[Mapping[str, Any]], *,
+                            tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: ToolChoice = "auto",
+                            parallel_tool_calls: bool = True) -> list[int]:
         from jinja2 import TemplateError
 
         from kvmesh.node.errors import InvalidRequest
 
         try:
-            text = self.render(messages)
+            text = self.render(messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls)
         except TemplateError as e:  # e.g. a template that demands alternating roles
             raise InvalidRequest(f"the model's chat template refused these messages: {e}", param="messages") from None
         return self.encode(text)
@@ -327,13 +325,3 @@ class HFTokenizer:
         """A real model is not masked: every id may be sampled."""
         return None
 
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
-    # transformers' tojson: no ASCII escaping, unlike jinja2's built-in.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    from jinja2 import TemplateError
-
-    raise TemplateError(message)

@@ -3,9 +3,10 @@
 `open_turn` sends the client's body verbatim and returns the peer's open response (or raises
 PeerUnavailable before any byte reached the client, so the caller can place the turn elsewhere).
 `watched` reads the open answer while checking the peer is still heard from. `StreamSplice` is the
-sans-I/O part of a resumed stream: it relays SSE events as they come, remembers the text the client
-has been sent, and when the turn is run again elsewhere it drops the new stream's repeat of that
-text (checking it is the same) so the client sees one answer.
+sans-I/O part of a resumed stream: it relays SSE events as they come, remembers what the client
+has been sent (text, and tool calls: each call's name and argument text), and when the turn is run
+again elsewhere it drops the new stream's repeat of that (checking it is the same) so the client
+sees one answer, with each tool call once, under the id it was first sent with.
 """
 
 from __future__ import annotations
@@ -109,28 +110,80 @@ def sse_error(message: str, type_: str, code: str | None) -> bytes:
     return b"data: " + json.dumps({"error": {"message": message, "type": type_, "code": code}}).encode() + b"\n\n"
 
 
+Piece = tuple[str, str]  # ("c", content text) | ("n<i>", tool call i's name) | ("a<i>", its argument text)
+
+
+def _pieces(delta: dict[str, Any]) -> list[Piece]:
+    """What a delta tells the client, in order."""
+    out: list[Piece] = []
+    if isinstance(delta.get("content"), str) and delta["content"]:
+        out.append(("c", delta["content"]))
+    for tc in delta.get("tool_calls") or []:
+        i, fn = tc.get("index", 0), tc.get("function") or {}
+        if fn.get("name"):
+            out.append((f"n{i}", fn["name"]))
+        if fn.get("arguments"):
+            out.append((f"a{i}", fn["arguments"]))
+    return out
+
+
+def _add(record: list[Piece], piece: Piece) -> None:
+    if record and record[-1][0] == piece[0] and piece[0][0] != "n":
+        record[-1] = (piece[0], record[-1][1] + piece[1])
+    else:
+        record.append(piece)
+
+
+def _rebuilt(delta: dict[str, Any], kept: list[Piece]) -> dict[str, Any]:
+    """The delta with only the pieces the client has not been sent (a call's id goes with its name)."""
+    out = {k: v for k, v in delta.items() if k not in ("content", "tool_calls", "role")}
+    text = "".join(t for c, t in kept if c == "c")
+    if text:
+        out["content"] = text
+    names = {c[1:]: t for c, t in kept if c[0] == "n"}
+    args = {c[1:]: t for c, t in kept if c[0] == "a"}
+    calls = []
+    for tc in delta.get("tool_calls") or []:
+        i = str(tc.get("index", 0))
+        if i not in names and i not in args:
+            continue
+        fn = {"name": names[i]} if i in names else {}
+        fn["arguments"] = args.get(i, "")
+        entry = {k: v for k, v in tc.items() if k in ("index", "id", "type")} if i in names else {"index": tc.get("index", 0)}
+        calls.append(entry | {"function": fn})
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
 class StreamSplice:
     """One client's SSE answer, assembled from the streams of the hosts that ran the turn.
 
     feed(bytes) -> SSE events for the client. resume() says the stream so far broke off and the
-    turn is running again from its start: the next stream's role chunk and its repeat of the text
-    already sent are dropped, its chunks take the first stream's id, and a repeat that differs
-    raises ResumeDiverged (a sampled turn is only repeatable with its seed).
+    turn is running again from its start: the next stream's role chunk and its repeat of what was
+    already sent (text, tool calls' names and arguments) are dropped, its chunks take the first
+    stream's id, and a repeat that differs raises ResumeDiverged (a sampled turn is only
+    repeatable with its seed).
     """
 
     def __init__(self) -> None:
         self._buf = b""
-        self.sent_text: list[str] = []
-        self._skip = ""  # text the current stream must repeat before it says anything new
+        self.sent: list[Piece] = []  # what the client has been sent, adjacent pieces of one kind joined
+        self._skip: list[Piece] = []  # what the current stream must repeat before it says anything new
         self._resumed = False
         self._ident: dict[str, Any] = {}  # id, created, model of the first stream
         self.finished = False  # a finish_reason was relayed: the answer is whole
         self.done = False  # [DONE] or an in-band error was relayed: the stream is over
         self.resumes = 0
 
+    @property
+    def sent_text(self) -> str:
+        """The content text the client has been sent."""
+        return "".join(t for c, t in self.sent if c == "c")
+
     def resume(self) -> None:
         self._buf = b""  # a torn event of the dead stream is dropped
-        self._skip = "".join(self.sent_text)
+        self._skip = list(self.sent)
         self._resumed = True
         self.resumes += 1
 
@@ -166,26 +219,44 @@ class StreamSplice:
             self._ident = {k: obj.get(k) for k in ("id", "created", "model")}
         choices = obj.get("choices") or []
         delta = choices[0].get("delta", {}) if choices else {}
-        text = delta.get("content") or ""
-        if choices and choices[0].get("finish_reason"):
-            self.finished = True
+        pieces = _pieces(delta)
+        finish = bool(choices and choices[0].get("finish_reason"))
+        self.finished = self.finished or finish
         if not self._resumed:
-            if text:
-                self.sent_text.append(text)
+            for p in pieces:
+                _add(self.sent, p)
             return [event]
-        if "role" in delta and not text and not self.finished:
+        if "role" in delta and not pieces and not self.finished:
             return []  # the client has its role chunk
-        if self._skip:
-            n = min(len(self._skip), len(text))
-            if text[:n] != self._skip[:n]:
-                raise ResumeDiverged(f"the repeat says {text[:n]!r} where the client was sent {self._skip[:n]!r}")
-            self._skip, text = self._skip[n:], text[n:]
-            if choices and choices[0].get("finish_reason") and self._skip:
-                raise ResumeDiverged("the repeat finished before reaching the text the client was sent")
-            if not text and not (choices and choices[0].get("finish_reason")):
-                return []
-            delta["content"] = text
-        if text:
-            self.sent_text.append(text)
+        kept = self._unrepeated(pieces)
+        if finish and self._skip:
+            raise ResumeDiverged("the repeat finished before reaching what the client was sent")
+        if not kept and not finish and pieces:
+            return []
+        for p in kept:
+            _add(self.sent, p)
+        if choices:
+            choices[0]["delta"] = _rebuilt(delta, kept)
         obj.update(self._ident)
         return [b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"]
+
+    def _unrepeated(self, pieces: list[Piece]) -> list[Piece]:
+        """The pieces past the repeat of what was sent; raises ResumeDiverged where the repeat differs."""
+        kept: list[Piece] = []
+        for kind, text in pieces:
+            if self._skip:
+                want_kind, want = self._skip[0]
+                n = len(want) if kind[0] == "n" else min(len(want), len(text))
+                if kind != want_kind or text[:n] != want[:n] or (kind[0] == "n" and text != want):
+                    raise ResumeDiverged(f"the repeat says {kind}:{text[:n]!r} where the client was sent {want_kind}:{want[:n]!r}")
+                text = text[n:]
+                if want[n:]:
+                    self._skip[0] = (want_kind, want[n:])
+                else:
+                    self._skip.pop(0)
+                if text and self._skip:
+                    raise ResumeDiverged(f"the repeat says {kind}:{text!r} where the client was sent {self._skip[0][0]} next")
+                if not text:
+                    continue
+            kept.append((kind, text))
+        return kept

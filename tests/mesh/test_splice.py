@@ -103,3 +103,67 @@ def test_in_band_error_and_usage_chunks() -> None:
                                                                        "usage": {"prompt_tokens": 3}}), ev(b"[DONE]")])
     usage = json.loads(out2[1].strip()[5:])
     assert usage["id"] == "first" and usage["usage"] == {"prompt_tokens": 3} and s2.finished
+
+
+def tool_chunk(cid: str, index: int, *, call_id: str | None = None, name: str | None = None, args: str = "") -> bytes:
+    entry: dict[str, Any] = {"index": index, "function": {"arguments": args}}
+    if call_id is not None:
+        entry |= {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+    return ev({"id": cid, "object": "chat.completion.chunk", "created": 7 if cid == "first" else 9, "model": "m",
+               "choices": [{"index": 0, "delta": {"tool_calls": [entry]}, "finish_reason": None}]})
+
+
+def tool_stream(cid: str, content: list[str], calls: list[tuple[str, str, list[str]]]) -> list[bytes]:
+    """A stream of some content, then tool calls (id, name, argument fragments), finish_reason tool_calls."""
+    out = [chunk(cid, role=True), *(chunk(cid, t) for t in content)]
+    for i, (call_id, name, frags) in enumerate(calls):
+        out.append(tool_chunk(cid, i, call_id=call_id, name=name))
+        out += [tool_chunk(cid, i, args=f) for f in frags]
+    return out + [chunk(cid, finish="tool_calls"), ev(b"[DONE]")]
+
+
+def client_view(events: list[bytes]) -> tuple[str, dict[int, dict[str, str]]]:
+    """The content and tool calls a client accumulates from the relayed events; a call's id sent twice fails."""
+    text, calls = [], {}
+    for e in events:
+        data = e.strip()[5:].strip()
+        if data == b"[DONE]":
+            continue
+        for c in json.loads(data).get("choices", []):
+            text.append(c["delta"].get("content") or "")
+            for tc in c["delta"].get("tool_calls") or []:
+                call = calls.setdefault(tc["index"], {"id": "", "name": "", "arguments": ""})
+                if "id" in tc:
+                    assert not call["id"], f"call {tc['index']} started twice: {call['id']} then {tc['id']}"
+                    call["id"] = tc["id"]
+                call["name"] += tc["function"].get("name") or ""
+                call["arguments"] += tc["function"].get("arguments") or ""
+    return "".join(text), calls
+
+
+def test_resume_does_not_repeat_tool_call_deltas() -> None:
+    """A stream that dies mid tool call resumes with each call started once, under its first id, arguments whole."""
+    s = StreamSplice()
+    first = tool_stream("first", ["Let me see."], [("call_A", "get_weather", ['{"ci', 'ty": "P', 'aris"}'])])
+    out = feed_all(s, first[:4])  # role, text, call 0's start, '{"ci': then the host died
+    s.resume()
+    out += feed_all(s, tool_stream("second", ["Let me", " see."], [("call_B", "get_weather", ['{"city"', ': "Paris"}']),
+                                                                    ("call_C", "read_file", ["{}"])]))
+    text, calls = client_view(out)
+    assert text == "Let me see."
+    assert calls == {0: {"id": "call_A", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                     1: {"id": "call_C", "name": "read_file", "arguments": "{}"}}
+    assert b"call_B" not in b"".join(out) and s.done and s.finished
+
+
+@pytest.mark.parametrize("repeat", [
+    [("call_B", "read_file", ['{"city": "Paris"}'])],  # another function
+    [("call_B", "get_weather", ['{"city": "Rome"}'])],  # other arguments
+], ids=["name", "arguments"])
+def test_a_tool_call_repeat_that_differs_is_refused(repeat: list[tuple[str, str, list[str]]]) -> None:
+    """A resumed stream calling another function, or with other arguments, than the client was sent raises ResumeDiverged."""
+    s = StreamSplice()
+    feed_all(s, tool_stream("first", [], [("call_A", "get_weather", ['{"city": "P'])])[:3])
+    s.resume()
+    with pytest.raises(ResumeDiverged):
+        feed_all(s, tool_stream("second", [], repeat))
