@@ -82,7 +82,7 @@ def test_bad_parameter_is_400_naming_it(check_error, sim, sim_client, http_sim, 
 
 
 def test_unknown_openai_fields_are_ignored(sim, sim_client):
-    """OpenAI fields the node does not implement (logprobs, tools, ...) are accepted and ignored."""
+    """OpenAI fields the node does not implement (logprobs, penalties, vendor fields) are accepted and ignored."""
     r = sim_client.chat.completions.create(
         model=sim.model, messages=HI, max_tokens=4, logprobs=True, presence_penalty=0.5, frequency_penalty=0.1,
         extra_body={"some_vendor_field": {"x": 1}},
