@@ -114,6 +114,9 @@ def _add_demo(sub: Subparsers) -> None:
     d.add_argument("--headless", action="store_true", help="print the counters once a second instead of the console")
     d.add_argument("--seconds", type=float, default=None, help="with --headless: stop after this long")
     d.add_argument("--sessions", type=int, default=16)
+    d.add_argument("--engine", choices=["sim", "llamacpp"], default="sim",
+                   help="llamacpp: both nodes run llama.cpp on --model (default: a generated GGUF)")
+    d.add_argument("--model", type=Path, help="with --engine llamacpp: a GGUF file")
     d.add_argument("--view", choices=("main", "demo"), default="main",
                    help="the console's first view; 'demo': big counters for a room (read-only)")
     d.set_defaults(func=cmd_demo)
@@ -142,11 +145,18 @@ def _add_bench(sub: Subparsers) -> None:
     h.add_argument("--seed", type=int, default=1)
     h.add_argument("--cold-move-after", type=float, default=30.0, help="mesh.cold_move_after_s for both nodes")
     h.add_argument("--replicate-min-tokens", type=int, default=8192, help="kvshare.replicate_min_tokens")
+    h.add_argument("--engine", choices=["sim", "llamacpp"], default="sim",
+                   help="llamacpp: both nodes run llama.cpp on --model (default: a generated GGUF)")
+    h.add_argument("--model", type=Path, help="with --engine llamacpp: a GGUF file (the same on both nodes)")
     x = bsub.add_parser("transfer", help="kv_share delta vs raw TCP between two node processes")
     x.add_argument("--json", action="store_true")
     x.add_argument("--mib", type=float, default=247.0, help="delta size")
     x.add_argument("--link", choices=["loopback", "1gbit", "10gbit"], default="loopback")
     x.add_argument("--repeat", type=int, default=3)
+    x.add_argument("--engine", choices=["sim", "llamacpp"], default="sim",
+                   help="llamacpp: block export/import rates of the llama.cpp engine for a --tokens session, beside memcpy")
+    x.add_argument("--model", type=Path, help="with --engine llamacpp: a GGUF file (default: a generated one)")
+    x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
     b.set_defaults(func=cmd_bench)
 
 
