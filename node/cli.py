@@ -221,8 +221,9 @@ def _add_init(sub: Subparsers) -> None:
     i.add_argument("--host", action="append", required=True, metavar="NAME=ADDR[,KVSHARE_ADDR]",
                    help="a host of the mesh (repeat); the second address, if given, is where kv_share listens")
     i.add_argument("--out", type=Path, default=Path("kvmesh-mesh"), help="folder for the files (default: kvmesh-mesh)")
-    i.add_argument("--engine", choices=["sim", "tiny", "torch"], default="sim")
-    i.add_argument("--model", default="", help="with --engine torch: the checkpoint directory on every host")
+    i.add_argument("--engine", choices=["sim", "tiny", "torch", "llamacpp"], default="sim")
+    i.add_argument("--model", default="", help="with --engine torch: the checkpoint directory on every host; "
+                   "with --engine llamacpp: the GGUF file on every host")
     i.add_argument("--slots", type=int, default=4)
     i.add_argument("--api-port", type=int, default=8000)
     i.add_argument("--kvshare-port", type=int, default=9000)

@@ -142,8 +142,8 @@ def _pick_dtype(want: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    """N slots over one block pool; a torch model (tiny preset or a local checkpoint) or the
-    sim cost model underneath."""
+    """N slots over one block pool; a torch model (tiny preset or a local checkpoint), a GGUF model
+    in llama.cpp (node.engine.llamacpp) or the sim cost model underneath."""
 
     def __init__(self, cfg: EngineConfig, *, model_cfg: ModelConfig | None = None):
         self.cfg = cfg
