@@ -32,6 +32,15 @@ def _engine(args: argparse.Namespace) -> dict[str, Any] | None:
             "llamacpp": {"threads": 1}}  # two nodes share the box's cores
 
 
+def _llama_shape(args: argparse.Namespace) -> dict[str, Any]:
+    """With llama.cpp on a CPU, conversations open long and grow in small steps: a turn's new tokens
+    stay under a tenth of its prompt (a move is warm only from 90% reuse), and prefill (real compute
+    here, not a cost model) stays a fraction of a second per turn. The sim keeps LoadShape's shape."""
+    if getattr(args, "engine", "sim") != "llamacpp":
+        return {}
+    return {"system_tokens": (12000, 16000), "tool_tokens": (100, 600)}
+
+
 def run_handoff(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
         nodes = start_mesh(Path(tmp), ["node-a", "node-b"], slots=args.slots, kv_scale=args.kv_scale,
@@ -41,7 +50,7 @@ def run_handoff(args: argparse.Namespace) -> int:
         try:
             wait_peers(nodes)
             shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, seed=args.seed,
-                              max_tokens=args.max_tokens)
+                              max_tokens=args.max_tokens, **_llama_shape(args))
             runner = LoadRunner([n.api for n in nodes], shape, time_scale=args.time_scale)
             t0 = time.monotonic()
             stats = asyncio.run(runner.run(args.duration))

@@ -306,3 +306,12 @@ def test_real_vocab_tokenizer_and_chat_template(vocab: str, tmp_path: Path, llam
         assert tok.eos_ids and tok.decode(ids).endswith("assistant\n")
     _, done = Capture(e).turn("s", ids, max_tokens=4)
     assert done.stats.prompt_tokens == len(ids)
+
+
+def test_config_needs_a_gguf_and_serves_its_name() -> None:
+    """engine.kind 'llamacpp' without engine.model is refused; the served model id is the GGUF's file stem."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="needs engine.model: the path of a GGUF file"):
+        EngineConfig(kind="llamacpp")
+    assert EngineConfig(kind="llamacpp", model="/m/qwen2.5-7b-q4.gguf").served_model == "qwen2.5-7b-q4"
