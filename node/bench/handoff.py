@@ -38,7 +38,7 @@ def _llama_shape(args: argparse.Namespace) -> dict[str, Any]:
     here, not a cost model) stays a fraction of a second per turn. The sim keeps LoadShape's shape."""
     if getattr(args, "engine", "sim") != "llamacpp":
         return {}
-    return {"system_tokens": (12000, 16000), "tool_tokens": (100, 600)}
+    return {"system_tokens": (8500, 10000), "tool_tokens": (50, 300)}
 
 
 def run_handoff(args: argparse.Namespace) -> int:
