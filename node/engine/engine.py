@@ -188,19 +188,7 @@ class Engine:
         num_blocks = max(4, cfg.cache_bytes // self.block_bytes)
         self.pool = BlockPool(num_blocks, block_shape, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, self.block_size)
-        self.runner: Runner
-        if llama is not None:
-            llama.attach(self.pool)
-            self.runner = llama
-        elif cfg.kind == "sim":
-            self.runner = SimRunner(self.pool, SimCost(cfg.sim.prefill_tps, cfg.sim.decode_tps), self.tokenizer.vocab_size,
-                                    seed=self.seed_hash, block_size=self.block_size, slots=cfg.slots)
-        else:
-            weights = load_decoder(self.checkpoint, self.dtype, self.device) if self.checkpoint is not None else None
-            self.runner = TorchRunner(
-                self.model_cfg, self.pool, cfg.slots, prefill_chunk=cfg.prefill_chunk, first_chunk=cfg.first_chunk,
-                model=weights,
-            )
+        self.runner: Runner = self._make_runner(cfg, llama)
         self.slots = SlotScheduler(cfg.slots, cfg.queue_max, cfg.queue_timeout_s)
         self.sessions: collections.OrderedDict[str, Sequence] = collections.OrderedDict()  # LRU first
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
@@ -211,6 +199,18 @@ class Engine:
         self.counters = EngineCounters()
         # Called with the session id whenever a resident cache is dropped.
         self.on_evict: Callable[[str], None] | None = None
+
+    def _make_runner(self, cfg: EngineConfig, llama: LlamaRunner | None) -> Runner:
+        """The back end under the bookkeeping, once the pool exists (runners write into it)."""
+        if llama is not None:
+            llama.attach(self.pool)
+            return llama
+        if cfg.kind == "sim":
+            return SimRunner(self.pool, SimCost(cfg.sim.prefill_tps, cfg.sim.decode_tps), self.tokenizer.vocab_size,
+                             seed=self.seed_hash, block_size=self.block_size, slots=cfg.slots)
+        weights = load_decoder(self.checkpoint, self.dtype, self.device) if self.checkpoint is not None else None
+        return TorchRunner(self.model_cfg, self.pool, cfg.slots, prefill_chunk=cfg.prefill_chunk,
+                           first_chunk=cfg.first_chunk, model=weights)
 
     def _open_llamacpp(self, cfg: EngineConfig) -> LlamaRunner:
         """Load the GGUF model and its context; sets what the other kinds derive from a ModelConfig.
