@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU torch first, pinned, from the local wheel: never a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,report]'
+	# llama.cpp compiles from source here (no wheels on PyPI); pip's wheel cache makes it fast after the first build.
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip install --quiet -e '.[test,report,llamacpp]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -47,9 +47,27 @@ class SimConfig(_Strict):
         return max(16, int(self.kv_bytes_per_token * self.kv_scale) // 16 * 16)
 
 
+class LlamaCppConfig(_Strict):
+    """The llama.cpp engine (kind "llamacpp"): threads, batch sizes, context, offload, attention.
+
+    Defaults suit a CPU build; on a GPU build set gpu_layers (-1: all) and larger batches."""
+
+    threads: int = Field(0, ge=0, description="decode threads (0: the CPU cores this process may use)")
+    threads_batch: int = Field(0, ge=0, description="prefill threads (0: same as threads)")
+    n_batch: int = Field(2048, ge=32, description="tokens per llama_decode call during prefill")
+    n_ubatch: int = Field(512, ge=32, description="tokens per compute micro-batch")
+    gpu_layers: int = Field(0, ge=-1, description="layers offloaded to a GPU build's device (-1: all)")
+    flash_attn: bool = Field(True, description="flash attention: V is stored row-wise, and a restored "
+                             "cache gives the same logits wherever its cells land")
+    type_k: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] = "f16"
+    type_v: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] = "f16"
+    use_mmap: bool = True
+
+
 class EngineConfig(_Strict):
-    kind: Literal["tiny", "sim", "torch"] = "tiny"
-    model: str = Field("", description="kind 'torch': a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3)")
+    kind: Literal["tiny", "sim", "torch", "llamacpp"] = "tiny"
+    model: str = Field("", description="kind 'torch': a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3); "
+                       "kind 'llamacpp': a GGUF file")
     model_name: str = Field("", description="served model id; defaults to the checkpoint directory's name, else kvmesh-<kind>")
     slots: int = Field(4, ge=1, le=256)
     queue_max: int = Field(64, ge=0)
@@ -58,23 +76,29 @@ class EngineConfig(_Strict):
     cache_bytes: int = Field(1 << 30, gt=0, description="KV pool size: the byte budget for resident caches")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_context: int = Field(32768, ge=64, description="torch engine context limit (tokens)")
+    max_context: int = Field(32768, ge=64, description="context limit per slot (tokens), torch and llamacpp engines")
     prefill_chunk: int = Field(2048, ge=16)
     first_chunk: int = Field(16384, ge=16)
     sim: SimConfig = SimConfig()
+    llamacpp: LlamaCppConfig = LlamaCppConfig()
 
     @model_validator(mode="after")
     def _model_matches_kind(self) -> EngineConfig:
         if self.kind == "torch" and not self.model:
             raise ValueError("engine.kind 'torch' needs engine.model: the path of a local Hugging Face checkpoint directory")
-        if self.model and self.kind != "torch":
-            raise ValueError(f"engine.model is set but engine.kind is {self.kind!r}: set kind = \"torch\" to serve a checkpoint")
+        if self.kind == "llamacpp" and not self.model:
+            raise ValueError("engine.kind 'llamacpp' needs engine.model: the path of a GGUF file")
+        if self.model and self.kind not in ("torch", "llamacpp"):
+            raise ValueError(f"engine.model is set but engine.kind is {self.kind!r}: set kind = \"torch\" to serve a "
+                             "checkpoint directory, or \"llamacpp\" to serve a GGUF file")
         return self
 
     @property
     def served_model(self) -> str:
         if self.model_name:
             return self.model_name
+        if self.kind == "llamacpp":
+            return Path(self.model).stem
         return Path(self.model).name if self.kind == "torch" else f"kvmesh-{self.kind}"
 
 

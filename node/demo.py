@@ -1,6 +1,7 @@
 """`kvmesh demo`: a live two-node mesh, a coding-agent workload, and the console on top.
 
-Both nodes run the sim engine (4 slots each) at a pace that keeps them busy,
+Both nodes run the sim engine (4 slots each) at a pace that keeps them busy (with
+`--engine llamacpp`, llama.cpp on `--model X.gguf` or on a generated GGUF),
 so sessions move every few seconds and replicas land ahead of them. With
 `--headless` the warm/partial/cold counters are printed once a second instead
 of opening the console. Ctrl-C (or quitting the console) stops everything this
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -82,15 +84,26 @@ def _interrupt_on(*signums: int) -> None:
         signal.signal(s, handler)
 
 
+def _engine(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`--engine llamacpp`: both nodes serve --model, or a generated GGUF (node.engine.gguf_gen); None: the sim."""
+    if getattr(args, "engine", "sim") != "llamacpp":
+        return None
+    from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
+
+    model = getattr(args, "model", None) or ensure_model(spec_for("tiny"))
+    return {"kind": "llamacpp", "model": str(model), "max_context": 65536, "llamacpp": {"threads": 1}}
+
+
 def run_demo(args: argparse.Namespace) -> int:
     _interrupt_on(signal.SIGTERM, signal.SIGHUP)
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp:
         work = Path(tmp)
-        print("starting a two-node mesh (sim engine, 4 slots each) ...", flush=True)
+        engine = _engine(args)
+        print(f"starting a two-node mesh ({engine['kind'] if engine else 'sim'} engine, 4 slots each) ...", flush=True)
         nodes: list[NodeProcess] = start_mesh(
             work, ["gpu-1", "gpu-2"], slots=4, kv_scale=0.05, cache_bytes=768 << 20,
-            extra={"kvshare": {"replicate_min_tokens": 4096}, "admin_token": token},
+            extra={"kvshare": {"replicate_min_tokens": 4096}, "admin_token": token}, engine=engine,
         )
         load: _Workload | None = None
         try:

@@ -29,6 +29,7 @@ class LoadShape:
     sessions: int = 16
     target_tokens: int = 50_000
     tool_tokens: tuple[int, int] = (300, 4000)
+    system_tokens: tuple[int, int] = (2500, 4000)  # a conversation's opening system prompt
     max_tokens: int = 64
     think_s: tuple[float, float] = (0.5, 2.0)
     seed: int = 1
@@ -129,7 +130,7 @@ class LoadRunner:
             conv += 1
             self.stats.conversations += 1
             session = f"agent{slot:02d}-c{conv}"
-            msgs = [{"role": "system", "content": system_prompt(rng, rng.randint(2500, 4000))},
+            msgs = [{"role": "system", "content": system_prompt(rng, rng.randint(*sh.system_tokens))},
                     {"role": "user", "content": "Build the to-do app described in the spec. " + text(rng, 300)}]
             appended = list(msgs)
             size = sum(len(m["content"]) for m in msgs)

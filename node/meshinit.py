@@ -109,7 +109,8 @@ port = {plan.api_port}
 
 [engine]
 # sim: a cost model with real KV bytes (try the mesh without a GPU); tiny: a small torch
-# decoder; torch: a local Hugging Face checkpoint directory in `model`.
+# decoder; torch: a local Hugging Face checkpoint directory in `model`; llamacpp: a GGUF
+# file in `model` (the same file on every host), served by llama.cpp ([engine.llamacpp]).
 kind = {_q(plan.engine)}
 {model}slots = {plan.slots}
 # KV pool: the byte budget for resident session caches (LRU beyond it).

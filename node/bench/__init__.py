@@ -19,6 +19,10 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.node.bench.handoff import run_handoff
 
         return run_handoff(args)
+    if args.bench == "transfer" and getattr(args, "engine", "sim") == "llamacpp":
+        from kvmesh.node.bench.llamaxfer import run_llama_transfer
+
+        return run_llama_transfer(args)
     if args.bench == "transfer":
         from kvmesh.node.bench.transfer import run_transfer
 

@@ -46,10 +46,13 @@ def emit(result: dict[str, Any], args: argparse.Namespace) -> int:
 
 
 def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cache_bytes: int,
-               extra: dict[str, Any] | None = None) -> list[NodeProcess]:
-    """The benchmarks' sim mesh on loopback (`launcher.write_mesh`), started: every node ready."""
-    engine = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_timeout_s": 600.0,
-              "sim": {"kv_scale": kv_scale}}
+               extra: dict[str, Any] | None = None, engine: dict[str, Any] | None = None) -> list[NodeProcess]:
+    """The benchmarks' mesh on loopback (`launcher.write_mesh`), started: every node ready.
+
+    The sim engine unless `engine` names another (its keys replace the sim's)."""
+    if engine is None:
+        engine = {"kind": "sim", "sim": {"kv_scale": kv_scale}}
+    engine = {"slots": slots, "cache_bytes": cache_bytes, "queue_timeout_s": 600.0, **engine}
     base: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 4 * cache_bytes},
                             "mesh": {"poll_interval_s": 0.25}}
     merge_config(base, extra or {})

@@ -12,24 +12,45 @@ import asyncio
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from kvmesh.node.bench.common import emit, start_mesh
+from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
 from kvmesh.node.launcher import wait_peers
 from kvmesh.node.load import LoadRunner, LoadShape
+
+
+def _engine(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The llama.cpp engine both nodes run (`--engine llamacpp`): --model, or the generated tiny GGUF
+    (the mesh's behaviour is measured here, not compute); None: the sim."""
+    if getattr(args, "engine", "sim") != "llamacpp":
+        return None
+    model = args.model or ensure_model(spec_for("tiny"))
+    return {"kind": "llamacpp", "model": str(model), "max_context": args.target_tokens + 16384,
+            "llamacpp": {"threads": 1}}  # two nodes share the box's cores
+
+
+def _llama_shape(args: argparse.Namespace) -> dict[str, Any]:
+    """With llama.cpp on a CPU, conversations open long and grow in small steps: a turn's new tokens
+    stay under a tenth of its prompt (a move is warm only from 90% reuse), and prefill (real compute
+    here, not a cost model) stays a fraction of a second per turn. The sim keeps LoadShape's shape."""
+    if getattr(args, "engine", "sim") != "llamacpp":
+        return {}
+    return {"system_tokens": (8500, 10000), "tool_tokens": (50, 300)}
 
 
 def run_handoff(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
         nodes = start_mesh(Path(tmp), ["node-a", "node-b"], slots=args.slots, kv_scale=args.kv_scale,
-                           cache_bytes=args.cache_bytes,
+                           cache_bytes=args.cache_bytes, engine=_engine(args),
                            extra={"mesh": {"cold_move_after_s": args.cold_move_after},
                                   "kvshare": {"replicate_min_tokens": args.replicate_min_tokens}})
         try:
             wait_peers(nodes)
             shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, seed=args.seed,
-                              max_tokens=args.max_tokens)
+                              max_tokens=args.max_tokens, **_llama_shape(args))
             runner = LoadRunner([n.api for n in nodes], shape, time_scale=args.time_scale)
             t0 = time.monotonic()
             stats = asyncio.run(runner.run(args.duration))
@@ -61,5 +82,6 @@ def run_handoff(args: argparse.Namespace) -> int:
         "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
         "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
         "cold_move_after_s": args.cold_move_after, "replicate_min_tokens": args.replicate_min_tokens,
+        "engine": getattr(args, "engine", "sim"),
     }
     return emit(result, args)  # non-zero when a turn failed: its counters describe a run that lost turns

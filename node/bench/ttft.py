@@ -6,6 +6,8 @@ it, and the conversation continues with one more ~256-token user message.
 TTFT is from request to first token; the warm figure includes the import.
 With `--model DIR` both engines run a local Hugging Face checkpoint (kind "torch"),
 and the conversation is grown until the checkpoint's tokenizer counts ~--tokens.
+With `--engine llamacpp` both run llama.cpp on `--model X.gguf`, or without it on the
+generated GGUF with a real model's proportions (node.engine.gguf_gen preset "bench").
 Exit status non-zero when the warm turn reused none of the imported replica.
 """
 
@@ -22,11 +24,13 @@ import torch
 
 from kvmesh.node.bench.common import emit
 from kvmesh.node.bench.workload import grow_conversation, text
-from kvmesh.node.config import EngineConfig, SimConfig
+from kvmesh.node.config import EngineConfig, LlamaCppConfig, SimConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
+from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.engine.hf import open_checkpoint
-from kvmesh.node.engine.tokenizer import HFTokenizer
+from kvmesh.node.engine.llamacpp import LlamaModel
+from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
 from kvmesh.node.kvshare.store import ReplicaStore
 
 SESSION = "bench-ttft"
@@ -46,6 +50,10 @@ async def _ttft(engine: Engine, prompt: list[int], max_tokens: int = 1) -> tuple
 
 def _engine_cfg(kind: str, tokens: int, model: Path | None = None) -> EngineConfig:
     ctx = max(4096, tokens + 2048)
+    if kind == "llamacpp":
+        # --model: a GGUF file; without it, the generated GGUF with a real model's proportions.
+        gguf = model if model is not None else ensure_model(spec_for("bench"))
+        return EngineConfig(kind="llamacpp", model=str(gguf), slots=1, max_context=ctx, cache_bytes=(ctx + 1024) * 8192)
     if model is not None:
         # KV bytes per token at fp32 bound the bf16 a GPU would use; the context is capped
         # by the checkpoint's max_position_embeddings.
@@ -57,15 +65,18 @@ def _engine_cfg(kind: str, tokens: int, model: Path | None = None) -> EngineConf
                         sim=SimConfig(max_context=ctx))
 
 
-def _conversation(tokens: int, model: Path | None) -> tuple[list[dict[str, str]], random.Random]:
+def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict[str, str]], random.Random]:
     """The workload's conversation, sized in the model's tokens (the byte tokenizer: 1 char ~ 1 token)."""
     target = tokens
+    tok: Tokenizer | None = None
+    if model is not None:
+        tok = LlamaModel.open(model, LlamaCppConfig()).tokenizer if kind == "llamacpp" else HFTokenizer.from_dir(model)
     for _ in range(4):
         rng = random.Random(7)
         msgs = grow_conversation(rng, target)
-        if model is None:
+        if tok is None:
             break
-        n = len(HFTokenizer.from_dir(model).apply_chat_template(msgs))
+        n = len(tok.apply_chat_template(msgs))
         if abs(n - tokens) <= 0.05 * tokens:
             break
         target = max(64, int(target * tokens / max(1, n)))
@@ -73,7 +84,7 @@ def _conversation(tokens: int, model: Path | None) -> tuple[list[dict[str, str]]
 
 def run_ttft(args: argparse.Namespace) -> int:
     model = getattr(args, "model", None)
-    msgs, rng = _conversation(args.tokens, model)
+    msgs, rng = _conversation(args.tokens, model, args.engine)
     cfg = _engine_cfg(args.engine, args.tokens, model)
     with tempfile.TemporaryDirectory(prefix="kvmesh-ttft-") as tmp:
         root = Path(args.store_dir or tmp)
@@ -120,7 +131,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 "engine": cfg.kind,
                 "errors": len(errors), "error_samples": errors,
                 **({"model": cfg.served_model, "device": str(away.device), "dtype": str(away.dtype).removeprefix("torch.")}
-                   if model is not None else {}),
+                   if model is not None or cfg.kind == "llamacpp" else {}),
             }
 
         result = asyncio.run(scenario())

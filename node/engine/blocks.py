@@ -135,6 +135,14 @@ class BlockManager:
         blk.hash, blk.tokens = h, tokens.copy()
         self.by_hash.setdefault(h, bid)
 
+    def forget(self, bids: list[int]) -> None:
+        """Stop advertising these blocks (their bytes are not to be trusted); refs are unchanged."""
+        for bid in bids:
+            blk = self.blocks[bid]
+            if blk.hash is not None and self.by_hash.get(blk.hash) == bid:
+                del self.by_hash[blk.hash]
+            blk.hash, blk.tokens = None, None
+
     def forget_all(self) -> None:
         """Drop every hash of an unreferenced block (a whole-cache eviction)."""
         for bid in list(self.free):

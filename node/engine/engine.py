@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine.blocks import BlockManager, BlockPool
 from kvmesh.node.engine.hashing import as_tokens, block_hashes, chain_seed
 from kvmesh.node.engine.hf import Checkpoint, load_decoder, open_checkpoint
+from kvmesh.node.engine.llamacpp import LlamaModel, LlamaRunner, RestoreFailed
+from kvmesh.node.engine.llamacpp import fingerprint as llama_fingerprint
 from kvmesh.node.engine.model import ModelConfig, fingerprint, preset
 from kvmesh.node.engine.runner import Runner, SimCost, SimRunner, TorchRunner, blocks_for
 from kvmesh.node.engine.sampling import sample
@@ -30,6 +33,8 @@ from kvmesh.node.engine.sequence import Match, Sequence
 from kvmesh.node.engine.slots import SlotScheduler
 from kvmesh.node.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kvmesh.node.errors import ContextLengthExceeded, ImportRefused, InvalidRequest
+
+log = logging.getLogger("kvmesh.engine")
 
 
 @dataclass
@@ -111,6 +116,7 @@ class EngineCounters:
     evicted_sessions: int = 0
     imported_blocks: int = 0
     imports_refused: int = 0
+    restores_failed: int = 0  # cached blocks the runner could not restore (the turn recomputed)
     prefill_s: float = 0.0
     recent_prefill_tps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=16))
 
@@ -137,8 +143,8 @@ def _pick_dtype(want: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    """N slots over one block pool; a torch model (tiny preset or a local checkpoint) or the
-    sim cost model underneath."""
+    """N slots over one block pool; a torch model (tiny preset or a local checkpoint), a GGUF model
+    in llama.cpp (node.engine.llamacpp) or the sim cost model underneath."""
 
     def __init__(self, cfg: EngineConfig, *, model_cfg: ModelConfig | None = None):
         self.cfg = cfg
@@ -149,19 +155,23 @@ class Engine:
         if cfg.kind == "torch":
             self.checkpoint = open_checkpoint(cfg.model, max_context=cfg.max_context)
             self.tokenizer = HFTokenizer.from_dir(self.checkpoint.path, extra_eos_ids=self.checkpoint.config.eos_ids)
-        else:
+        elif cfg.kind != "llamacpp":  # llama.cpp's tokenizer comes with its model, below
             self.tokenizer = ByteTokenizer()
         self.block_size = cfg.block_size
         self.model_name = cfg.served_model
         self.device = _pick_device(cfg.device)
-        if cfg.kind == "sim":
+        llama: LlamaRunner | None = None
+        if cfg.kind == "llamacpp":
+            llama = self._open_llamacpp(cfg)
+            block_shape: tuple[int, ...] = (llama.block_bytes,)
+        elif cfg.kind == "sim":
             self.dtype = torch.uint8
             self.model_cfg = model_cfg or preset("tiny", max_context=cfg.sim.max_context)
             self.kv_bytes_per_token = cfg.sim.scaled_kv_bytes_per_token()
-            block_shape: tuple[int, ...] = (self.kv_bytes_per_token * self.block_size,)
+            block_shape = (self.kv_bytes_per_token * self.block_size,)
             self.device = torch.device("cpu")
             fp_cfg = ModelConfig(name=f"sim-{self.kv_bytes_per_token}", max_context=cfg.sim.max_context)
-        else:
+        if cfg.kind not in ("sim", "llamacpp"):
             self.dtype = _pick_dtype(cfg.dtype, self.device)
             if self.checkpoint is not None:
                 self.model_cfg = model_cfg or self.checkpoint.config
@@ -172,24 +182,14 @@ class Engine:
             block_shape = (m.n_layers, 2, m.n_kv_heads, self.block_size, m.head_dim)
             fp_cfg = self.model_cfg
         self.max_context = self.model_cfg.max_context
-        self.fingerprint = fingerprint(fp_cfg, self.dtype, self.block_size)
+        if llama is None:
+            self.fingerprint = fingerprint(fp_cfg, self.dtype, self.block_size)
+            self.block_bytes = self.kv_bytes_per_token * self.block_size
         self.seed_hash = chain_seed(self.fingerprint)
-        self.block_bytes = self.kv_bytes_per_token * self.block_size
         num_blocks = max(4, cfg.cache_bytes // self.block_bytes)
         self.pool = BlockPool(num_blocks, block_shape, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, self.block_size)
-        self.runner: Runner
-        if cfg.kind == "sim":
-            self.runner = SimRunner(self.pool, SimCost(cfg.sim.prefill_tps, cfg.sim.decode_tps), self.tokenizer.vocab_size,
-                                    seed=self.seed_hash, block_size=self.block_size, slots=cfg.slots)
-            if cfg.sim.scripted_reply is not None:  # test only: see node.engine.scripted
-                self.runner = ScriptedRunner(self.runner, self.tokenizer.encode(cfg.sim.scripted_reply), self.tokenizer.eos_id)
-        else:
-            weights = load_decoder(self.checkpoint, self.dtype, self.device) if self.checkpoint is not None else None
-            self.runner = TorchRunner(
-                self.model_cfg, self.pool, cfg.slots, prefill_chunk=cfg.prefill_chunk, first_chunk=cfg.first_chunk,
-                model=weights,
-            )
+        self.runner: Runner = self._make_runner(cfg, llama)
         self.slots = SlotScheduler(cfg.slots, cfg.queue_max, cfg.queue_timeout_s)
         self.sessions: collections.OrderedDict[str, Sequence] = collections.OrderedDict()  # LRU first
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
@@ -200,6 +200,41 @@ class Engine:
         self.counters = EngineCounters()
         # Called with the session id whenever a resident cache is dropped.
         self.on_evict: Callable[[str], None] | None = None
+
+    def _make_runner(self, cfg: EngineConfig, llama: LlamaRunner | None) -> Runner:
+        """The back end under the bookkeeping, once the pool exists (runners write into it)."""
+        if llama is not None:
+            llama.attach(self.pool)
+            return llama
+        if cfg.kind == "sim":
+            sim = SimRunner(self.pool, SimCost(cfg.sim.prefill_tps, cfg.sim.decode_tps), self.tokenizer.vocab_size,
+                            seed=self.seed_hash, block_size=self.block_size, slots=cfg.slots)
+            if cfg.sim.scripted_reply is None:
+                return sim
+            # Test only (node.engine.scripted): the real sim runner with its logits replaced by a fixed reply.
+            return ScriptedRunner(sim, self.tokenizer.encode(cfg.sim.scripted_reply), self.tokenizer.eos_id)
+        weights = load_decoder(self.checkpoint, self.dtype, self.device) if self.checkpoint is not None else None
+        return TorchRunner(self.model_cfg, self.pool, cfg.slots, prefill_chunk=cfg.prefill_chunk,
+                           first_chunk=cfg.first_chunk, model=weights)
+
+    def _open_llamacpp(self, cfg: EngineConfig) -> LlamaRunner:
+        """Load the GGUF model and its context; sets what the other kinds derive from a ModelConfig.
+
+        A block's bytes are llama.cpp's per-sequence state of its positions (node.engine.llamacpp):
+        the pool holds raw bytes, block_bytes is the state size of a full block."""
+        model = LlamaModel.open(cfg.model, cfg.llamacpp)
+        try:
+            runner = LlamaRunner(model, cfg.llamacpp, slots=cfg.slots, max_context=cfg.max_context, block_size=self.block_size)
+        except BaseException:
+            model.close()
+            raise
+        self.tokenizer = model.tokenizer
+        self.dtype, self.device = torch.uint8, torch.device("cpu")
+        self.model_cfg = ModelConfig(name=model.path.stem, vocab_size=model.n_vocab, max_context=cfg.max_context)
+        self.block_bytes = runner.block_bytes
+        self.kv_bytes_per_token = -(-runner.block_bytes // self.block_size)
+        self.fingerprint = llama_fingerprint(model, cfg.llamacpp, runner.layout, self.block_size)
+        return runner
 
     # ---- what the engine holds ------------------------------------------------
 
@@ -341,7 +376,7 @@ class Engine:
         try:
             stats.cached_tokens = reuse
             yield TurnBegin(stats)
-            logits = await self._prefill(slot, tokens, reuse, load_ids, stats)
+            logits, reuse = await self._prefill(slot, tokens, reuse, load_ids, stats)
             out_ids: list[int] = []
             async with contextlib.aclosing(self._decode(slot, req, len(tokens), logits, out_ids, stats, t0)) as steps:
                 async for delta in steps:
@@ -361,16 +396,27 @@ class Engine:
             if not committed and (s := self.sessions.get(req.session)) is not None:
                 s.busy = False
 
-    async def _prefill(self, slot: int, tokens: np.ndarray, reuse: int, load_ids: list[int], stats: TurnStats) -> torch.Tensor:
-        """Load the reused prefix into the slot, compute the rest; returns the last position's logits."""
+    async def _prefill(self, slot: int, tokens: np.ndarray, reuse: int, load_ids: list[int],
+                       stats: TurnStats) -> tuple[torch.Tensor, int]:
+        """Load the reused prefix into the slot, compute the rest; returns the last position's logits
+        and the tokens really reused (0 when a block did not restore)."""
         t1 = time.monotonic()
-        await self.runner.load(slot, load_ids, tokens[:reuse])
+        try:
+            await self.runner.load(slot, load_ids, tokens[:reuse])
+        except RestoreFailed as e:
+            # The runner erased the slot's sequence: nothing half-restored. The blocks from the
+            # bad one on stop being advertised, and this turn computes its whole prompt.
+            log.warning("session %s: %s; recomputing its %d prompt tokens", stats.session, e, len(tokens))
+            self.blocks.forget(load_ids[e.block :])
+            self.counters.restores_failed += 1
+            reuse = stats.cached_tokens = 0
+            await self.runner.load(slot, [], tokens[:0])
         stats.load_s = time.monotonic() - t1
         t2 = time.monotonic()
         logits = await self.runner.forward(slot, tokens[reuse:], reuse)
         stats.prefill_s = time.monotonic() - t2
         self._count_prefill(len(tokens) - reuse, stats.prefill_s, reuse)
-        return logits
+        return logits, reuse
 
     async def _decode(self, slot: int, req: GenerateRequest, pos: int, logits: torch.Tensor, out_ids: list[int],
                       stats: TurnStats, t0: float) -> AsyncGenerator[TextDelta, None]:

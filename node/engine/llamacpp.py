@@ -1,0 +1,473 @@
+"""The llama.cpp back end: GGUF models in-process (llama-cpp-python's low-level API) under the Engine.
+
+The Engine keeps its block bookkeeping (pool, chained hashes, pins, LRU, export, import);
+`LlamaRunner` is its `Runner`, as `TorchRunner` and `SimRunner` are:
+- one llama.cpp context, unified KV cache, one sequence per slot and one scratch sequence
+  (id `slots`), `n_ctx` = slots x the per-slot context;
+- a block's bytes are llama.cpp's per-sequence state of those 256 positions
+  (`node.engine.llamastate`): `store` copies the block's positions to the scratch sequence
+  (`llama_memory_seq_cp`: it shares cells, no KV is copied) and writes its state straight into
+  the pool block (`llama_state_seq_get_data`); `load` restores each block into the scratch
+  sequence (`llama_state_seq_set_data`) and hands its cells to the slot's sequence
+  (`seq_cp`, then the scratch is dropped). A block that does not check or does not restore
+  leaves the slot's sequence erased and raises `RestoreFailed`: never half-restored;
+- prefill runs in chunks of `n_batch`; decode steps of all running slots that are pending
+  together go into one `llama_decode` (as TorchRunner batches its decode steps);
+- every llama.cpp call runs on one compute thread (a context is not thread-safe), never on
+  the event loop.
+
+`LlamaModel.open` refuses models whose cache llama.cpp cannot restore position by position
+exactly (sliding-window attention, recurrent or hybrid layers). The fingerprint covers the
+GGUF file's digest (cached by size, mtime and inode), the KV types, the V layout (flash
+attention) and the state format, so replicas never cross between incompatible engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from kvmesh.node.config import LlamaCppConfig
+from kvmesh.node.engine import llamastate
+from kvmesh.node.engine.blocks import BlockPool
+from kvmesh.node.engine.llamatok import LlamaTokenizer
+from kvmesh.node.errors import CheckpointError, ConfigError
+
+log = logging.getLogger("kvmesh.engine.llamacpp")
+
+STATE_FORMAT = "llama-state-seq/unified/v1"  # our reading of state_write's layout (llamastate)
+_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+_LOG_WARN = 3
+
+
+class RestoreFailed(RuntimeError):
+    """A block's state did not restore; the slot's sequence is erased. `block`: its index."""
+
+    def __init__(self, block: int, reason: str) -> None:
+        super().__init__(f"block {block} did not restore: {reason}")
+        self.block = block
+        self.reason = reason
+
+
+def _lib() -> ModuleType:
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ConfigError("engine kind 'llamacpp' needs llama-cpp-python: pip install 'kvmesh[llamacpp]' "
+                          f"(it compiles llama.cpp; CMAKE_ARGS selects CUDA, ROCm or Metal): {e}") from None
+    return llama_cpp
+
+
+# ---- the GGUF file's digest, cached ---------------------------------------------------
+
+def _digest_cache() -> Path:
+    from kvmesh.node.engine.gguf_gen import cache_dir
+
+    return cache_dir().parent / "gguf-digests.json"
+
+
+def gguf_digest(path: str | Path) -> str:
+    """xxh3-128 of the file's bytes, remembered by (path, size, mtime, inode): a 20 GB GGUF is
+    read once per change, not once per start."""
+    p = Path(path).resolve()
+    st = p.stat()
+    key = f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    cache = _digest_cache()
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), str):
+        return str(known[key])
+    h = xxhash.xxh3_128()
+    with open(p, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    digest = h.hexdigest()
+    known = {k: v for k, v in (known if isinstance(known, dict) else {}).items() if not k.startswith(f"{p}|")}
+    known[key] = digest
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(cache)
+    except OSError as e:  # a read-only home: the digest is recomputed next start, nothing breaks
+        log.warning("could not cache the digest of %s: %s", p, e)
+    return digest
+
+
+# ---- the model -------------------------------------------------------------------------
+
+_log_cb: Any = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
+_last_error = threading.local()
+
+
+def _install_logging(lib: ModuleType) -> None:
+    """llama.cpp's log lines go to Python logging (warnings and errors only), not to stderr."""
+    global _log_cb
+    if _log_cb is not None:
+        return
+
+    def cb(level: int, text: bytes, _user: Any) -> None:
+        if level >= _LOG_WARN and text:
+            msg = text.decode("utf-8", "replace").rstrip()
+            if msg:
+                _last_error.text = msg
+                log.debug("llama.cpp: %s", msg)
+
+    _log_cb = lib.llama_log_callback(cb)
+    lib.llama_log_set(_log_cb, ctypes.c_void_p())
+
+
+def inexact_reason(lib: ModuleType, model: Any) -> str | None:
+    """Why llama.cpp cannot restore this model's cache block by block exactly, or None."""
+    if lib.llama_model_is_recurrent(model):
+        return "it has recurrent layers (a recurrent state is not per position)"
+    if hasattr(lib, "llama_model_is_hybrid") and lib.llama_model_is_hybrid(model):
+        return "it has hybrid attention/recurrent layers"
+    if lib.llama_model_n_swa(model) > 0:
+        return f"it has sliding-window attention layers (window {lib.llama_model_n_swa(model)})"
+    return None
+
+
+@dataclass
+class LlamaModel:
+    """A loaded GGUF model: its handle, vocabulary, tokenizer and digest."""
+
+    path: Path
+    lib: ModuleType
+    handle: Any
+    vocab: Any
+    n_layer: int
+    n_vocab: int
+    digest: str
+    tokenizer: LlamaTokenizer
+
+    @classmethod
+    def open(cls, path: str | Path, cfg: LlamaCppConfig) -> LlamaModel:
+        p = Path(path)
+        if not p.is_file():
+            raise CheckpointError(f"{p} does not exist: engine.model must be a GGUF file", path=str(p))
+        lib = _lib()
+        _install_logging(lib)
+        lib.llama_backend_init()
+        mp = lib.llama_model_default_params()
+        mp.n_gpu_layers = 10**6 if cfg.gpu_layers < 0 else cfg.gpu_layers
+        mp.use_mmap = cfg.use_mmap
+        handle = lib.llama_model_load_from_file(str(p).encode(), mp)
+        if not handle:
+            raise CheckpointError(f"llama.cpp could not load {p}: {getattr(_last_error, 'text', 'see the log')}", path=str(p))
+        reason = inexact_reason(lib, handle)
+        if reason is not None:
+            lib.llama_model_free(handle)
+            raise CheckpointError(f"{p} cannot be served by kvmesh: {reason}, so llama.cpp cannot restore its KV "
+                                  "cache block by block exactly and replicas would be wrong", path=str(p))
+        vocab = lib.llama_model_get_vocab(handle)
+        template = lib.llama_model_chat_template(handle, None)
+        tok = LlamaTokenizer(lib, vocab, chat_template=template.decode("utf-8") if template else None,
+                             allowed=_allowed_tokens(p))
+        return cls(p, lib, handle, vocab, int(lib.llama_model_n_layer(handle)), int(lib.llama_vocab_n_tokens(vocab)),
+                   gguf_digest(p), tok)
+
+    def close(self) -> None:
+        if self.handle:
+            self.lib.llama_model_free(self.handle)
+            self.handle = None
+
+
+def _allowed_tokens(path: Path) -> list[int] | None:
+    """A generated model's `kvmesh.allowed_tokens` (node.engine.gguf_gen); None for real models."""
+    try:
+        import gguf
+    except ImportError:
+        return None
+    from kvmesh.node.engine.gguf_gen import ALLOWED_TOKENS_KEY
+
+    f = gguf.GGUFReader(path).fields.get(ALLOWED_TOKENS_KEY)
+    return None if f is None else [int(x) for x in f.contents()]
+
+
+def fingerprint(model: LlamaModel, cfg: LlamaCppConfig, layout: llamastate.Layout, block_size: int) -> str:
+    """Names what makes two llama.cpp caches interchangeable: the GGUF bytes, KV types, V layout,
+    the state format (ours and the binding's version), the block size."""
+    blob = json.dumps({"arch": "llamacpp/v1", "gguf": model.digest, "type_k": cfg.type_k, "type_v": cfg.type_v,
+                       "flash_attn": cfg.flash_attn, "v_trans": layout.v_trans, "cell_ext": layout.ext,
+                       "state": STATE_FORMAT, "binding": getattr(model.lib, "__version__", "?"), "block": block_size},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+# ---- the runner --------------------------------------------------------------------------
+
+class _Held:
+    """The tokens whose KV a slot's llama.cpp sequence holds, in position order."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(1024, dtype=np.int32)
+        self.n = 0
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.buf[: self.n]
+
+    def set(self, tokens: np.ndarray) -> None:
+        self.n = 0
+        self.extend(tokens)
+
+    def extend(self, tokens: np.ndarray) -> None:
+        need = self.n + len(tokens)
+        if need > len(self.buf):
+            grown = np.empty(max(need, 2 * len(self.buf)), dtype=np.int32)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        self.buf[self.n : need] = tokens
+        self.n = need
+
+
+class LlamaRunner:
+    """llama.cpp under the Engine: one sequence per slot, blocks as per-sequence state (module docstring)."""
+
+    def __init__(self, model: LlamaModel, cfg: LlamaCppConfig, *, slots: int, max_context: int, block_size: int):
+        self.model, self.lib, self.cfg = model, model.lib, cfg
+        self.slots, self.block_size, self.max_context = slots, block_size, max_context
+        self.scratch = slots  # the extra sequence blocks pass through
+        self.ctx = self._new_context()
+        self.mem = self.lib.llama_get_memory(self.ctx)
+        self.batch = self.lib.llama_batch_init(cfg.n_batch, 0, 1)
+        self.held = [_Held() for _ in range(slots)]
+        self.pool: BlockPool | None = None  # attached by the Engine once it sized the pool from block_bytes
+        self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-llama")
+        self._steps: list[tuple[int, int, int, asyncio.Future[torch.Tensor], asyncio.AbstractEventLoop]] = []
+        self._steps_lock = threading.Lock()
+        self._drain_queued = False
+        self.decode_batches = 0
+        self.decode_steps = 0
+        self.restored_blocks = 0  # blocks restored from the pool (a slot that still held them restores none)
+        self.layout = self._probe_layout()
+        self.block_bytes = self.layout.size(block_size)
+
+    def _new_context(self) -> Any:
+        lib, cfg = self.lib, self.cfg
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = self.slots * self.max_context + self.block_size
+        cp.n_batch = cfg.n_batch
+        cp.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
+        cp.n_seq_max = self.slots + 1
+        threads = cfg.threads or len(os.sched_getaffinity(0))
+        cp.n_threads = threads
+        cp.n_threads_batch = cfg.threads_batch or threads
+        cp.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if cfg.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.type_k = _GGML_TYPES[cfg.type_k]
+        cp.type_v = _GGML_TYPES[cfg.type_v]
+        cp.kv_unified = True  # one cell pool: seq_cp shares cells between sequences instead of copying
+        cp.no_perf = True
+        ctx = lib.llama_init_from_model(self.model.handle, cp)
+        if not ctx:
+            raise CheckpointError(f"llama.cpp could not create a context for {self.model.path} ({self.slots} slots x "
+                                  f"{self.max_context} tokens, K {cfg.type_k}, V {cfg.type_v}): "
+                                  f"{getattr(_last_error, 'text', 'see the log')}", path=str(self.model.path))
+        return ctx
+
+    def _probe_layout(self) -> llamastate.Layout:
+        """Decode one token into the scratch sequence and learn the state layout from its blob."""
+        self._decode([1 % self.model.n_vocab], [self.scratch], [0], logits_last=False)
+        size = self.lib.llama_state_seq_get_size(self.ctx, self.scratch)
+        buf = (ctypes.c_uint8 * size)()
+        n = self.lib.llama_state_seq_get_data(self.ctx, buf, size, self.scratch)
+        self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
+        return llamastate.learn(memoryview(buf)[:n], self.model.n_layer)
+
+    def attach(self, pool: BlockPool) -> None:
+        if pool.block_bytes != self.block_bytes or pool.device.type != "cpu":
+            raise ValueError(f"a pool of {pool.block_bytes}-byte blocks on {pool.device}; llama.cpp blocks are {self.block_bytes} bytes in host memory")
+        self.pool = pool
+
+    def _ptr(self, block_id: int) -> Any:
+        assert self.pool is not None
+        return ctypes.cast(self.pool.raw.data_ptr() + block_id * self.block_bytes, ctypes.POINTER(ctypes.c_uint8))
+
+    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+
+    # ---- compute (compute thread only) ---------------------------------------------------
+
+    def _decode(self, tokens: list[int] | np.ndarray, seqs: list[int], pos: list[int] | np.ndarray, *,
+                logits_last: bool, logits_all: bool = False) -> None:
+        """One llama_decode of len(tokens) tokens (<= n_batch); logits for the last, or for all."""
+        b, n = self.batch, len(tokens)
+        np.ctypeslib.as_array(b.token, shape=(n,))[:] = tokens
+        np.ctypeslib.as_array(b.pos, shape=(n,))[:] = pos
+        np.ctypeslib.as_array(b.n_seq_id, shape=(n,))[:] = 1
+        lg = np.ctypeslib.as_array(b.logits, shape=(n,))
+        lg[:] = 1 if logits_all else 0
+        if logits_last:
+            lg[n - 1] = 1
+        for i, s in enumerate(seqs if len(seqs) == n else [seqs[0]] * n):
+            b.seq_id[i][0] = s
+        b.n_tokens = n
+        rc = self.lib.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} ({'no room in the KV cache' if rc == 1 else 'error'}): "
+                               f"{getattr(_last_error, 'text', '')}")
+
+    def _logits(self, i: int) -> torch.Tensor:
+        ptr = self.lib.llama_get_logits_ith(self.ctx, i)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy())
+
+    def _prefill(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
+        held = self.held[slot]
+        if held.n != start:
+            raise RuntimeError(f"slot {slot} holds {held.n} tokens; a forward at {start} does not follow them")
+        step = self.cfg.n_batch
+        try:
+            for lo in range(0, len(tokens), step):
+                chunk = tokens[lo : lo + step]
+                self._decode(chunk, [slot], np.arange(start + lo, start + lo + len(chunk)), logits_last=lo + step >= len(tokens))
+                held.extend(chunk)
+        except BaseException:
+            self._erase(slot)  # never a sequence that holds part of a chunk
+            raise
+        return self._logits(-1)
+
+    def _erase(self, slot: int) -> None:
+        self.lib.llama_memory_seq_rm(self.mem, slot, -1, -1)
+        self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
+        self.held[slot].n = 0
+
+    # ---- Runner interface ------------------------------------------------------------------
+
+    async def load(self, slot: int, block_ids: list[int], tokens: np.ndarray) -> None:
+        await self._run(self._load, slot, block_ids, np.ascontiguousarray(tokens, dtype=np.int32))
+
+    def _load(self, slot: int, block_ids: list[int], tokens: np.ndarray) -> None:
+        """Make the slot's sequence hold exactly the KV of `tokens` (from these pool blocks).
+
+        Where the sequence already holds those tokens (this slot ran the session last), it is
+        only trimmed: the pool's blocks were cut from it. Otherwise each block is restored."""
+        n, held = len(tokens), self.held[slot]
+        if held.n >= n and np.array_equal(held.tokens[:n], tokens):
+            if held.n > n and not self.lib.llama_memory_seq_rm(self.mem, slot, n, -1):
+                self._erase(slot)
+                raise RestoreFailed(0, "llama.cpp could not trim the sequence")
+            held.n = n
+            return
+        self._erase(slot)
+        bs = self.block_size
+        for j, bid in enumerate(block_ids):
+            self._restore_block(slot, j, bid, min(bs, n - j * bs))
+        if self.lib.llama_memory_seq_pos_max(self.mem, slot) >= n and not self.lib.llama_memory_seq_rm(self.mem, slot, n, -1):
+            self._erase(slot)
+            raise RestoreFailed(len(block_ids) - 1, "llama.cpp could not trim the last block")
+        held.set(tokens)
+
+    def _restore_block(self, slot: int, j: int, block_id: int, used: int) -> None:
+        """Block j's state into the scratch sequence, its cells handed to the slot's sequence."""
+        assert self.pool is not None
+        view = self.pool.read_bytes(block_id)
+        cells = int(np.frombuffer(view, dtype="<u4", count=4)[3])
+        reason = llamastate.check(view, self.layout, j * self.block_size, cells) if cells >= used else \
+            f"it holds {cells} cells, {used} are needed"
+        if reason is None:
+            size = self.layout.size(cells)
+            if self.lib.llama_state_seq_set_data(self.ctx, self._ptr(block_id), size, self.scratch) != size:
+                reason = f"llama_state_seq_set_data refused it: {getattr(_last_error, 'text', '')}"
+        if reason is not None:
+            self._erase(slot)
+            raise RestoreFailed(j, reason)
+        self.lib.llama_memory_seq_cp(self.mem, self.scratch, slot, -1, -1)
+        self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
+        self.restored_blocks += 1
+
+    async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
+        if len(tokens) == 1 and start > 0:
+            return await self._decode_step(slot, int(tokens[0]), start)
+        return await self._run(self._prefill, slot, np.ascontiguousarray(tokens, dtype=np.int32), start)  # type: ignore[no-any-return]
+
+    async def _decode_step(self, slot: int, token: int, pos: int) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[torch.Tensor] = loop.create_future()
+        with self._steps_lock:
+            self._steps.append((slot, token, pos, fut, loop))
+            queue = not self._drain_queued
+            self._drain_queued = True
+        if queue:
+            self._exec.submit(self._drain)
+        return await fut
+
+    def _drain(self) -> None:
+        """Compute thread: every pending decode step (one per running slot) in one llama_decode."""
+        with self._steps_lock:
+            steps, self._steps = self._steps, []
+            self._drain_queued = False
+        steps = [st for st in steps if not st[3].cancelled()]
+        if not steps:
+            return
+        try:
+            for slot, _, pos, _, _ in steps:
+                if self.held[slot].n != pos:
+                    raise RuntimeError(f"slot {slot} holds {self.held[slot].n} tokens; a step at {pos} does not follow them")
+            self._decode([st[1] for st in steps], [st[0] for st in steps], [st[2] for st in steps],
+                         logits_last=False, logits_all=True)
+            self.decode_batches += 1
+            self.decode_steps += len(steps)
+            for i, (slot, tok, _, fut, loop) in enumerate(steps):
+                self.held[slot].extend(np.array([tok], dtype=np.int32))
+                loop.call_soon_threadsafe(_resolve, fut, self._logits(i), None)
+        except BaseException as e:  # every waiter hears of it; none hangs
+            for slot, _, _, fut, loop in steps:
+                self._erase(slot)
+                loop.call_soon_threadsafe(_resolve, fut, None, e)
+
+    async def store(self, slot: int, block_id: int, block_index: int, block_hash: bytes | None) -> None:
+        await self._run(self._store, slot, block_id, block_index)
+
+    def _store(self, slot: int, block_id: int, j: int) -> None:
+        """Cut block j of the slot's sequence into pool block `block_id`: its positions shared with
+        the scratch sequence (no KV copied), the scratch's state written straight into the pool."""
+        p0 = j * self.block_size
+        p1 = min(p0 + self.block_size, self.held[slot].n)
+        if p1 <= p0:
+            raise RuntimeError(f"slot {slot} holds no token of block {j}")
+        self.lib.llama_memory_seq_cp(self.mem, slot, self.scratch, p0, p1)
+        try:
+            n = self.lib.llama_state_seq_get_data(self.ctx, self._ptr(block_id), self.block_bytes, self.scratch)
+        finally:
+            self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
+        if n != self.layout.size(p1 - p0):
+            raise RuntimeError(f"block {j} of slot {slot}: {n} bytes of state, expected {self.layout.size(p1 - p0)}")
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=True, cancel_futures=True)
+        with self._steps_lock:
+            steps, self._steps = self._steps, []
+        for _, _, _, fut, loop in steps:
+            loop.call_soon_threadsafe(fut.cancel)
+        if self.ctx:
+            self.lib.llama_batch_free(self.batch)
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        self.model.close()
+
+
+def _resolve(fut: asyncio.Future[torch.Tensor], value: torch.Tensor | None, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        assert value is not None
+        fut.set_result(value)

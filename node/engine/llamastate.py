@@ -1,0 +1,206 @@
+"""llama.cpp's per-sequence KV state blob: its layout, a check of one block, and cutting by position.
+
+`llama_state_seq_get_data` (llama.cpp `src/llama-context.cpp` then `src/llama-kv-cache.cpp`
+`state_write`) writes, for a unified cache (one stream):
+
+    u32 magic 0xaf143cd8 | i32 source seq id (ignored on restore)
+    u32 n_stream (1) | u32 cell_count
+    per cell:   i32 pos | u32 n_seq_id (1) | [cell ext, 12 B, M-RoPE/PLE models only] | i32 seq_id
+    u32 v_trans | u32 n_layer
+    per layer:  i32 k_type | u64 k_row_bytes | cell_count rows of K
+    V, row-wise (v_trans 0): per layer  i32 v_type | u64 v_row_bytes | cell_count rows of V
+    V, transposed (v_trans 1): per layer  i32 v_type | u32 v_elem_bytes | u32 n_embd_v | n_embd_v x cell_count elements
+
+It is layer-major and in cell order, so a 256-position block is not a byte range of a
+sequence's blob. A kvmesh block is the blob of a sequence holding exactly that block's
+positions (cut with `llama_memory_seq_cp` to a scratch sequence, see `node.engine.llamacpp`):
+its size depends only on the cell count, so every full block has the same size. This module
+needs numpy only: `Layout` is learned from one probe blob, `check` tells a block that
+`set_data` would refuse (or restore at the wrong positions) before it touches the cache, and
+`cut`/`join` re-cut blobs by position (the alternative to the scratch sequence, measured in
+the transfer bench).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+EXT_BYTES = 12  # llama_kv_cell_ext: x, y, tok (i32 each)
+MAGIC = 0xAF143CD8  # llama-context.cpp io_magic
+_H = 16  # magic, source seq id, n_stream, cell_count: the cell meta starts here
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape of this context's per-sequence blobs (all but the cell count)."""
+
+    n_layer: int
+    ext: bool
+    v_trans: bool
+    k: tuple[tuple[int, int], ...]  # per layer (ggml type, row bytes)
+    v: tuple[tuple[int, int, int], ...]  # per layer (ggml type, row bytes or element bytes, n_embd_v (trans) else 0)
+
+    @property
+    def cell_meta(self) -> int:
+        return 12 + (EXT_BYTES if self.ext else 0)
+
+    def size(self, cells: int) -> int:
+        """Bytes of a blob of `cells` cells."""
+        n = _H + cells * self.cell_meta + 8
+        n += sum(12 + cells * row for _, row in self.k)
+        if self.v_trans:
+            n += sum(12 + cells * el * emb for _, el, emb in self.v)
+        else:
+            n += sum(12 + cells * row for _, row, _ in self.v)
+        return n
+
+    @property
+    def bytes_per_cell(self) -> int:
+        return self.size(1) - self.size(0)
+
+
+def learn(blob: bytes | memoryview, n_layer: int) -> Layout:
+    """Read a layout from a real blob of a non-empty sequence (tries both cell-meta sizes)."""
+    mv = memoryview(blob).cast("B")
+    magic, _, n_stream, cells = struct.unpack_from("<IiII", mv, 0)
+    if magic != MAGIC or n_stream != 1 or cells == 0:
+        raise ValueError(f"a probe blob (magic {magic:#x}) of {n_stream} streams and {cells} cells: "
+                         "kvmesh needs llama.cpp's sequence state of one stream (kv_unified)")
+    for ext in (False, True):
+        off = _H + cells * (12 + (EXT_BYTES if ext else 0))
+        if off + 8 > len(mv):
+            continue
+        v_trans, nl = struct.unpack_from("<II", mv, off)
+        if nl == n_layer and v_trans in (0, 1):
+            try:
+                lay = _read_layers(mv, off + 8, cells, nl, bool(v_trans), ext)
+            except (struct.error, ValueError):
+                continue
+            if lay.size(cells) == len(mv):
+                return lay
+    raise ValueError("the probe blob does not parse as llama.cpp's per-sequence state")
+
+
+def _read_layers(mv: memoryview, off: int, cells: int, nl: int, v_trans: bool, ext: bool) -> Layout:
+    k: list[tuple[int, int]] = []
+    for _ in range(nl):
+        t, row = struct.unpack_from("<iQ", mv, off)
+        k.append((t, row))
+        off += 12 + cells * row
+    v: list[tuple[int, int, int]] = []
+    for _ in range(nl):
+        if v_trans:
+            t, el, emb = struct.unpack_from("<iII", mv, off)
+            v.append((t, el, emb))
+            off += 12 + cells * el * emb
+        else:
+            t, row = struct.unpack_from("<iQ", mv, off)
+            v.append((t, row, 0))
+            off += 12 + cells * row
+        if off > len(mv):
+            raise ValueError("truncated")
+    return Layout(nl, ext, v_trans, tuple(k), tuple(v))
+
+
+def _positions(mv: memoryview, cells: int, lay: Layout) -> np.ndarray:
+    meta = np.frombuffer(mv, dtype=np.uint8, count=cells * lay.cell_meta, offset=_H).reshape(cells, lay.cell_meta)
+    return meta[:, :4].copy().view("<i4").reshape(-1)
+
+
+def check(blob: bytes | memoryview, lay: Layout, first_pos: int, cells: int) -> str | None:
+    """Why `set_data` of this block blob would fail or restore the wrong thing; None if it is sound.
+
+    Checks the header, the per-layer types and row sizes against this context's, that the cells
+    hold exactly positions first_pos..first_pos+cells-1, and the total size."""
+    mv = memoryview(blob).cast("B")
+    need = lay.size(cells)
+    if len(mv) < need:
+        return f"{len(mv)} bytes, a block of {cells} cells is {need}"
+    magic, _, n_stream, n = struct.unpack_from("<IiII", mv, 0)
+    if magic != MAGIC or n_stream != 1 or n != cells:
+        return f"magic {magic:#x}, {n_stream} streams of {n} cells; expected llama.cpp's, 1 stream of {cells}"
+    meta = np.frombuffer(mv, dtype=np.uint8, count=cells * lay.cell_meta, offset=_H).reshape(cells, lay.cell_meta)
+    n_seq = meta[:, 4:8].copy().view("<u4").reshape(-1)
+    if (n_seq != 1).any():
+        return "a cell belongs to more than one sequence"
+    pos = _positions(mv, cells, lay)
+    if not np.array_equal(np.sort(pos), np.arange(first_pos, first_pos + cells, dtype=np.int32)):
+        return f"cells hold positions {int(pos.min())}..{int(pos.max())}, not {first_pos}..{first_pos + cells - 1}"
+    try:
+        got = _read_layers(mv, _H + cells * lay.cell_meta + 8, cells, lay.n_layer, lay.v_trans, lay.ext)
+    except (struct.error, ValueError):
+        return "the per-layer headers are truncated"
+    v_trans, nl = struct.unpack_from("<II", mv, _H + cells * lay.cell_meta)
+    if (bool(v_trans), nl) != (lay.v_trans, lay.n_layer) or got != lay:
+        return "its K/V types, row sizes or V layout are not this context's"
+    return None
+
+
+def _sections(mv: memoryview, cells: int, lay: Layout) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """Views of a blob: the cell meta [cells, meta], per layer K [cells, row], V [cells, row] or [emb, cells, el]."""
+    buf = np.frombuffer(mv, dtype=np.uint8)
+    meta = buf[_H : _H + cells * lay.cell_meta].reshape(cells, lay.cell_meta)
+    off = _H + cells * lay.cell_meta + 8
+    ks: list[np.ndarray] = []
+    vs: list[np.ndarray] = []
+    for _, row in lay.k:
+        ks.append(buf[off + 12 : off + 12 + cells * row].reshape(cells, row))
+        off += 12 + cells * row
+    for _, a, emb in lay.v:
+        if lay.v_trans:
+            vs.append(buf[off + 12 : off + 12 + cells * a * emb].reshape(emb, cells, a))
+            off += 12 + cells * a * emb
+        else:
+            vs.append(buf[off + 12 : off + 12 + cells * a].reshape(cells, a))
+            off += 12 + cells * a
+    return meta, ks, vs
+
+
+def _write(out: np.ndarray, lay: Layout, meta: np.ndarray, ks: list[np.ndarray], vs: list[np.ndarray]) -> int:
+    """Write a blob of len(meta) cells from its sections into `out`; returns its size."""
+    cells = len(meta)
+    mv = memoryview(out).cast("B")  # type: ignore[arg-type]  # ndarrays are buffers; numpy's stubs disagree
+    struct.pack_into("<IiII", mv, 0, MAGIC, 0, 1, cells)
+    off = _H
+    out[off : off + meta.size] = meta.reshape(-1)
+    off += meta.size
+    struct.pack_into("<II", mv, off, int(lay.v_trans), lay.n_layer)
+    off += 8
+    for (t, row), k in zip(lay.k, ks):
+        struct.pack_into("<iQ", mv, off, t, row)
+        out[off + 12 : off + 12 + k.size].reshape(k.shape)[...] = k
+        off += 12 + k.size
+    for (t, a, emb), v in zip(lay.v, vs):
+        if lay.v_trans:
+            struct.pack_into("<iII", mv, off, t, a, emb)
+        else:
+            struct.pack_into("<iQ", mv, off, t, a)
+        out[off + 12 : off + 12 + v.size].reshape(v.shape)[...] = v
+        off += 12 + v.size
+    return off
+
+
+def cut(blob: bytes | memoryview, lay: Layout, p0: int, p1: int, out: np.ndarray) -> int:
+    """Write into `out` the blob of the cells of `blob` at positions [p0, p1), in position order.
+
+    The parse-and-re-cut alternative to a scratch sequence: one gather per layer."""
+    mv = memoryview(blob).cast("B")
+    (cells,) = struct.unpack_from("<I", mv, 12)
+    pos = _positions(mv, cells, lay)
+    sel = np.flatnonzero((pos >= p0) & (pos < p1))
+    sel = sel[np.argsort(pos[sel], kind="stable")]
+    meta, ks, vs = _sections(mv, cells, lay)
+    return _write(out, lay, meta[sel], [k[sel] for k in ks], [v[:, sel] if lay.v_trans else v[sel] for v in vs])
+
+
+def join(blobs: list[memoryview], lay: Layout, cells: list[int], out: np.ndarray) -> int:
+    """Write into `out` one blob holding the cells of every blob in order (re-composed import)."""
+    parts = [_sections(memoryview(b).cast("B"), c, lay) for b, c in zip(blobs, cells)]
+    meta = np.concatenate([p[0] for p in parts])
+    ks = [np.concatenate([p[1][i] for p in parts]) for i in range(lay.n_layer)]
+    axis = 1 if lay.v_trans else 0
+    vs = [np.concatenate([p[2][i] for p in parts], axis=axis) for i in range(len(lay.v))]
+    return _write(out, lay, meta, ks, vs)

@@ -1,0 +1,81 @@
+"""Two real `kvmesh node` processes serving a generated GGUF through llama.cpp: replicas are exact and reused.
+
+The mesh is the sim tests' (helpers.Mesh over `launcher.write_mesh`), with `engine.kind = "llamacpp"` and
+the same random-weight GGUF (node.engine.gguf_gen, byte vocabulary) on both nodes. Turns are pinned to a
+node (peer-forwarded headers), so which node computes each reply is the test's choice, not placement's.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvmesh.node.bench.workload import text
+from kvmesh.node.engine import gguf_gen
+from kvmesh.node.launcher import write_mesh
+
+from .helpers import Mesh
+
+BLOCK = 256
+
+
+@pytest.fixture
+def llama_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    gguf = gguf_gen.write_gguf(tmp_path / "tiny.gguf", gguf_gen.spec_for("tiny"))
+    admin, secret = "adm-" + secrets.token_hex(12), "msk-" + secrets.token_hex(16)
+    engine = {"kind": "llamacpp", "model": str(gguf), "slots": 2, "cache_bytes": 64 << 20, "max_context": 8192,
+              "llamacpp": {"threads": 1}}
+    extra = {"kvshare": {"replicate_min_tokens": 512, "fsync": "never"}, "admin_token": admin,
+             "mesh": {"poll_interval_s": 0.2, "stale_after_s": 3.0, "secret": secret}}
+    base = write_mesh(tmp_path / "mesh", ("a", "b"), engine=engine, extra=extra)
+    m = Mesh(base.workdir, base.nodes, base.configs, admin, secret)
+    m.start()
+    yield m
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        print(m.logs())
+    m.stop()
+
+
+def pinned_turn(m: Mesh, host: str, session: str, messages: list[dict[str, str]], max_tokens: int = 12) -> tuple[str, int]:
+    """One greedy turn computed on `host` itself; returns (reply, cached_tokens)."""
+    headers = {"X-Session-Id": session, "X-Kvmesh-Forwarded": "1", **m.peer_headers()}
+    r = m.http.post(m.api(host) + "/v1/chat/completions", headers=headers, timeout=120,
+                    json={"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    details = body["usage"].get("prompt_tokens_details") or {}
+    return body["choices"][0]["message"]["content"], int(details.get("cached_tokens") or 0)
+
+
+def test_conversation_continues_on_second_node_with_same_greedy_text_and_survives_restart(llama_mesh: Mesh) -> None:
+    """After a replica, node b continues a conversation begun on a with a's greedy text and reuses the
+    replica (cached_tokens > 0); after b restarts, its stored copy is restored and reused again."""
+    import random
+
+    m, s = llama_mesh, "llama-conv"
+    rng = random.Random(11)
+    msgs = [{"role": "system", "content": text(rng, 900)}, {"role": "user", "content": text(rng, 700)}]
+    r1, cached1 = pinned_turn(m, "a", s, msgs)
+    assert cached1 == 0 and r1
+    m.wait_replica(s, "a", 4 * BLOCK)
+    follow = [*msgs, {"role": "assistant", "content": r1}, {"role": "user", "content": text(rng, 120)}]
+    on_b, cached_b = pinned_turn(m, "b", s, follow)
+    assert cached_b >= 4 * BLOCK  # the replica's whole blocks, imported into llama.cpp on b
+    on_a, _ = pinned_turn(m, "a", s + "-ref", follow)  # the same prompt on the first node
+    assert on_b == on_a  # a continues from its own cache (shared blocks by hash); b from the replica
+    stats = m.http.get(m.api("b") + "/v1/stats", timeout=10).json()
+    assert stats["kvshare"]["in"].get("a", {}).get("transfers", 0) >= 1
+    # b restarts: its engine is empty, its store still holds the session; the next turn restores it.
+    m.nodes["b"].stop()
+    m.nodes["b"].start().wait_ready(60)
+    again = [*follow, {"role": "assistant", "content": on_b}, {"role": "user", "content": text(rng, 60)}]
+    after, cached_r = pinned_turn(m, "b", s, again)
+    assert cached_r >= 4 * BLOCK
+    ref, _ = pinned_turn(m, "a", s + "-ref2", again)
+    assert after == ref
+    with httpx.Client() as c:  # the node serves the GGUF's name as its model
+        assert c.get(m.api("b") + "/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
