@@ -15,7 +15,7 @@ import unicodedata
 from typing import Annotated, Literal
 from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
 
 PROTOCOL_VERSION = 1
 
@@ -79,6 +79,17 @@ def session_header(session: str) -> str:
     """`session` as a header value: its UTF-8 bytes as latin-1 text (what HTTP stacks put on the
     wire unchanged), so `session_from_header` reads back the same id."""
     return session.encode("utf-8").decode("latin-1")
+
+
+def _checked_session_id(v: str) -> str:
+    problem = session_id_problem(v)
+    if problem is not None:
+        raise ValueError(f"the session id {problem}")
+    return v
+
+
+# A session id field of a wire model: refused (naming the problem) where `session_id_problem` says so.
+SessionId = Annotated[str, AfterValidator(_checked_session_id)]
 
 
 def classify(reused_fraction: float) -> HandoffClass:
@@ -405,15 +416,7 @@ class MigrateCommand(_Model):
 
 
 class SessionCommand(_Model):
-    session: str
-
-    @field_validator("session")
-    @classmethod
-    def _session_id(cls, v: str) -> str:
-        problem = session_id_problem(v)
-        if problem is not None:
-            raise ValueError(f"the session id {problem}")
-        return v
+    session: SessionId
 
 
 class ActionResult(_Model):

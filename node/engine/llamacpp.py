@@ -45,6 +45,7 @@ from kvmesh.node.config import LlamaCppConfig
 from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.llamatok import LlamaTokenizer
+from kvmesh.node.engine.runner import DecodeBatcher, DecodeStep
 from kvmesh.node.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("kvmesh.engine.llamacpp")
@@ -251,11 +252,7 @@ class LlamaRunner:
         self.held = [_Held() for _ in range(slots)]
         self.pool: BlockPool | None = None  # attached by the Engine once it sized the pool from block_bytes
         self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-llama")
-        self._steps: list[tuple[int, int, int, asyncio.Future[torch.Tensor], asyncio.AbstractEventLoop]] = []
-        self._steps_lock = threading.Lock()
-        self._drain_queued = False
-        self.decode_batches = 0
-        self.decode_steps = 0
+        self.decoder = DecodeBatcher(self._exec, self._decode_batch, on_error=self._erase_slots)
         self.restored_blocks = 0  # blocks restored from the pool (a slot that still held them restores none)
         self.layout = self._probe_layout()
         self.block_bytes = self.layout.size(block_size)
@@ -394,43 +391,25 @@ class LlamaRunner:
 
     async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
         if len(tokens) == 1 and start > 0:
-            return await self._decode_step(slot, int(tokens[0]), start)
+            return await self.decoder.step(slot, int(tokens[0]), start)
         return await self._run(self._prefill, slot, np.ascontiguousarray(tokens, dtype=np.int32), start)  # type: ignore[no-any-return]
 
-    async def _decode_step(self, slot: int, token: int, pos: int) -> torch.Tensor:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[torch.Tensor] = loop.create_future()
-        with self._steps_lock:
-            self._steps.append((slot, token, pos, fut, loop))
-            queue = not self._drain_queued
-            self._drain_queued = True
-        if queue:
-            self._exec.submit(self._drain)
-        return await fut
-
-    def _drain(self) -> None:
+    def _decode_batch(self, steps: list[DecodeStep]) -> list[torch.Tensor]:
         """Compute thread: every pending decode step (one per running slot) in one llama_decode."""
-        with self._steps_lock:
-            steps, self._steps = self._steps, []
-            self._drain_queued = False
-        steps = [st for st in steps if not st[3].cancelled()]
-        if not steps:
-            return
-        try:
-            for slot, _, pos, _, _ in steps:
-                if self.held[slot].n != pos:
-                    raise RuntimeError(f"slot {slot} holds {self.held[slot].n} tokens; a step at {pos} does not follow them")
-            self._decode([st[1] for st in steps], [st[0] for st in steps], [st[2] for st in steps],
-                         logits_last=False, logits_all=True)
-            self.decode_batches += 1
-            self.decode_steps += len(steps)
-            for i, (slot, tok, _, fut, loop) in enumerate(steps):
-                self.held[slot].extend(np.array([tok], dtype=np.int32))
-                loop.call_soon_threadsafe(_resolve, fut, self._logits(i), None)
-        except BaseException as e:  # every waiter hears of it; none hangs
-            for slot, _, _, fut, loop in steps:
-                self._erase(slot)
-                loop.call_soon_threadsafe(_resolve, fut, None, e)
+        for st in steps:
+            if self.held[st.slot].n != st.pos:
+                raise RuntimeError(f"slot {st.slot} holds {self.held[st.slot].n} tokens; a step at {st.pos} does not follow them")
+        self._decode([st.token for st in steps], [st.slot for st in steps], [st.pos for st in steps],
+                     logits_last=False, logits_all=True)
+        rows = []
+        for i, st in enumerate(steps):
+            self.held[st.slot].extend(np.array([st.token], dtype=np.int32))
+            rows.append(self._logits(i))
+        return rows
+
+    def _erase_slots(self, steps: list[DecodeStep]) -> None:
+        for st in steps:  # a failed batch leaves no slot of it half-advanced
+            self._erase(st.slot)
 
     async def store(self, slot: int, block_id: int, block_index: int, block_hash: bytes | None) -> None:
         await self._run(self._store, slot, block_id, block_index)
@@ -452,22 +431,9 @@ class LlamaRunner:
 
     def close(self) -> None:
         self._exec.shutdown(wait=True, cancel_futures=True)
-        with self._steps_lock:
-            steps, self._steps = self._steps, []
-        for _, _, _, fut, loop in steps:
-            loop.call_soon_threadsafe(fut.cancel)
+        self.decoder.cancel_pending()
         if self.ctx:
             self.lib.llama_batch_free(self.batch)
             self.lib.llama_free(self.ctx)
             self.ctx = None
         self.model.close()
-
-
-def _resolve(fut: asyncio.Future[torch.Tensor], value: torch.Tensor | None, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        assert value is not None
-        fut.set_result(value)

@@ -11,7 +11,7 @@ import concurrent.futures
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +40,71 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """One running slot's next token at its position."""
+
+    slot: int
+    token: int
+    pos: int
+
+
+class DecodeBatcher:
+    """Decode steps of every running slot, gathered from the event loop and run as one batch.
+
+    `step` queues a slot's next token and awaits its logits; the first step queued since the
+    last batch schedules `run_batch` on the compute thread, which then takes every step pending
+    by then. `run_batch(steps)` returns one row of logits per step; if it raises, every waiter
+    of that batch gets the error (none hangs) after `on_error(steps)` has run."""
+
+    def __init__(self, executor: concurrent.futures.Executor, run_batch: Callable[[list[DecodeStep]], Iterable[torch.Tensor]],
+                 on_error: Callable[[list[DecodeStep]], None] = lambda steps: None):
+        self._exec, self._run_batch, self._on_error = executor, run_batch, on_error
+        # Guarded by the lock: the event loop adds, the compute thread takes.
+        self._pending: list[tuple[DecodeStep, asyncio.Future[torch.Tensor], asyncio.AbstractEventLoop]] = []
+        self._lock = threading.Lock()
+        self._queued = False
+        self.batches = 0  # counters: batches run and steps in them
+        self.steps = 0
+
+    async def step(self, slot: int, token: int, pos: int) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[torch.Tensor] = loop.create_future()
+        with self._lock:
+            self._pending.append((DecodeStep(slot, token, pos), fut, loop))
+            queue, self._queued = not self._queued, True
+        if queue:
+            self._exec.submit(self._drain)
+        return await fut
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending, self._queued = self._pending, [], False
+        # A step whose turn was cancelled before the batch started is dropped; one cancelled
+        # later only writes its own slot's state past what any later turn reads.
+        pending = [p for p in pending if not p[1].cancelled()]
+        if not pending:
+            return
+        steps = [p[0] for p in pending]
+        try:
+            rows = self._run_batch(steps)
+            self.batches += 1
+            self.steps += len(steps)
+            for (_, fut, loop), row in zip(pending, rows):
+                loop.call_soon_threadsafe(_resolve, fut, row, None)
+        except BaseException as e:  # every waiter hears of it; none hangs
+            self._on_error(steps)
+            for _, fut, loop in pending:
+                loop.call_soon_threadsafe(_resolve, fut, None, e)
+
+    def cancel_pending(self) -> None:
+        """Steps whose batch will never run (the executor is shut down): their turns end as cancelled."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for _, fut, loop in pending:
+            loop.call_soon_threadsafe(fut.cancel)
+
+
 class TorchRunner:
     """Runs the decoder on one compute thread; the event loop stays free for I/O.
 
@@ -66,13 +131,7 @@ class TorchRunner:
             for _ in range(slots)
         ]
         self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-compute")
-        # Pending decode steps: (slot, token, position, future, loop). Guarded by the lock:
-        # the event loop adds, the compute thread takes.
-        self._steps: list[tuple[int, int, int, asyncio.Future[torch.Tensor], asyncio.AbstractEventLoop]] = []
-        self._steps_lock = threading.Lock()
-        self._drain_queued = False
-        self.decode_batches = 0  # counters: batches run and steps in them
-        self.decode_steps = 0
+        self.decoder = DecodeBatcher(self._exec, self._decode_batch)
         self._warmup()
 
     def _warmup(self) -> None:
@@ -102,7 +161,7 @@ class TorchRunner:
 
     async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
         if len(tokens) == 1 and start > 0:
-            return await self._decode_step(slot, int(tokens[0]), start)
+            return await self.decoder.step(slot, int(tokens[0]), start)
         logits = None
         pos = start
         first = True
@@ -119,37 +178,9 @@ class TorchRunner:
         t = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.int64)).to(self.pool.device)
         return self.model(t, self.ws[slot], start).cpu()
 
-    async def _decode_step(self, slot: int, token: int, pos: int) -> torch.Tensor:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[torch.Tensor] = loop.create_future()
-        with self._steps_lock:
-            self._steps.append((slot, token, pos, fut, loop))
-            queue = not self._drain_queued
-            self._drain_queued = True
-        if queue:
-            self._exec.submit(self._drain)
-        return await fut
-
-    def _drain(self) -> None:
-        """Compute thread: run every pending decode step as one batch."""
-        with self._steps_lock:
-            steps, self._steps = self._steps, []
-            self._drain_queued = False
-        # A step whose turn was cancelled before the batch started is dropped; one cancelled
-        # later only writes its own slot's workspace past what any later turn reads.
-        steps = [st for st in steps if not st[3].cancelled()]
-        if not steps:
-            return
-        try:
-            toks = torch.tensor([st[1] for st in steps], dtype=torch.int64, device=self.pool.device)
-            logits = self.model.decode(toks, [self.ws[st[0]] for st in steps], [st[2] for st in steps]).cpu()
-            self.decode_batches += 1
-            self.decode_steps += len(steps)
-            for i, (_, _, _, fut, loop) in enumerate(steps):
-                loop.call_soon_threadsafe(_resolve, fut, logits[i], None)
-        except BaseException as e:  # every waiter hears of it; none hangs
-            for _, _, _, fut, loop in steps:
-                loop.call_soon_threadsafe(_resolve, fut, None, e)
+    def _decode_batch(self, steps: list[DecodeStep]) -> torch.Tensor:
+        toks = torch.tensor([st.token for st in steps], dtype=torch.int64, device=self.pool.device)
+        return self.model.decode(toks, [self.ws[st.slot] for st in steps], [st.pos for st in steps]).cpu()
 
     async def store(self, slot: int, block_id: int, block_index: int, block_hash: bytes | None) -> None:
         await self._run(self._store, slot, block_id, block_index)
@@ -160,10 +191,7 @@ class TorchRunner:
 
     def close(self) -> None:
         self._exec.shutdown(wait=False, cancel_futures=True)
-        with self._steps_lock:  # steps whose batch will never run: their turns end as cancelled
-            steps, self._steps = self._steps, []
-        for _, _, _, fut, loop in steps:
-            loop.call_soon_threadsafe(fut.cancel)
+        self.decoder.cancel_pending()
 
 
 def _resolve(fut: asyncio.Future[torch.Tensor], value: torch.Tensor | None, exc: BaseException | None) -> None:

@@ -72,8 +72,8 @@ from kvmesh.node.engine.hashing import (
     payload_digest,
 )
 from kvmesh.node.errors import ImportRefused, KVMeshError
-from kvmesh.node.kvshare.wire import check_session_id, is_valid_session_id
-from kvmesh.node.protocol import session_key
+from kvmesh.node.kvshare.wire import check_session_id
+from kvmesh.node.protocol import is_valid_session_id, session_key
 
 if TYPE_CHECKING:
     from kvmesh.node.engine.boundary import EngineAPI, ImportAPI

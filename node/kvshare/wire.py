@@ -75,11 +75,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvmesh.node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, payload_digest
 from kvmesh.node.errors import InvalidRequest, KVMeshError
-from kvmesh.node.protocol import is_valid_session_id, session_id_problem  # noqa: F401 - is_valid_session_id: re-exported by node.kvshare
+from kvmesh.node.protocol import SessionId, session_id_problem
 
 MAGIC = b"KVSH"
 VERSION = 1
@@ -153,7 +153,7 @@ class Offer(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    session: str
+    session: SessionId
     sender: str = Field(min_length=1, max_length=128)
     fingerprint: str = Field(min_length=1, max_length=128)
     block_size: int = Field(ge=1, le=1 << 20)
@@ -162,13 +162,6 @@ class Offer(BaseModel):
     generation: int = Field(ge=0, le=(1 << 63) - 1)
     sent_at: float = Field(allow_inf_nan=False)
 
-    @field_validator("session")
-    @classmethod
-    def _session_id(cls, v: str) -> str:
-        problem = session_id_problem(v)
-        if problem is not None:
-            raise ValueError(f"the session id {problem}")
-        return v
 
     @property
     def num_tokens(self) -> int:

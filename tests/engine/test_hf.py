@@ -443,7 +443,7 @@ def test_concurrent_turns_decode_in_batches(ckpts: dict[str, Path], engines) -> 
     e = engines(_cfg(ckpts["qwen3"], slots=3))
     prompts = [e.tokenizer.apply_chat_template([{"role": "user", "content": CORPUS[i] * (i + 1)}]) for i in range(3)]
     alone = [_turn(e, f"alone{i}", p, max_tokens=10)[0] for i, p in enumerate(prompts)]
-    b0, s0 = e.runner.decode_batches, e.runner.decode_steps
+    b0, s0 = e.runner.decoder.batches, e.runner.decoder.steps
 
     async def one(i: int) -> str:
         out = ""
@@ -457,7 +457,7 @@ def test_concurrent_turns_decode_in_batches(ckpts: dict[str, Path], engines) -> 
 
     together = asyncio.run(all_three())
     assert together == alone
-    batches, steps = e.runner.decode_batches - b0, e.runner.decode_steps - s0
+    batches, steps = e.runner.decoder.batches - b0, e.runner.decoder.steps - s0
     assert steps > batches  # some steps ran together
 
 

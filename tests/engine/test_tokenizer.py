@@ -47,7 +47,7 @@ def test_chat_template_layout() -> None:
     """<bos> (<role> content <end>)* <assistant>, with content as UTF-8 bytes."""
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo"}]
     ids = tok.apply_chat_template(msgs)
-    want = [BOS, SYSTEM, *"be brief".encode(), END, USER, *"héllo".encode(), END, ASSISTANT]
+    want = [BOS, SYSTEM, *b"be brief", END, USER, *"héllo".encode(), END, ASSISTANT]
     assert ids == want
     # Content round-trips through decode; role markers sit where messages start.
     assert tok.decode(ids) == "be briefhéllo"
