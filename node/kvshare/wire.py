@@ -303,10 +303,6 @@ def encode_block_header(index: int, chain_hash: bytes, digest: bytes) -> bytes:
     return bytes([Kind.BLOCK]) + _BLOCK_REST.pack(index, chain_hash, digest)
 
 
-def end_mac(secret: bytes, offer_mac: bytes, digests: Sequence[bytes]) -> bytes:
-    return _mac(secret, offer_mac, *digests)
-
-
 def encode_end(count: int, mac: bytes) -> bytes:
     return bytes([Kind.END]) + _END_REST.pack(count, mac)
 

@@ -20,7 +20,7 @@ def test_affinity_keeps_a_session_on_its_host_with_cached_tokens(shared_mesh: Me
     assert home in m.names
     for entry in ("a", "a", "b", "c", home):
         if entry != conv.turns[-1].host:
-            m.settle(conv)  # a different entry: once it has heard of the last turn (see the last test, an xfail)
+            m.settle(conv)  # a different entry: once it has heard of the last turn (the last test covers one that has not)
         prev_prompt = conv.turns[-1].prompt_tokens
         t = m.turn(conv, entry)
         assert t.host == home, f"turn via {entry} left the session's host {home} for {t.host}"
