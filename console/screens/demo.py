@@ -23,6 +23,7 @@ from kvmesh.console.format import CLASS_WORDS, Glyphs, fmt_clock, fmt_mbps, spar
 from kvmesh.console.host import ConsoleHost
 from kvmesh.console.state import ConsoleState, LogEntry
 from kvmesh.console.theme import Palette
+from kvmesh.console.widgets.changed import ChangedOnly
 from kvmesh.console.widgets.topbar import TopBar
 
 # Handoffs listed at most (the panel shows as many as fit).
@@ -40,7 +41,7 @@ class DemoScreen(Screen[None]):
         super().__init__()
         self.readonly = readonly
         self.ascii_only = ascii_only
-        self._last: dict[str, object] = {}
+        self._set = ChangedOnly(self).set
 
     @property
     def console_app(self) -> ConsoleHost:
@@ -67,17 +68,6 @@ class DemoScreen(Screen[None]):
     def on_mount(self) -> None:
         if self.ascii_only:
             self.add_class("-ascii")
-
-    def _set(self, widget_id: str, value: object) -> None:
-        """Touch a widget only when its content changed."""
-        if self._last.get(widget_id) == value:
-            return
-        self._last[widget_id] = value
-        widget = self.query_one(f"#{widget_id}")
-        if isinstance(widget, Digits):
-            widget.update(str(value))
-        else:
-            widget.update(value)  # type: ignore[attr-defined]
 
     def patch(self, state: ConsoleState, palette: Palette, glyphs: Glyphs) -> None:
         app = self.console_app

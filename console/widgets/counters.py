@@ -17,6 +17,7 @@ from textual.widgets import Digits, Static
 from kvmesh.console.format import CLASS_WORDS, Glyphs, fmt_pct
 from kvmesh.console.state import ConsoleState, LinkKey
 from kvmesh.console.theme import Palette
+from kvmesh.console.widgets.changed import ChangedOnly
 
 
 class CountersPanel(Vertical):
@@ -32,7 +33,7 @@ class CountersPanel(Vertical):
     def __init__(self, *, ascii_only: bool, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.ascii_only = ascii_only
-        self._last: dict[str, object] = {}
+        self._set = ChangedOnly(self, layout=False).set  # fixed-size lines: no screen reflow
 
     def compose(self) -> ComposeResult:
         # One row per class: the word and glyph, then the number in big digits.
@@ -45,17 +46,6 @@ class CountersPanel(Vertical):
                     yield Digits("0", id=f"count-{cls}")
         yield Static("", id="counters-pct", classes="count-extra")
         yield Static("", id="counters-link", classes="count-extra")
-
-    def _set(self, widget_id: str, value: object) -> None:
-        """Touch a widget only when its content changed (keeps the SSH stream quiet)."""
-        if self._last.get(widget_id) == value:
-            return
-        self._last[widget_id] = value
-        widget = self.query_one(f"#{widget_id}")
-        if isinstance(widget, Digits):
-            widget.update(str(value))
-        else:
-            widget.update(value, layout=False)  # type: ignore[attr-defined]  # fixed-size lines
 
     def patch(self, state: ConsoleState, palette: Palette, glyphs: Glyphs, link: LinkKey | None) -> None:
         c = state.counters
