@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, f
 
 from kvmesh.node.errors import ConfigError
 
+HOST_NAME_PATTERN = r"^[A-Za-z0-9._-]+$"  # a host's name (1-64 of these): in file names, URLs and the console
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -120,7 +122,7 @@ class ApiConfig(_Strict):
 class PeerConfig(_Strict):
     """A configured peer: only these addresses are ever forwarded to or replicated to."""
 
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    name: str = Field(min_length=1, max_length=64, pattern=HOST_NAME_PATTERN)
     api: str = Field(pattern=r"^https?://[^/\s]+$", description="base URL of the peer's API, e.g. http://10.0.0.2:8000")
     kvshare: str = Field(pattern=r"^[^:\s]+:[0-9]{1,5}$", description="host:port of the peer's kv_share listener")
 
@@ -160,7 +162,7 @@ class KVShareConfig(_Strict):
 
 
 class NodeConfig(_Strict):
-    name: str = Field("node-1", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    name: str = Field("node-1", min_length=1, max_length=64, pattern=HOST_NAME_PATTERN)
     api: ApiConfig = ApiConfig()
     engine: EngineConfig = EngineConfig()
     mesh: MeshConfig = MeshConfig()

@@ -23,10 +23,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from kvmesh.node.config import NodeConfig, describe
+from kvmesh.node.config import HOST_NAME_PATTERN, NodeConfig, describe
 from kvmesh.node.errors import ConfigError
 
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
 
 
@@ -73,7 +72,7 @@ def parse_host(spec: str) -> HostSpec:
     name, sep, addrs = spec.partition("=")
     if not sep or not name or not addrs:
         raise ConfigError(f"--host {spec!r}: expected NAME=ADDRESS, e.g. gpu-1=10.0.0.1")
-    if not _NAME.match(name) or set(name) <= {"."}:
+    if not re.fullmatch(HOST_NAME_PATTERN, name) or len(name) > 64 or set(name) <= {"."}:
         raise ConfigError(f"--host {spec!r}: the name {name!r} may hold only letters, digits, '.', '_' and '-' (1-64)")
     parts = addrs.split(",")
     if len(parts) > 2:
