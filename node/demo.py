@@ -21,11 +21,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from kvmesh.node.bench.common import start_mesh
+from kvmesh.node.bench.common import llamacpp_engine, start_mesh
 from kvmesh.node.launcher import NodeProcess, wait_peers
 from kvmesh.node.load import LoadRunner, LoadShape
 
@@ -84,22 +83,12 @@ def _interrupt_on(*signums: int) -> None:
         signal.signal(s, handler)
 
 
-def _engine(args: argparse.Namespace) -> dict[str, Any] | None:
-    """`--engine llamacpp`: both nodes serve --model, or a generated GGUF (node.engine.gguf_gen); None: the sim."""
-    if getattr(args, "engine", "sim") != "llamacpp":
-        return None
-    from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
-
-    model = getattr(args, "model", None) or ensure_model(spec_for("tiny"))
-    return {"kind": "llamacpp", "model": str(model), "max_context": 65536, "llamacpp": {"threads": 1}}
-
-
 def run_demo(args: argparse.Namespace) -> int:
     _interrupt_on(signal.SIGTERM, signal.SIGHUP)
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp:
         work = Path(tmp)
-        engine = _engine(args)
+        engine = llamacpp_engine(args, max_context=65536)
         print(f"starting a two-node mesh ({engine['kind'] if engine else 'sim'} engine, 4 slots each) ...", flush=True)
         nodes: list[NodeProcess] = start_mesh(
             work, ["gpu-1", "gpu-2"], slots=4, kv_scale=0.05, cache_bytes=768 << 20,

@@ -16,20 +16,9 @@ from typing import Any
 
 import httpx
 
-from kvmesh.node.bench.common import emit, start_mesh
-from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
+from kvmesh.node.bench.common import emit, llamacpp_engine, start_mesh
 from kvmesh.node.launcher import wait_peers
 from kvmesh.node.load import LoadRunner, LoadShape
-
-
-def _engine(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The llama.cpp engine both nodes run (`--engine llamacpp`): --model, or the generated tiny GGUF
-    (the mesh's behaviour is measured here, not compute); None: the sim."""
-    if getattr(args, "engine", "sim") != "llamacpp":
-        return None
-    model = args.model or ensure_model(spec_for("tiny"))
-    return {"kind": "llamacpp", "model": str(model), "max_context": args.target_tokens + 16384,
-            "llamacpp": {"threads": 1}}  # two nodes share the box's cores
 
 
 def _llama_shape(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,7 +33,7 @@ def _llama_shape(args: argparse.Namespace) -> dict[str, Any]:
 def run_handoff(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
         nodes = start_mesh(Path(tmp), ["node-a", "node-b"], slots=args.slots, kv_scale=args.kv_scale,
-                           cache_bytes=args.cache_bytes, engine=_engine(args),
+                           cache_bytes=args.cache_bytes, engine=llamacpp_engine(args, max_context=args.target_tokens + 16384),
                            extra={"mesh": {"cold_move_after_s": args.cold_move_after},
                                   "kvshare": {"replicate_min_tokens": args.replicate_min_tokens}})
         try:
