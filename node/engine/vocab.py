@@ -68,8 +68,11 @@ def fetch(dest: Path | None = None) -> Path:
                 if base is None or src is None:
                     continue
                 part = dest / f".{base}.part"
-                part.write_bytes(src.read())
-                part.replace(dest / base)
+                try:
+                    part.write_bytes(src.read())
+                    part.replace(dest / base)
+                finally:
+                    part.unlink(missing_ok=True)  # gone after the rename; after a failure, nothing half-written stays
     missing = [n for n in NAMES if not (dest / f"ggml-vocab-{n}.gguf").is_file()]
     if missing:
         raise VocabMissing(f"llama-cpp-python {LLAMA_CPP_PYTHON}'s sdist lacks {', '.join(missing)}")
