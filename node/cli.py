@@ -162,13 +162,17 @@ def _add_bench(sub: Subparsers) -> None:
 
 def _add_netlab(sub: Subparsers) -> None:
     nl = sub.add_parser("netlab", help="the field report's experiment: two namespaces, shaped links (root)")
-    nl.add_argument("--quick", action="store_true", help="both links in under 10 minutes")
+    nl.add_argument("--quick", action="store_true", help="150 s per link at --time-compress 4 (10 min of the report's run)")
     nl.add_argument("--links", default="1gbit,10gbit")
-    nl.add_argument("--duration", type=float, default=5400.0, help="seconds per link (the report ran 90 minutes)")
+    nl.add_argument("--duration", type=float, default=None, help="seconds per link (default: the report's 90 minutes / K)")
+    nl.add_argument("--time-compress", type=float, default=None, metavar="K",
+                    help="run K times faster: think, prefill and decode times / K, link rates x K, same bytes")
     nl.add_argument("--kv-scale", type=float, default=0.05, help="KV bytes per token AND link rate x this")
-    nl.add_argument("--time-scale", type=float, default=1.0, help="think times x this")
+    nl.add_argument("--time-scale", type=float, default=1.0, help="think times x this (heavier or lighter demand)")
+    nl.add_argument("--demand", type=float, default=None, help="kv_share demand as a multiple of the report's (sets think times)")
+    nl.add_argument("--kvshare", choices=["on", "off"], default="on", help="off: no replicas (the baseline to compare)")
     nl.add_argument("--sessions", type=int, default=16)
-    nl.add_argument("--target-tokens", type=int, default=50_000)
+    nl.add_argument("--target-tokens", type=int, default=50_000, help="a conversation ends at this size")
     nl.add_argument("--cache-mib", type=int, default=1024, help="KV pool per node (MiB)")
     nl.add_argument("--seed", type=int, default=1)
     nl.add_argument("--out", default="netlab-out", help="directory for netlab.json and netlab.png")

@@ -55,7 +55,7 @@ class LoadStats:
         return {
             "turns": self.turns, "errors": self.errors, "conversations": self.conversations,
             "status": dict(self.status), "handoffs": dict(self.handoffs), "hosts": dict(self.hosts),
-            "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p99_s": pct(self.ttft_s, 0.99),
+            "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p95_s": pct(self.ttft_s, 0.95), "ttft_p99_s": pct(self.ttft_s, 0.99),
             "latency_p50_s": pct(self.latency_s, 0.5), "latency_p99_s": pct(self.latency_s, 0.99),
             "error_samples": self.error_samples[:5],
         }

@@ -163,6 +163,7 @@ class Node:
                        "imported_blocks": self.engine.counters.imported_blocks,
                        "prefill_tps": round(self.engine.prefill_rate(), 1)},
             "kvshare": self.kvshare.stats(),
+            "peer_wire": m.peers.wire_by_peer(),
         }
 
     def render_metrics(self) -> tuple[bytes, str]:

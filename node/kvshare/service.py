@@ -22,6 +22,7 @@ import contextlib
 import logging
 import select
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -38,6 +39,7 @@ from kvmesh.node.engine.engine import PinnedBlocks
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.errors import ImportRefused, KVMeshError
 from kvmesh.node.kvshare import wire
+from kvmesh.node.kvshare.pushorder import PushFacts, PushGate, push_key
 from kvmesh.node.kvshare.store import ReplicaStore, SegmentWriter, copy_block
 from kvmesh.node.protocol import (
     Event,
@@ -80,6 +82,33 @@ class LinkStats:
     ready_lag_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=256))
     import_s: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=256))
     window: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=512))
+    # Bytes on the link by kind, as the kernel counted them on the push's socket (TCP_INFO):
+    # replica_landed / replica_cut went to the target, replica_replies came back from it.
+    wire: collections.Counter[str] = field(default_factory=collections.Counter)
+    backlogged_s: float = 0.0  # time with at least one push to this target queued
+    landed_backlogged_bytes: int = 0  # bytes of replicas that landed, sent while a push was queued
+    _queued: int = 0
+    _backlog_since: float = 0.0
+
+    def queue_changed(self, delta: int) -> None:
+        """A push to this target was queued (+1) or left the queue (-1)."""
+        now = time.monotonic()
+        if self._queued == 0 and delta > 0:
+            self._backlog_since = now
+        self._queued += delta
+        if self._queued == 0:
+            self.backlogged_s += now - self._backlog_since
+
+    @property
+    def backlogged(self) -> bool:
+        return self._queued > 0
+
+    def backlog_s_now(self) -> float:
+        return self.backlogged_s + (time.monotonic() - self._backlog_since if self._queued else 0.0)
+
+    def goodput_bps(self) -> float:
+        """Bits/s of recent whole transfers (a 1 Gb/s guess before the first)."""
+        return 8 * self.bytes / self.seconds if self.seconds > 0 and self.bytes else 1e9
 
     def add(self, nbytes: int, secs: float) -> None:
         self.bytes += nbytes
@@ -102,6 +131,9 @@ class PushResult:
     seconds: float = 0.0
     reason: str = ""
     message: str = ""
+    wire_sent: int = 0  # payload bytes the kernel put on the link (TCP_INFO bytes_sent, with resends)
+    wire_received: int = 0
+    backlogged_bytes: int = 0  # of bytes_sent, those sent while another push to the target was queued
 
 
 @dataclass
@@ -200,7 +232,10 @@ class KVShare:
         self._send_pool = concurrent.futures.ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kvshare-send")
         self._disk = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvshare-disk")
         self._writes: set[concurrent.futures.Future[None]] = set()  # write-behinds queued or running (they pin blocks)
-        self._sem: asyncio.Semaphore | None = None
+        self._gate = PushGate(cfg.concurrency)
+        self._landed_tokens: dict[tuple[str, str], int] = {}  # what the last landed push left at the target
+        self._turns: dict[str, tuple[float, float]] = {}  # session -> (last turn end, its think-time EWMA)
+        self._think_s = 10.0  # think-time EWMA over all sessions: the guess for one without history
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
@@ -215,7 +250,6 @@ class KVShare:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._sem = asyncio.Semaphore(self.cfg.concurrency)
         host, port = self.cfg.listen.rsplit(":", 1)
         sock = socket.create_server((host, int(port)), backlog=64, reuse_port=False)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.cfg.socket_buffer_bytes)
@@ -296,7 +330,8 @@ class KVShare:
             "address": self.address,
             "out": {d: {"bytes": s.bytes, "transfers": s.transfers, "seconds": round(s.seconds, 3),
                         "superseded": s.superseded, "superseded_in_flight": s.superseded_in_flight,
-                        "refused": dict(s.refused)} for d, s in self.out.items()},
+                        "refused": dict(s.refused), "wire": dict(s.wire), "backlogged_s": round(s.backlog_s_now(), 3),
+                        "landed_backlogged_bytes": s.landed_backlogged_bytes} for d, s in self.out.items()},
             "in": {src: {"bytes": s.bytes, "transfers": s.transfers, "seconds": round(s.seconds, 3),
                          "ready_lag_p50_s": pct(s.ready_lag_s, 0.5), "ready_lag_max_s": pct(s.ready_lag_s, 1.0),
                          "refused": dict(s.refused)} for src, s in self.inn.items()},
@@ -426,15 +461,55 @@ class KVShare:
         e = self.engine
         return e.resident_tokens(session) >= max(self.cfg.replicate_min_tokens, e.block_size)
 
-    def after_turn(self, session: str, target: str | None) -> None:
-        """A turn of `session` ended here: push the replica to `target` (the host placement
-        predicts next, decided where the turn ended), and keep this host's own copy."""
+    def after_turn(self, session: str, target: str | None, turn_s: float = 0.0) -> None:
+        """A turn of `session` ended here after `turn_s` seconds: push the replica to `target`
+        (the host placement predicts next, decided where the turn ended), and keep this host's own copy."""
+        self._note_turn(session, turn_s)
         if not self.worth_replicating(session):
             return
         if target is not None and target != self.name:
             self.submit(session, target)
         if self.cfg.persist_own:
             self._persist_own(session)
+
+    def _note_turn(self, session: str, turn_s: float) -> None:
+        """Learn the session's think time (its last turn's end to this turn's start)."""
+        now = time.monotonic()
+        prev = self._turns.get(session)
+        think = prev[1] if prev else self._think_s
+        if prev is not None:
+            gap = max(0.0, now - turn_s - prev[0])
+            think = 0.5 * think + 0.5 * gap
+            self._think_s = 0.9 * self._think_s + 0.1 * gap
+        self._turns[session] = (now, think)
+        if len(self._turns) > MAX_UNUSED_TRACKED:
+            self._turns.pop(next(iter(self._turns)))
+
+    def push_facts(self, session: str, target: str) -> PushFacts:
+        """What the push gate weighs: bytes the target lacks, time to the session's next turn, and
+        the chance that turn moves (this host, its home, has no free slot now, or is nearly full)."""
+        e = self.engine
+        lacks = max(0, e.resident_tokens(session) - self._landed_tokens.get((session, target), 0))
+        end, think = self._turns.get(session, (time.monotonic(), self._think_s))
+        load = e.slots
+        p_move = 1.0 if load.queued or load.busy >= load.slots else load.busy / max(1, load.slots)
+        return PushFacts(bytes_needed=lacks * e.kv_bytes_per_token, next_turn_in_s=end + think - time.monotonic(),
+                         p_move=p_move)
+
+    def _push_key(self, job: _Job) -> tuple[float, float]:
+        if self._queued.get((job.session, job.target)) is not job:
+            return (-2.0, 0.0)  # superseded while waiting: let it go at once
+        return push_key(self.push_facts(job.session, job.target), self.out[job.target].goodput_bps())
+
+    def _enqueue(self, job: _Job) -> None:
+        self._queued[(job.session, job.target)] = job
+        self.out[job.target].queue_changed(+1)
+
+    def _dequeue(self, key: tuple[str, str]) -> _Job | None:
+        job = self._queued.pop(key, None)
+        if job is not None:
+            self.out[job.target].queue_changed(-1)
+        return job
 
     def submit(self, session: str, target: str) -> asyncio.Future[PushResult]:
         """Queue a replica push; a newer one supersedes an older one queued. One in flight is
@@ -443,7 +518,7 @@ class KVShare:
         (Restarting a progressing transfer on every turn starves a slow link: nothing lands.)"""
         assert self._loop is not None
         key = (session, target)
-        old = self._queued.pop(key, None)
+        old = self._dequeue(key)
         if old is not None:
             old.done.set_result(PushResult(False, reason="superseded"))
             self._superseded(session, target)
@@ -451,7 +526,7 @@ class KVShare:
         if running is not None and running.started and not running.cancel.is_set() and not self._extends(running):
             self._supersede_running(running)
         job = _Job(session, target, self._loop.create_future())
-        self._queued[key] = job
+        self._enqueue(job)
         asyncio.ensure_future(self._run_job(job))
         return job.done
 
@@ -475,7 +550,6 @@ class KVShare:
         return await self.submit(session, target)
 
     async def _run_job(self, job: _Job) -> None:
-        assert self._sem is not None
         key = (job.session, job.target)
         # At most one transfer per (session, target): wait for the running one to end (without
         # holding a concurrency permit), replacing it if it stalls.
@@ -485,12 +559,14 @@ class KVShare:
             await asyncio.sleep(0.02)
         if self._queued.get(key) is not job:
             return  # superseded while waiting
-        async with self._sem:
+        # The most valuable queued push gets the next free permit (pushorder), not the oldest.
+        await self._gate.acquire(lambda: self._push_key(job))
+        try:
             while key in self._jobs:  # superseded, still winding down
                 await asyncio.sleep(0.01)
             if self._queued.get(key) is not job:
                 return  # superseded while waiting
-            del self._queued[key]
+            self._dequeue(key)
             self._jobs[key] = job
             job.started = True
             job.progress_at = time.monotonic()
@@ -501,6 +577,8 @@ class KVShare:
                 result = PushResult(False, reason="error", message=type(e).__name__)
             finally:
                 self._jobs.pop(key, None)
+        finally:
+            self._gate.release()
         if not job.done.done():
             job.done.set_result(result)
 
@@ -533,8 +611,14 @@ class KVShare:
             result = PushResult(False, reason="preempted", bytes_sent=result.bytes_sent,
                                 message="a turn on this host needed the pool blocks the push was sending from")
         st = self.out[job.target]
+        st.wire["replica_landed" if result.ok else "replica_cut"] += result.wire_sent
+        st.wire["replica_replies"] += result.wire_received
         if result.ok:
             st.add(result.bytes_sent, result.seconds)
+            st.landed_backlogged_bytes += result.backlogged_bytes
+            self._landed_tokens[(job.session, job.target)] = result.tokens
+            if len(self._landed_tokens) > MAX_UNUSED_TRACKED:
+                self._landed_tokens.pop(next(iter(self._landed_tokens)))
             self._publish(ReplicaSent(session=job.session, src=self.name, dst=job.target, blocks=result.blocks_sent,
                                       bytes=result.bytes_sent, seconds=round(result.seconds, 4), tokens=result.tokens))
         elif result.reason != "superseded":
@@ -546,54 +630,75 @@ class KVShare:
     def _send_blocking(self, addr: str, offer: wire.Offer, pinned: PinnedBlocks, job: _Job) -> PushResult:
         host, port = addr.rsplit(":", 1)
         tx = wire.Sender(self.secret)
-        t0 = time.monotonic()
-        sent = 0
         try:
             raw = socket.create_connection((host, int(port)), timeout=self.cfg.connect_timeout_s)
-            sock = self._client_tls.wrap_socket(raw) if self._client_tls else raw
-            job.sock = sock
-            with sock:
-                sock.settimeout(self.cfg.io_timeout_s)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.cfg.socket_buffer_bytes)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                frame = tx.offer_bytes(offer, pinned.tokens, pinned.hashes)
-                sock.sendall(frame)
-                sent += len(frame)
-                ev = self._read_reply(sock, tx)
-                if isinstance(ev, wire.PeerRefused):
-                    return PushResult(False, reason=ev.reason, message=ev.message)
-                assert isinstance(ev, wire.Accepted)
-                t0 = time.monotonic()  # transfer time counts from the first block
-                for i in range(ev.first_missing, len(pinned.ids)):
+        except OSError as err:
+            return PushResult(False, reason="superseded" if job.cancel.is_set() else "unreachable", message=str(err))
+        sock = self._client_tls.wrap_socket(raw) if self._client_tls else raw
+        job.sock = sock
+        result = PushResult(False, reason="error")
+        try:
+            result = self._stream(sock, tx, offer, pinned, job)
+        finally:
+            result.wire_sent, result.wire_received = tcp_bytes(sock)
+            if not result.ok:
+                # Drop what is still queued in the socket: a cut transfer must not keep the link busy.
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        return result
+
+    def _stream(self, sock: socket.socket, tx: wire.Sender, offer: wire.Offer, pinned: PinnedBlocks,
+                job: _Job) -> PushResult:
+        """Offer, then send the blocks the receiver lacks, then wait for its verdict."""
+        t0 = time.monotonic()
+        sent = 0
+        backlog = self.out[job.target]
+        try:
+            sock.settimeout(self.cfg.io_timeout_s)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.cfg.socket_buffer_bytes)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            frame = tx.offer_bytes(offer, pinned.tokens, pinned.hashes)
+            sock.sendall(frame)
+            sent += len(frame)
+            ev = self._read_reply(sock, tx)
+            if isinstance(ev, wire.PeerRefused):
+                return PushResult(False, reason=ev.reason, message=ev.message)
+            assert isinstance(ev, wire.Accepted)
+            t0 = time.monotonic()  # transfer time counts from the first block
+            queued_bytes = 0
+            for i in range(ev.first_missing, len(pinned.ids)):
+                if job.cancel.is_set():
+                    raise _Superseded()
+                if select.select([sock], [], [], 0)[0]:
+                    break  # the receiver spoke mid-stream: a refusal, read below
+                data = pinned.read(pinned.ids[i])  # here, not on the loop: off an accelerator it is a copy
+                hdr = tx.block_header(i, data)
+                try:
+                    sock.sendall(hdr)
+                    sock.sendall(data)
+                    job.progress_at = time.monotonic()
+                except OSError:
                     if job.cancel.is_set():
-                        raise _Superseded()
-                    if select.select([sock], [], [], 0)[0]:
-                        break  # the receiver spoke mid-stream: a refusal, read below
-                    data = pinned.read(pinned.ids[i])  # here, not on the loop: off an accelerator it is a copy
-                    hdr = tx.block_header(i, data)
-                    try:
-                        sock.sendall(hdr)
-                        sock.sendall(data)
-                        job.progress_at = time.monotonic()
-                    except OSError:
-                        if job.cancel.is_set():
-                            raise _Superseded() from None
-                        refusal = self._late_refusal(sock, tx)
-                        if refusal is not None:
-                            return PushResult(False, reason=refusal.reason, message=refusal.message, bytes_sent=sent)
-                        raise
-                    sent += len(hdr) + data.nbytes
-                else:
-                    end = tx.end()
-                    sock.sendall(end)
-                    sent += len(end)
-                done = self._read_reply(sock, tx)
-                secs = time.monotonic() - t0
-                if isinstance(done, wire.PeerRefused):
-                    return PushResult(False, reason=done.reason, message=done.message, bytes_sent=sent, seconds=secs)
-                assert isinstance(done, wire.Completed)
-                return PushResult(True, tokens=done.tokens, blocks_sent=len(pinned.ids) - ev.first_missing,
-                                  bytes_sent=sent, seconds=secs)
+                        raise _Superseded() from None
+                    refusal = self._late_refusal(sock, tx)
+                    if refusal is not None:
+                        return PushResult(False, reason=refusal.reason, message=refusal.message, bytes_sent=sent)
+                    raise
+                sent += len(hdr) + data.nbytes
+                if backlog.backlogged:
+                    queued_bytes += len(hdr) + data.nbytes
+            else:
+                end = tx.end()
+                sock.sendall(end)
+                sent += len(end)
+            done = self._read_reply(sock, tx)
+            secs = time.monotonic() - t0
+            if isinstance(done, wire.PeerRefused):
+                return PushResult(False, reason=done.reason, message=done.message, bytes_sent=sent, seconds=secs)
+            assert isinstance(done, wire.Completed)
+            return PushResult(True, tokens=done.tokens, blocks_sent=len(pinned.ids) - ev.first_missing,
+                              bytes_sent=sent, seconds=secs, backlogged_bytes=queued_bytes)
         except _Superseded:
             return PushResult(False, reason="superseded", bytes_sent=sent)
         except (OSError, wire.ProtocolError) as err:
@@ -899,6 +1004,19 @@ async def _await_worker(fut: asyncio.Future[T], *, stop: Callable[[], None], rel
 
         fut.add_done_callback(after)
         raise
+
+
+def tcp_bytes(sock: socket.socket) -> tuple[int, int]:
+    """(payload bytes sent, including resends; payload bytes received) on this TCP socket, as the
+    kernel counted them (struct tcp_info: tcpi_bytes_sent at 200, tcpi_bytes_received at 128;
+    Linux 4.19+). (0, 0) where the kernel does not say."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except (OSError, AttributeError):
+        return 0, 0
+    if len(info) < 208:
+        return 0, 0
+    return struct.unpack_from("Q", info, 200)[0], struct.unpack_from("Q", info, 128)[0]
 
 
 def _linger_close(conn: socket.socket, limit_s: float = 1.0) -> None:

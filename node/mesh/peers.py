@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from kvmesh.node.config import PeerConfig
 from kvmesh.node.mesh.auth import PEER_HEADER
+from kvmesh.node.mesh.wirecount import CountingTransport, WireCounts
 from kvmesh.node.protocol import (
     Event,
     PeerDown,
@@ -57,9 +58,11 @@ class PeerTable:
         self._client: httpx.AsyncClient | None = None
         self._verify = verify
         self._task: asyncio.Task[None] | None = None
+        self.wire = WireCounts()  # bytes of every exchange with a peer, by kind (wirecount)
 
     async def start(self) -> None:
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0), headers=self._headers, verify=self._verify)
+        transport = CountingTransport(httpx.AsyncHTTPTransport(verify=self._verify), self.wire)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0, connect=1.0), headers=self._headers, transport=transport)
         self._task = asyncio.create_task(self._run(), name="peer-poll")
 
     async def stop(self) -> None:
@@ -68,6 +71,10 @@ class PeerTable:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._client:
             await self._client.aclose()
+
+    def wire_by_peer(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Peer HTTP bytes this node opened, by peer name, direction and kind."""
+        return self.wire.by_peer({httpx.URL(p.cfg.api).netloc.decode("ascii"): name for name, p in self.peers.items()})
 
     @property
     def client(self) -> httpx.AsyncClient:

@@ -73,7 +73,7 @@ class TurnReplicas(Protocol):
 
     def worth_replicating(self, session: str) -> bool: ...
 
-    def after_turn(self, session: str, target: str | None) -> None: ...
+    def after_turn(self, session: str, target: str | None, turn_s: float) -> None: ...
 
 
 @dataclass
@@ -187,7 +187,7 @@ class HostTurn:
                                ttft_s=round(stats.ttft_s, 4), total_s=round(stats.total_s, 4), turn_seq=self.seq))
         handoff = self._handoff(stats)
         p.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, self.seq)
-        self._replicate()
+        self._replicate(stats.total_s)
 
     def _handoff(self, stats: TurnStats) -> tuple[str, HandoffClass, bool] | None:
         """Publish the handoff this turn was, if it moved here: (previous host, class, stale state)."""
@@ -209,14 +209,14 @@ class HostTurn:
                           stale_state=stale and cls == "cold", turn_seq=self.seq))
         return self.prev_host, cls, stale
 
-    def _replicate(self) -> None:
+    def _replicate(self, turn_s: float) -> None:
         """Push the session to the host it would move to next: placement decides, here where the turn ended."""
         p, session = self.path, self.req.session
         target = None
         if p.replicas.worth_replicating(session):
             d = p.mesh.predict_next(session)
             target = d.host if d is not None else None
-        p.replicas.after_turn(session, target)
+        p.replicas.after_turn(session, target, turn_s)
 
 
 @dataclass

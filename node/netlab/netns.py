@@ -14,6 +14,7 @@ this lab's unique tag are ever touched.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import uuid
 from dataclasses import dataclass, field
@@ -102,6 +103,30 @@ class TwoHostLab:
     @property
     def rate_mbit(self) -> float:
         return LINK_MBIT.get(self.rate, 0.0) * self.scale
+
+    def data_dev(self, host: Host) -> str:
+        return f"kd{self.tag}{'a' if host is self.hosts[0] else 'b'}"
+
+    def qdisc_sent(self) -> dict[str, tuple[int, int]]:
+        """Host name -> (bytes, packets) its data-link tbf has sent, as `tc -s qdisc` counts them
+        (GSO super-packets count as the frames they become, each with its own headers)."""
+        out = {}
+        for h in self.hosts:
+            text = subprocess.run(["ip", "netns", "exec", h.ns, "tc", "-s", "qdisc", "show", "dev", self.data_dev(h)],
+                                  capture_output=True, text=True).stdout
+            m = re.search(r"Sent (\d+) bytes (\d+) pkt", text)
+            out[h.name] = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        return out
+
+    def describe(self) -> str:
+        """What the data link is, in words."""
+        if self.rate not in LINK_MBIT:
+            return "veth, unshaped"
+        args = tbf_args(self.rate_mbit)
+        burst = int(args[3])
+        queue = int(self.rate_mbit * 1e6 / 8 * 0.020) + burst
+        return (f"veth shaped by tc tbf to {self.rate_mbit:g} Mb/s each way ({self.rate} x {self.scale:g}), burst "
+                f"{burst >> 10} KiB, queue up to {queue >> 10} KiB (20 ms at line rate, a switch port's buffer); no delay or loss")
 
     def close(self) -> None:
         for dev in self._made_links:

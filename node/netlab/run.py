@@ -2,11 +2,16 @@
 
 Two hosts as network namespaces joined by a veth pair shaped with tc tbf, one
 sim node in each (4 slots, kv_share on the data link), the report's workload
-(16 coding-agent sessions growing to ~50k tokens) driven from the root
-namespace, for each link rate. Scale is stated, never hidden: `--kv-scale`
-shrinks KV bytes per token AND the link rate by the same factor, so transfer
-times match the full-size experiment; think times are compressed by
-`--time-scale`. netem is not in this kernel: no latency or loss is emulated.
+(calibrate.py: 16 coding-agent sessions growing to ~50k tokens, at the report's
+kv_share traffic) driven from the root namespace, for each link rate. Scale is
+stated, never hidden: `--kv-scale` shrinks KV bytes per token AND the link rate
+by the same factor, so transfer times match the full-size experiment;
+`--time-compress K` runs K times faster (think, prefill and decode times / K,
+link rate x K). netem is not in this kernel: no latency or loss is emulated.
+
+Each link's JSON says where the link's bytes went (account.py, beside tc's own
+count), how well replicas used it while pushes queued (`useful_util_backlogged`),
+and why handoffs reused less than predicted (`shortfall`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import asyncio
 import collections
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -30,16 +36,18 @@ from websockets.sync.client import connect
 from kvmesh.node.bench import rawtcp
 from kvmesh.node.config import EngineConfig
 from kvmesh.node.launcher import NodeProcess, wait_peers
-from kvmesh.node.load import LoadRunner, LoadShape
+from kvmesh.node.load import LoadRunner
+from kvmesh.node.netlab.account import account, useful_util_backlogged
+from kvmesh.node.netlab.calibrate import SLOTS, Compression, calibrate, load_shape, think_scale_for
 from kvmesh.node.netlab.mesh import lab_api, lab_nodes
 from kvmesh.node.netlab.netns import TwoHostLab, can_use_netns
 
 # The field report's 16-session table (see shared/reference/field-report.md).
+QUICK_COMPRESS, QUICK_S = 4.0, 150.0  # --quick: 10 minutes of the report's run, per link, in 150 s
 REPORT: dict[str, dict[str, Any]] = {
-    "1gbit": {"label": "1 GbE via switch", "delta_mib": 247, "transfer_s": 3.24, "warm_pct": 93.8, "partial_pct": 5.4,
-              "import_s": 2.8},
+    "1gbit": {"label": "1 GbE via switch", "delta_mib": 247, "transfer_s": 3.24, "warm_pct": 93.8, "partial_pct": 5.4},
     "10gbit": {"label": "10 GbE direct (VPN bypass)", "delta_mib": 247, "transfer_s": 0.55, "warm_pct": 96.2,
-               "partial_pct": None, "import_s": 2.8},
+               "partial_pct": None},
 }
 
 
@@ -50,7 +58,9 @@ class LinkRun:
     imported: list[float] = field(default_factory=list)
     series: list[tuple[float, float, int]] = field(default_factory=list)  # (t, warm %, handoffs)
     cluster: dict[str, Any] = field(default_factory=dict)
-    stats: list[dict[str, Any]] = field(default_factory=list)
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> its /v1/stats at the end
+    tc: dict[str, tuple[int, int]] = field(default_factory=dict)  # host -> its data-link tbf's (bytes, packets)
+    rate_bps: float = 0.0  # the shaped link rate, each way
     duration_s: float = 0.0
     raw_tcp_s: float | None = None
     load: dict[str, Any] = field(default_factory=dict)
@@ -98,23 +108,62 @@ def _progress(api: str, run: LinkRun, duration: float, stop: threading.Event) ->
             except httpx.HTTPError:
                 continue
             total = k["warm"] + k["partial"] + k["cold"]
-            warm = 100.0 * k["warm"] / total if total else 100.0
             el = time.monotonic() - t0
-            run.series.append((el, warm, total))
             done = min(1.0, el / duration)
             bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
-            print(f"\r  {run.link:>6} [{bar}] {el:5.0f}/{duration:.0f}s  handoffs {total:4d}  warm {warm:5.1f}%",
-                  end="", file=sys.stderr, flush=True)
+            if total:
+                warm = 100.0 * k["warm"] / total
+                run.series.append((el, warm, total))
+                said = f"handoffs {total:4d}  warm {warm:5.1f}%"
+            else:
+                said = "no handoffs yet"
+            print(f"\r  {run.link:>6} [{bar}] {el:5.0f}/{duration:.0f}s  {said}", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
 
 
-def run_link(link: str, work: Path, args: argparse.Namespace) -> LinkRun:
+@dataclass(frozen=True)
+class Plan:
+    """One netlab run's knobs, resolved from the command line."""
+
+    kv_scale: float
+    compress: Compression
+    think: float  # think-time multiplier (time compression and --time-scale / --demand together)
+    demand: float  # kv_share demand relative to the report's (calibrate)
+    kvshare: bool
+
+    @property
+    def link_scale(self) -> float:
+        return self.compress.link_scale(self.kv_scale)
+
+
+def plan_of(args: argparse.Namespace) -> Plan:
+    if args.demand is not None and args.time_scale != 1.0:
+        raise SystemExit("kvmesh netlab: give --demand or --time-scale, not both")
+    time_scale = think_scale_for(args.demand) if args.demand is not None else args.time_scale
+    demand = calibrate(time_scale).mbps_per_direction / calibrate().mbps_per_direction
+    k = Compression(args.time_compress)
+    return Plan(args.kv_scale, k, k.think_multiplier(time_scale), round(demand, 3), args.kvshare == "on")
+
+
+def node_config(plan: Plan, cache_mib: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(engine section, other sections) of each lab node."""
+    prefill, decode = plan.compress.engine_rates()
+    engine = {"kind": "sim", "slots": SLOTS, "cache_bytes": cache_mib << 20, "queue_timeout_s": 600.0,
+              "sim": {"kv_scale": plan.kv_scale, "prefill_tps": prefill, "decode_tps": decode}}
+    kvshare: dict[str, Any] = {"fsync": "never", "store_budget_bytes": 4 * (cache_mib << 20), "concurrency": 2}
+    if not plan.kvshare:
+        kvshare.update(replicate_min_tokens=10**12, persist_own=False)  # kv_share off: nothing is pushed
+    k = plan.compress.k
+    mesh = {"poll_interval_s": max(0.05, min(1.0, 1.0 / k)), "cold_move_after_s": 30.0 / k}
+    return engine, {"kvshare": kvshare, "mesh": mesh}
+
+
+def run_link(link: str, work: Path, args: argparse.Namespace, plan: Plan) -> LinkRun:
     run = LinkRun(link)
-    engine = {"kind": "sim", "slots": 4, "cache_bytes": args.cache_mib << 20, "queue_timeout_s": 600.0,
-              "sim": {"kv_scale": args.kv_scale}}
-    extra = {"kvshare": {"fsync": "never", "store_budget_bytes": 4 * (args.cache_mib << 20)},
-             "mesh": {"poll_interval_s": 0.25}}
-    with TwoHostLab(link, scale=args.kv_scale) as lab:
+    engine, extra = node_config(plan, args.cache_mib)
+    with TwoHostLab(link, scale=plan.link_scale) as lab:
+        run.rate_bps = lab.rate_mbit * 1e6
+        print(f"  {link}: {lab.describe()}", file=sys.stderr)
         (work / link).mkdir(parents=True, exist_ok=True)
         nodes: list[NodeProcess] = lab_nodes(lab, work / link, engine=engine, extra=extra)
         try:
@@ -122,24 +171,10 @@ def run_link(link: str, work: Path, args: argparse.Namespace) -> LinkRun:
                 n.wait_ready()
                 n.info["api"] = lab_api(lab, n.name)
             wait_peers(nodes)
-            taps = [_EventTap(n.api, run) for n in nodes]
-            for t in taps:
-                t.thread.start()
-            stop = threading.Event()
-            prog = threading.Thread(target=_progress, args=(nodes[0].api, run, args.duration, stop), daemon=True)
-            prog.start()
-            shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, seed=args.seed)
-            t0 = time.monotonic()
-            stats = asyncio.run(LoadRunner([n.api for n in nodes], shape, time_scale=args.time_scale).run(args.duration))
-            run.duration_s = time.monotonic() - t0
-            stop.set()
-            prog.join()
-            time.sleep(1.0)
-            for t in taps:
-                t.stop.set()
-            run.load = stats.summary()
+            _drive(run, nodes, args, plan)
             run.cluster = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=10).json()
-            run.stats = [httpx.get(f"{n.api}/v1/stats", timeout=10).json() for n in nodes]
+            run.stats = {n.name: httpx.get(f"{n.api}/v1/stats", timeout=10).json() for n in nodes}
+            run.tc = lab.qdisc_sent()  # read with the stats: both count from the nodes' start
             sizes = [e["bytes"] for e in run.ready if e["blocks"] > 0]
             if sizes:
                 a, b = lab.hosts
@@ -150,7 +185,27 @@ def run_link(link: str, work: Path, args: argparse.Namespace) -> LinkRun:
     return run
 
 
-def summarize(run: LinkRun, scale: float) -> dict[str, Any]:
+def _drive(run: LinkRun, nodes: list[NodeProcess], args: argparse.Namespace, plan: Plan) -> None:
+    """The report's workload against the lab's two nodes for the run's duration, events tapped."""
+    taps = [_EventTap(n.api, run) for n in nodes]
+    for t in taps:
+        t.thread.start()
+    stop = threading.Event()
+    prog = threading.Thread(target=_progress, args=(nodes[0].api, run, args.duration, stop), daemon=True)
+    prog.start()
+    shape = load_shape(args.seed, args.sessions, args.target_tokens)
+    t0 = time.monotonic()
+    stats = asyncio.run(LoadRunner([n.api for n in nodes], shape, time_scale=plan.think).run(args.duration))
+    run.duration_s = time.monotonic() - t0
+    stop.set()
+    prog.join()
+    time.sleep(1.0)
+    for t in taps:
+        t.stop.set()
+    run.load = stats.summary()
+
+
+def summarize(run: LinkRun, plan: Plan) -> dict[str, Any]:
     k = run.cluster.get("counters", {"warm": 0, "partial": 0, "cold": 0, "stale_state_cold": 0})
     total = k["warm"] + k["partial"] + k["cold"]
     deltas = [e for e in run.ready if e["blocks"] > 0]
@@ -158,7 +213,7 @@ def summarize(run: LinkRun, scale: float) -> dict[str, Any]:
     lags = [e["lag_s"] for e in deltas]
     mbps = []
     superseded, in_flight, refused = 0, 0, collections.Counter[str]()
-    for st in run.stats:
+    for st in run.stats.values():
         out = sum(v["bytes"] for v in st["kvshare"]["out"].values())
         mbps.append(round(8 * out / run.duration_s / 1e6, 1) if run.duration_s else 0.0)
         for v in st["kvshare"]["out"].values():
@@ -173,15 +228,23 @@ def summarize(run: LinkRun, scale: float) -> dict[str, Any]:
         "partial_pct": round(100 * k["partial"] / total, 2) if total else None,
         "cold_pct": round(100 * k["cold"] / total, 2) if total else None,
         "stale_state_cold": k["stale_state_cold"],
+        "shortfall": k.get("shortfall", {}),
         "transfers": len(deltas),
-        "delta_mib_p50": round((_pct([e["bytes"] for e in deltas], 0.5) or 0) / 2**20 / scale, 1),
+        "delta_mib_p50": round((_pct([e["bytes"] for e in deltas], 0.5) or 0) / 2**20 / plan.kv_scale, 1),
         "transfer_p50_s": round(p50, 3) if p50 is not None else None,
         "transfer_p95_s": round(_pct(secs, 0.95) or 0, 3) if secs else None,
-        "raw_tcp_s_for_p50_delta": round(run.raw_tcp_s, 3) if run.raw_tcp_s else None,
-        "transfer_over_raw": round(p50 / run.raw_tcp_s, 3) if p50 and run.raw_tcp_s else None,
+        # Transfers ran under the run's load; raw TCP was measured after it, on the idle link.
+        "raw_tcp_idle_s_for_p50_delta": round(run.raw_tcp_s, 3) if run.raw_tcp_s else None,
+        "transfer_loaded_over_raw_idle": round(p50 / run.raw_tcp_s, 3) if p50 and run.raw_tcp_s else None,
         "ready_lag_p50_s": round(_pct(lags, 0.5) or 0, 4) if lags else None,
-        "import_p50_s": round(_pct(run.imported, 0.5) or 0, 4) if run.imported else None,
+        # A stored replica copied into the engine before a turn (not the receive: that is ready_lag).
+        "store_import_p50_s": round(_pct(run.imported, 0.5) or 0, 4) if run.imported else None,
         "mbps_per_direction": mbps,
+        "mbps_per_direction_full_scale": [round(m / plan.link_scale, 1) for m in mbps],
+        "useful_util_backlogged": useful_util_backlogged(run.stats, run.rate_bps),
+        "backlogged_s": round(sum(o.get("backlogged_s", 0.0) for st in run.stats.values()
+                                  for o in st["kvshare"]["out"].values()), 2),
+        **account(run.stats, run.tc),
         # Pushes that did not land: replaced by a newer replica (queued, or in flight and stalled), or refused.
         "superseded": superseded,
         "superseded_in_flight": in_flight,
@@ -190,29 +253,39 @@ def summarize(run: LinkRun, scale: float) -> dict[str, Any]:
         "whole_session_transfers": sum(1 for e in deltas if e["blocks"] * EngineConfig().block_size >= e["tokens"]),
         "turns": run.load.get("turns"),
         "errors": run.load.get("errors"),
+        "ttft_p50_s": run.load.get("ttft_p50_s"),
+        "ttft_p95_s": run.load.get("ttft_p95_s"),
         "duration_s": round(run.duration_s, 1),
     }
 
 
-def table(rows: list[dict[str, Any]], scale: float, time_scale: float) -> str:
-    out = [f"kv_share field experiment, reproduced: KV bytes and link rate scaled by {scale:g} "
-           f"(transfer times comparable to full size), think times x{time_scale:g}; no latency emulation (no netem).",
+def table(rows: list[dict[str, Any]], plan: Plan) -> str:
+    out = [f"kv_share field experiment, reproduced: KV bytes scaled by {plan.kv_scale:g}, time compressed "
+           f"{plan.compress.k:g}x, link rate x{plan.link_scale:g} (transfer times comparable to full size / "
+           f"{plan.compress.k:g}); demand {plan.demand:g}x the report's; kv_share {'on' if plan.kvshare else 'OFF'}; "
+           "no latency emulation (no netem).",
            "",
            f"{'':<26}{'delta MiB':>10}{'xfer p50':>9}{'p95':>7}{'raw TCP':>8}{'ready lag':>10}{'warm%':>7}"
-           f"{'part%':>7}{'cold%':>7}{'stale':>6}{'Mb/s a>b,b>a':>14}{'import':>8}"]
+           f"{'part%':>7}{'cold%':>7}{'stale':>6}{'Mb/s a>b,b>a':>14}{'useful':>7}{'ttft p95':>9}"]
     for r in rows:
         rep = REPORT.get(r["link"], {})
         out.append(f"{'report: ' + rep.get('label', r['link']):<26}{rep.get('delta_mib', ''):>10}"
                    f"{rep.get('transfer_s', ''):>9}{'':>7}{'':>8}{'':>10}{rep.get('warm_pct', ''):>7}"
                    f"{rep.get('partial_pct') if rep.get('partial_pct') is not None else '':>7}{'':>7}{'':>6}"
-                   f"{'320-450':>14}{rep.get('import_s', ''):>8}")
-        mb = ",".join(f"{m * (1 / scale):.0f}" for m in r["mbps_per_direction"])
+                   f"{'320-450':>14}")
+        mb = ",".join(f"{m:.0f}" for m in r["mbps_per_direction_full_scale"])
+        warm = ("no handoffs", "", "") if not r["handoffs"] else (
+            _f(r["warm_pct"]), _f(r["partial_pct"]), _f(r["cold_pct"]))
         out.append(f"{'kvmesh: ' + r['link']:<26}{r['delta_mib_p50']:>10}{_f(r['transfer_p50_s']):>9}"
-                   f"{_f(r['transfer_p95_s']):>7}{_f(r['raw_tcp_s_for_p50_delta']):>8}{_f(r['ready_lag_p50_s']):>10}"
-                   f"{_f(r['warm_pct']):>7}{_f(r['partial_pct']):>7}{_f(r['cold_pct']):>7}{r['stale_state_cold']:>6}"
-                   f"{mb:>14}{_f(r['import_p50_s']):>8}")
+                   f"{_f(r['transfer_p95_s']):>7}{_f(r['raw_tcp_idle_s_for_p50_delta']):>8}{_f(r['ready_lag_p50_s']):>10}"
+                   f"{warm[0]:>7}{warm[1]:>7}{warm[2]:>7}{r['stale_state_cold']:>6}"
+                   f"{mb:>14}{_f(r['useful_util_backlogged']):>7}{_f(r['ttft_p95_s']):>9}")
+        if r["handoffs"]:
+            out.append(f"{'':<26}{r['handoffs']} handoffs; shortfall: "
+                       + (", ".join(f"{k} {v}" for k, v in sorted(r["shortfall"].items())) or "-"))
     out.append("")
-    out.append("delta MiB and Mb/s are shown at full scale (measured / scale); times are as measured.")
+    out.append("delta MiB and Mb/s are at full scale (measured / scale); times are as measured in the compressed run. "
+               "Transfers ran under load, raw TCP on the idle link after it; `useful` is useful_util_backlogged.")
     return "\n".join(out)
 
 
@@ -230,6 +303,8 @@ def write_png(runs: list[LinkRun], rows: list[dict[str, Any]], path: Path) -> st
         return "matplotlib is not installed (pip install 'kvmesh[report]'): no PNG written"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
+        if not run.series:
+            ax1.text(0.5, 0.5 - 0.1 * runs.index(run), f"{run.link}: no handoffs", transform=ax1.transAxes, ha="center")
         if run.series:
             ax1.plot([t for t, _, _ in run.series], [w for _, w, _ in run.series], label=run.link)
         secs = [e["recv_s"] for e in run.ready if e["blocks"] > 0]
@@ -255,25 +330,35 @@ def run_netlab(args: argparse.Namespace) -> int:
     if not ok:
         print(f"kvmesh netlab: {why}", file=sys.stderr)
         return 2
-    if args.quick:
-        args.duration = min(args.duration, 150.0)
+    # SIGTERM unwinds like Ctrl-C, so the lab's namespaces and nodes are always removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.quick and args.time_compress is None:
+        args.time_compress = QUICK_COMPRESS
+    args.time_compress = args.time_compress or 1.0
+    plan = plan_of(args)
+    if args.duration is None:
+        args.duration = QUICK_S if args.quick else plan.compress.duration_s()
     links = [x.strip() for x in args.links.split(",") if x.strip()]
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"netlab: links {', '.join(links)}; {args.duration:g}s each; kv/link scale {args.kv_scale:g}; "
-          f"think-time scale {args.time_scale:g}; no netem (rate shaping only)", file=sys.stderr)
+    cal = calibrate(plan.think * plan.compress.k)
+    print(f"netlab: links {', '.join(links)}; {args.duration:g}s each (= {plan.compress.full_scale_s(args.duration) / 60:.0f} "
+          f"min at full scale); KV x{plan.kv_scale:g}, time compressed {plan.compress.k:g}x; demand {plan.demand:g}x "
+          f"the report's ({cal.mbps_per_direction:.0f} Mb/s per direction at full scale); no netem", file=sys.stderr)
     runs: list[LinkRun] = []
     with tempfile.TemporaryDirectory(prefix="kvmesh-netlab-") as tmp:
         for link in links:
-            runs.append(run_link(link, Path(tmp), args))
-    rows = [summarize(r, args.kv_scale) for r in runs]
-    result = {"links": rows, "scale": args.kv_scale, "time_scale": args.time_scale, "duration_s": args.duration,
-              "latency_emulation": "none (netem unavailable)"}
+            runs.append(run_link(link, Path(tmp), args, plan))
+    rows = [summarize(r, plan) for r in runs]
+    result = {"links": rows, "scale": plan.link_scale, "kv_scale": plan.kv_scale, "time_compress": plan.compress.k,
+              "think_multiplier": round(plan.think, 4), "demand": plan.demand, "kvshare": plan.kvshare,
+              "duration_s": args.duration, "full_scale_minutes": round(plan.compress.full_scale_s(args.duration) / 60, 1),
+              "calibration": cal.summary(), "latency_emulation": "none (netem unavailable)"}
     json_path = out_dir / "netlab.json"
     json_path.write_text(json.dumps(result, indent=2))
     note = write_png(runs, rows, out_dir / "netlab.png")
     if not args.json:
-        print(table(rows, args.kv_scale, args.time_scale))
+        print(table(rows, plan))
         print(f"\nJSON: {json_path}\n{note}")
     print(json.dumps(result), flush=True)
-    return 0
+    return 1 if any(r["errors"] or not r["turns"] for r in rows) else 0

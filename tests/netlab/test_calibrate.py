@@ -1,0 +1,56 @@
+"""netlab's workload: the report's figures fix the load's distributions, and time compression keeps its bytes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.node.bench.workload import text
+from kvmesh.node.netlab import calibrate as cal
+
+
+def test_calibrated_demand_is_the_reports() -> None:
+    """The calibrated shape gives 320-450 Mb/s of kv_share per direction at full scale, with turns small enough to move warm."""
+    c = cal.calibrate()
+    assert cal.MBPS_PER_DIRECTION[0] <= c.mbps_per_direction <= cal.MBPS_PER_DIRECTION[1]
+    assert c.turns_per_conversation == 21
+    assert c.replicated_tokens_per_conversation == pytest.approx(47_894)
+    # A turn adds under a tenth of a 25k-token prompt: a move there can reuse >= 90% (warm).
+    assert c.turn_tokens < 0.1 * 25_000
+    assert c.delta_mib == pytest.approx(c.turn_tokens * cal.KV_BYTES_PER_TOKEN / 2**20)
+    assert 0.3 < c.slot_utilization < 0.6  # homes fill often enough to move turns, not always
+
+
+def test_think_scale_for_demand_doubles_the_traffic() -> None:
+    """--demand 2 picks think times that give twice the report's Mb/s, turns unchanged."""
+    s = cal.think_scale_for(2.0)
+    assert s < 0.5  # turn time does not shrink, so think time shrinks by more than half
+    assert cal.calibrate(s).mbps_per_direction == pytest.approx(2 * cal.calibrate().mbps_per_direction, rel=1e-6)
+    with pytest.raises(ValueError, match="closer than their own length"):
+        cal.think_scale_for(10.0)
+
+
+def test_time_compression_divides_times_and_multiplies_rates() -> None:
+    """K = 12: think / 12, sim prefill and decode x 12, the link x 12 on top of the byte scale, 90 min in 7.5."""
+    k = cal.Compression(12.0)
+    assert k.think_multiplier() == pytest.approx(1 / 12)
+    assert k.think_multiplier(0.5) == pytest.approx(0.5 / 12)
+    assert k.engine_rates() == (cal.PREFILL_TPS * 12, cal.DECODE_TPS * 12)
+    assert k.link_scale(0.05) == pytest.approx(0.6)
+    assert k.duration_s() == pytest.approx(450.0)
+    assert k.full_scale_s(10.0) == pytest.approx(120.0)
+    # Demand per compressed second is K times the full-scale demand, and so is the link: utilisation is kept.
+    full = cal.calibrate()
+    compressed_mbps = full.mbps_per_direction * 0.05 * 12
+    assert compressed_mbps / (1000 * k.link_scale(0.05)) == pytest.approx(full.mbps_per_direction / 1000)
+
+
+def test_load_shape_draws_match_the_calibration() -> None:
+    """The load generator's tool outputs (1 char ~ 1 token) average the calibrated turn growth."""
+    shape = cal.load_shape(seed=3)
+    rng = random.Random(3)
+    sizes = [len(text(rng, rng.randint(*shape.tool_tokens))) for _ in range(400)]
+    mean = sum(sizes) / len(sizes) + shape.max_tokens
+    assert abs(mean - cal.calibrate().turn_tokens) / cal.calibrate().turn_tokens < 0.05
+    assert shape.sessions == 16 and shape.target_tokens == 50_000 and shape.think_s == cal.THINK_S
