@@ -145,11 +145,14 @@ class _Inbound:
 
     def rest_s(self, now: float) -> float:
         """Expected seconds until the rest lands: at the rate observed on this transfer once blocks
-        have landed, else the estimate made when it was offered."""
+        have landed, else what is left of the estimate made when it was offered; once that has
+        passed with nothing landed, as long again as it has taken so far (a stalled link is not
+        waited for beyond what recomputing would cost)."""
         got, t_first = self.landed - self.held, self.t_first
         if got > 0 and 0 < t_first < now:
             return (self.tokens - self.landed) * (now - t_first) / got
-        return max(0.0, self.started + self.eta_s - now)
+        left = self.started + self.eta_s - now
+        return left if left > 0 else now - self.started
 
 
 def keep_waiting(rest_s: float, rest_tokens: int, prefill_tps: float) -> bool:
@@ -332,6 +335,9 @@ class KVShare:
         if ib is None:
             return 0, None, 0
         return ib.tokens, ib.rest_s(time.monotonic()), ib.landed
+
+    def inbound_sessions(self) -> list[str]:
+        return list(self._inbound)
 
     def inflight_to(self, session: str) -> str | None:
         for s, t in self._jobs:

@@ -57,6 +57,9 @@ class ReplicaView(Protocol):
     def inbound(self, session: str) -> tuple[int, float | None, int]:
         """(tokens of a replica landing here, seconds until it is whole, tokens of it landed so far)."""
 
+    def inbound_sessions(self) -> list[str]:
+        """Sessions with a replica landing here now."""
+
     def inflight_to(self, session: str) -> str | None: ...
 
     def import_bps(self) -> float: ...
@@ -199,7 +202,8 @@ class Mesh:
 
     def local_status(self) -> PeerStatus:
         e, r = self.engine, self.replicas
-        names = set(e.sessions) | set(self.book.records) | set(r.store_sessions())
+        # A replica still landing is reported too: placement counts what of it has landed (or will).
+        names = set(e.sessions) | set(self.book.records) | set(r.store_sessions()) | set(r.inbound_sessions())
         return PeerStatus(
             host=self._host_info(), sessions=[self.local_holding(s) for s in sorted(names)],
             counters=self.book.counters.model_copy(deep=True), links=self.links(),

@@ -72,6 +72,9 @@ class FakeReplicas:
     def inbound(self, session: str) -> tuple[int, float | None, int]:
         return 0, None, 0
 
+    def inbound_sessions(self) -> list[str]:
+        return []
+
     def inflight_to(self, session: str) -> str | None:
         return None
 
