@@ -876,10 +876,10 @@ class KVShare:
             if st.writer is not None:
                 st.writer.write_block(ev.index, ev.data, ev.digest)
             ib = st.plan.inbound
-            if ib is not None:  # progress for a turn that waits on it: plain stores, read on the loop
+            if ib is not None and st.offer is not None:  # progress for a turn that waits on it: plain stores
                 if not ib.t_first:
                     ib.t_first = st.t_first
-                ib.landed = (ev.index + 1) * st.offer.block_size if st.offer is not None else ib.landed
+                ib.landed = (ev.index + 1) * st.offer.block_size
         elif isinstance(ev, wire.EndReceived):
             last_byte = time.monotonic()
             assert st.offer is not None

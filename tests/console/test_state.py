@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.console.state import ConsoleState, normalize_url
+from kvmesh.console.format import fmt_shortfall
+from kvmesh.console.state import ConsoleState, describe, normalize_url
 from kvmesh.node.protocol import (
     DrainProgress,
     DrainStarted,
@@ -301,9 +302,6 @@ def test_a_late_event_of_an_older_turn_does_not_move_the_home_back(state: Consol
 
 def test_handoff_shortfalls_are_counted_per_reason(state: ConsoleState) -> None:
     """Shortfall counts come from the snapshot, grow with live handoffs, and show compactly (non-zero only)."""
-    from kvmesh.console.format import fmt_shortfall
-    from kvmesh.console.state import describe
-
     state.node_connected(NODE1)
     snap = make_snapshot()
     snap.cluster.counters.shortfall = {"none": 48, "replica_in_flight": 2, "unexplained": 0}
