@@ -9,13 +9,25 @@ glyph from here, never alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 HandoffWord = Literal["WARM", "PART", "COLD"]
 
 CLASS_WORDS: dict[str, HandoffWord] = {"warm": "WARM", "partial": "PART", "cold": "COLD"}
+
+# Why a handoff reused less than predicted, in words (node.protocol.ShortfallReason; "none" has none).
+SHORTFALL_WORDS: dict[str, str] = {"prompt_diverged": "diverged", "replica_in_flight": "in flight",
+                                   "replica_refused": "refused", "evicted": "evicted", "unexplained": "unexplained"}
+
+
+def fmt_shortfall(counts: Mapping[str, int]) -> str:
+    """Handoffs that reused less than predicted, per reason, compactly ("in flight 2, refused 1"):
+    only reasons counted at least once, "none" left out; "" when there are none."""
+    known = [r for r in SHORTFALL_WORDS if counts.get(r)]
+    other = sorted(r for r, n in counts.items() if n and r != "none" and r not in SHORTFALL_WORDS)
+    return ", ".join(f"{SHORTFALL_WORDS.get(r, r)} {counts[r]}" for r in known + other)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,15 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from kvmesh.console.format import CLASS_WORDS, UNICODE, Glyphs, fmt_bytes, fmt_seconds, fmt_tokens
+from kvmesh.console.format import (
+    CLASS_WORDS,
+    SHORTFALL_WORDS,
+    UNICODE,
+    Glyphs,
+    fmt_bytes,
+    fmt_seconds,
+    fmt_tokens,
+)
 from kvmesh.node.protocol import (
     PROTOCOL_VERSION,
     ClusterSnapshot,
@@ -577,7 +585,7 @@ class ConsoleState:
             if link is None:
                 link = self.links[(li.src, li.dst)] = LinkRow(src=li.src, dst=li.dst)
             _link_from_info(link, li, ts)
-        self.counters = snap.counters.model_copy()
+        self.counters = snap.counters.model_copy(deep=True)  # its shortfall dict is counted into
         self._changes.full = True
         self._changes.counters = True
         self._changes.nodes = True
@@ -674,6 +682,7 @@ class ConsoleState:
             c.cold += 1
         if ev.stale_state:
             c.stale_state_cold += 1
+        c.shortfall[ev.shortfall] = c.shortfall.get(ev.shortfall, 0) + 1
         self._changes.counters = True
         link = self._link(ev.src, ev.dst)
         setattr(link, ev.cls, getattr(link, ev.cls) + 1)
@@ -1017,6 +1026,8 @@ def describe(ev: Event, g: Glyphs = UNICODE) -> tuple[str, Level]:
         word = CLASS_WORDS[ev.cls]
         pct = 100 * ev.reused_tokens / ev.prompt_tokens if ev.prompt_tokens else 100.0
         extra = " (stale state)" if ev.stale_state else ""
+        if ev.shortfall != "none":
+            extra += f", short of {fmt_tokens(ev.predicted_reused_tokens or 0)} predicted: {SHORTFALL_WORDS[ev.shortfall]}"
         lvl: Level = "ok" if ev.cls == "warm" else ("warn" if ev.cls == "partial" else "error")
         return f"{g.handoff(ev.cls)} {word} {ev.session} {ev.src}{a}{ev.dst} reused {pct:.0f}%{extra}", lvl
     if isinstance(ev, ReplicaStarted):

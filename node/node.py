@@ -111,6 +111,7 @@ class Node:
         task.add_done_callback(self._tasks.discard)
 
     def _engine_evicted(self, session: str) -> None:
+        self.kvshare.engine_evicted(session)  # so a handoff that finds less here can say why
         self.hub.publish(ReplicaEvicted(session=session, host=self.name, where="engine"))
 
     async def _status_loop(self, every_s: float = 1.0) -> None:

@@ -27,6 +27,14 @@ MAX_SESSION_ID_BYTES = 256
 _BIDI_CONTROLS = frozenset({"LRE", "RLE", "LRO", "RLO", "PDF", "LRI", "RLI", "FSI", "PDI"})
 
 HandoffClass = Literal["warm", "partial", "cold"]
+# Why a handoff reused less than placement predicted (one reason per handoff; "none" when it did not).
+# prompt_diverged: the prompt stopped matching the best cache or replica the host held, before the
+# predicted point; replica_in_flight: a replica of the session was still landing when the turn ran;
+# replica_refused: this host refused the session's latest replica; evicted: this host held more of
+# the session (engine or store) and evicted it; unexplained: a gap nobody could explain (counted, not hidden).
+ShortfallReason = Literal["none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "unexplained"]
+SHORTFALL_REASONS: tuple[ShortfallReason, ...] = (
+    "none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "unexplained")
 
 
 def session_id_problem(value: object) -> str | None:
@@ -166,6 +174,9 @@ class HandoffCounters(_Model):
     partial: int = 0
     cold: int = 0
     stale_state_cold: int = 0
+    # Handoffs by why they reused less than predicted (ShortfallReason -> count; "none" included, so
+    # the counts add up to the handoffs of nodes that report it).
+    shortfall: dict[str, int] = Field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -202,6 +213,7 @@ class SessionHolding(_Model):
     inflight_to: str | None = None  # a replica of it being sent from here
     inbound_tokens: int = 0  # a replica of it being received here...
     inbound_eta_s: float | None = None  # ...expected to land in this many seconds
+    inbound_landed: int = 0  # ...of which this many tokens are in place here already
 
 
 class PeerStatus(_Model):
@@ -271,6 +283,11 @@ class Handoff(_Event):
     mismatch_token: int | None = None  # where the prompt stopped matching the best cache held
     mismatch_message: int | None = None  # ...as an index into the request's messages
     stale_state: bool = False  # cold although a usable replica was in the target's store
+    shortfall: ShortfallReason = "none"  # why it reused less than predicted
+    inflight_landed_tokens: int | None = None  # replica_in_flight: tokens of the replica in place when the turn ran...
+    inflight_offered_tokens: int | None = None  # ...of the tokens the replica carries
+    refused_reason: str | None = None  # replica_refused: the reason this host refused the latest replica
+    evicted_from: Literal["engine", "store"] | None = None  # evicted: where this host dropped it from
 
 
 class ReplicaStarted(_Event):

@@ -1,7 +1,8 @@
 """Counters panel: warm / partial / cold handoffs, big enough to read across a room.
 
 Mesh-wide numbers in large digits with their words and glyphs, the warm
-percentage, stale-state colds, and the same counts for the link selected in the
+percentage, stale-state colds, handoffs short of their predicted reuse by reason
+(only reasons that occurred), and the same counts for the link selected in the
 links panel. The compact layout (80x24) shows `CountersLine` instead: the same on
 one line. With `--ascii` the digits are plain bold text (the big digits are
 box-drawing glyphs).
@@ -14,7 +15,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Digits, Static
 
-from kvmesh.console.format import CLASS_WORDS, Glyphs, fmt_pct
+from kvmesh.console.format import CLASS_WORDS, Glyphs, fmt_pct, fmt_shortfall
 from kvmesh.console.state import ConsoleState, LinkKey
 from kvmesh.console.theme import Palette
 from kvmesh.console.widgets.changed import ChangedOnly
@@ -60,6 +61,9 @@ class CountersPanel(Vertical):
         )
         if c.stale_state_cold:
             pct_text.append(f"\n{c.stale_state_cold} cold from stale state", style=palette.cold)
+        short = fmt_shortfall(c.shortfall)
+        if short:
+            pct_text.append(f"\nshort of predicted: {short}", style=palette.warn)
         self._set("counters-pct", pct_text)
         self._set("counters-link", self._link_line(state, palette, glyphs, link))
 
@@ -98,6 +102,9 @@ class CountersLine(Static):
         line.append(fmt_pct(c.warm_pct()), style=palette.warm)
         if c.stale_state_cold:
             line.append(f"  stale-state cold {c.stale_state_cold}", style=palette.cold)
+        short = fmt_shortfall(c.shortfall)
+        if short:
+            line.append(f"  short: {short}", style=palette.warn)
         lk = state.links.get(link) if link else None
         if lk is not None:
             line.append(f"  {lk.src}{glyphs.arrow}{lk.dst} ", style=palette.muted)

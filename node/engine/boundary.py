@@ -17,7 +17,8 @@ Grouped by who uses what (grep of node/kvshare, node/mesh, node/api, node/node.p
 - turns (API, through the node): validate, generate;
 - load (mesh placement): slots, prefill_rate.
 `evict` is not here: nothing outside the engine evicts a session today (the engine
-evicts LRU itself and reports it through the node's `on_evict` hook).
+evicts LRU itself and reports it through the `on_evict` hook the node sets; the node
+tells kv_share, `KVShare.engine_evicted`, which names it when a handoff finds less here).
 
 Attributes are declared as read-only properties: callers only read them, and a
 plain attribute of the concrete engine satisfies a read-only protocol member.

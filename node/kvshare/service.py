@@ -19,6 +19,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import select
 import socket
@@ -29,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -50,6 +51,7 @@ from kvmesh.node.protocol import (
     ReplicaSent,
     ReplicaStarted,
     ReplicaSuperseded,
+    ShortfallReason,
 )
 from kvmesh.node.tls import client_context, server_context
 
@@ -62,6 +64,9 @@ MAX_INBOUND_CONNECTIONS = 64
 OFFER_DEADLINE_S = 10.0
 MAX_UNUSED_TRACKED = 10_000  # sessions whose received replica bytes wait to be used (or counted wasted)
 IMPORT_THREADS = 2  # store -> engine imports copying at once (memcpy and digests let go of the GIL)
+MAX_INBOUND_WAIT_S = 30.0  # a turn never waits longer than this for a replica still landing
+INBOUND_CHECK_S = 0.1  # while a turn waits for a landing replica, its progress is judged this often
+MAX_EXPLAINED = 10_000  # sessions whose last refusal, eviction or pre-turn state is kept to explain a handoff
 
 # Without a configured mesh secret the mesh is loopback-only; kv_share still signs its frames.
 DEV_SECRET = b"kvmesh-loopback-only-dev-secret"
@@ -157,11 +162,66 @@ class _Job:
 
 @dataclass
 class _Inbound:
+    """A replica being received. The loop makes it; the receiving thread writes `landed` and
+    `t_first` (plain int/float stores), the loop reads them: no lock, nothing ever blocks on it."""
+
     src: str
-    tokens: int
+    tokens: int  # tokens the replica carries (whole blocks offered)
     started: float
-    eta_s: float
-    landed: asyncio.Event = field(default_factory=asyncio.Event)
+    eta_s: float  # expected transfer time, estimated when it was offered (from the link's past rate)
+    held: int = 0  # tokens of it this host held already (not sent)
+    landed: int = 0  # tokens in place so far: `held`, then each verified block as it lands
+    t_first: float = 0.0  # monotonic time the first block began to arrive (0: none yet)
+    offered: np.ndarray | None = None  # the replica's token ids (to tell a divergent prompt)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # landed whole, or ended
+
+    def rest_s(self, now: float) -> float:
+        """Expected seconds until the rest lands: at the rate observed on this transfer once blocks
+        have landed, else what is left of the estimate made when it was offered; once that has
+        passed with nothing landed, as long again as it has taken so far (a stalled link is not
+        waited for beyond what recomputing would cost)."""
+        got, t_first = self.landed - self.held, self.t_first
+        if got > 0 and 0 < t_first < now:
+            return (self.tokens - self.landed) * (now - t_first) / got
+        left = self.started + self.eta_s - now
+        return left if left > 0 else now - self.started
+
+
+def keep_waiting(rest_s: float, rest_tokens: int, prefill_tps: float) -> bool:
+    """Whether a turn should keep waiting for the rest of a replica still landing: only while it is
+    expected to land sooner than the engine would recompute those tokens."""
+    return rest_tokens > 0 and rest_s < rest_tokens / max(prefill_tps, 1.0)
+
+
+@dataclass(frozen=True)
+class _Before:
+    """What this host held of a session when a turn of it started (after any wait and import)."""
+
+    mismatch: int | None  # where the prompt stopped matching the best cache/replica held (its end if it matched)
+    diverged: bool  # ...because a token differed (not because what was held ended there)
+    inflight: tuple[int, int] | None  # (tokens landed, tokens offered) of a replica still landing
+
+
+@dataclass(frozen=True)
+class ReuseExplained:
+    """Why a handoff reused what it did (kv_share's answer to `explain`)."""
+
+    shortfall: ShortfallReason = "none"
+    mismatch_token: int | None = None  # where the prompt stopped matching the best cache held before the turn
+    stale_state: bool = False  # the store held >= 90% of the prompt, yet < 90% was reused
+    replica_age_s: float | None = None
+    inflight_landed: int | None = None
+    inflight_offered: int | None = None
+    refused_reason: str | None = None
+    evicted_from: Literal["engine", "store"] | None = None
+
+
+def _remember(d: dict[str, T], session: str, value: T) -> None:
+    """Keep the latest `value` for `session`, forgetting the oldest sessions beyond MAX_EXPLAINED."""
+    d.pop(session, None)
+    d[session] = value
+    while len(d) > MAX_EXPLAINED:
+        d.pop(next(iter(d)))
 
 
 class _Superseded(Exception):
@@ -180,6 +240,7 @@ class _Plan:
     store_held: int = 0
     tokens: np.ndarray | None = None
     hashes: list[bytes] = field(default_factory=list)
+    inbound: _Inbound | None = None  # its progress, for turns that wait on it
 
 
 @dataclass
@@ -227,6 +288,10 @@ class KVShare:
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._queued: dict[tuple[str, str], _Job] = {}
         self._inbound: dict[str, _Inbound] = {}
+        # To explain a handoff that reused less than predicted (each LRU-capped at MAX_EXPLAINED):
+        self._before: dict[str, _Before] = {}  # what was held when the session's last turn here started
+        self._refusals: dict[str, str] = {}  # the reason this host refused the session's latest replica
+        self._evictions: dict[str, Literal["engine", "store"]] = {}  # evicted here since it last landed or ran
         self._generation = 0
         self._import_rates: collections.deque[float] = collections.deque(maxlen=32)
         self._send_pool = concurrent.futures.ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kvshare-send")
@@ -280,6 +345,11 @@ class KVShare:
 
     def store_evicted(self, session: str) -> None:
         self.wasted_bytes += self._unused.pop(session, 0)
+        _remember(self._evictions, session, "store")
+
+    def engine_evicted(self, session: str) -> None:
+        """The engine dropped the session's resident cache (its LRU, to make room)."""
+        _remember(self._evictions, session, "engine")
 
     def store_tokens(self, session: str) -> tuple[int, float | None]:
         m = self.store.manifest(session)
@@ -293,11 +363,15 @@ class KVShare:
     def store_bytes(self) -> int:
         return self.store.usage_bytes()
 
-    def inbound(self, session: str) -> tuple[int, float | None]:
+    def inbound(self, session: str) -> tuple[int, float | None, int]:
+        """(tokens of a replica of it landing here, seconds until it is expected whole, tokens landed so far)."""
         ib = self._inbound.get(session)
         if ib is None:
-            return 0, None
-        return ib.tokens, max(0.0, ib.started + ib.eta_s - time.monotonic())
+            return 0, None, 0
+        return ib.tokens, ib.rest_s(time.monotonic()), ib.landed
+
+    def inbound_sessions(self) -> list[str]:
+        return list(self._inbound)
 
     def inflight_to(self, session: str) -> str | None:
         for s, t in self._jobs:
@@ -360,14 +434,11 @@ class KVShare:
         of this prompt, import it before the turn runs. Returns tokens imported."""
         ib = self._inbound.get(session)
         if ib is not None:
-            wait = min(30.0, max(0.5, ib.started + ib.eta_s + 2.0 - time.monotonic()))
-            try:
-                await asyncio.wait_for(ib.landed.wait(), wait)
-            except TimeoutError:
-                log.warning("replica of %s still in flight after %.1fs; running with what is here", session, wait)
+            await self._wait_inbound(session, ib)
         e = self.engine
         held = e.cached_prefix(session, prompt)
         stored_blocks = self._store_match_blocks(session, prompt)
+        self._note_before(session, prompt, ib)
         self._unused.pop(session, None)  # whatever replica is here is now being used
         if stored_blocks * e.block_size <= held:
             return 0
@@ -383,6 +454,41 @@ class KVShare:
             self._import_rates.append((stored_blocks * e.block_bytes) / secs)
         self._publish(ReplicaImported(session=session, host=self.name, tokens=tokens, seconds=round(secs, 4)))
         return tokens
+
+    async def _wait_inbound(self, session: str, ib: _Inbound) -> None:
+        """Wait for a replica of the session still landing while that beats recomputing what it
+        has yet to bring (judged every INBOUND_CHECK_S from its observed rate), at most
+        MAX_INBOUND_WAIT_S; return as soon as it lands."""
+        t0 = time.monotonic()
+        while not ib.arrived.is_set():
+            now = time.monotonic()
+            rest_tokens, rest_s = ib.tokens - ib.landed, ib.rest_s(now)
+            prefill = self.engine.prefill_rate()
+            if now - t0 >= MAX_INBOUND_WAIT_S or not keep_waiting(rest_s, rest_tokens, prefill):
+                log.info("turn of %s runs now, after %.2fs: its replica from %s has %d of %d tokens here; the rest "
+                         "is expected in %.2fs, recomputing it takes %.2fs", session, now - t0, ib.src, ib.landed,
+                         ib.tokens, rest_s, rest_tokens / max(prefill, 1.0))
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ib.arrived.wait(), min(INBOUND_CHECK_S, t0 + MAX_INBOUND_WAIT_S - now))
+        log.info("turn of %s waited %.2fs for its replica from %s to land", session, time.monotonic() - t0, ib.src)
+
+    def _note_before(self, session: str, prompt: np.ndarray, ib: _Inbound | None) -> None:
+        """Remember what this host holds of the session as its turn starts (to explain the handoff
+        later, once the turn has replaced the engine's cache): where the prompt stops matching the
+        largest cache or replica held (the engine's, the store's, or one still landing), and how
+        much of a replica still landing is here."""
+        m = self.store.manifest(session)
+        held = [t for t in (self.engine.session_tokens(session), m.tokens if m is not None else None,
+                            ib.offered if ib is not None else None) if t is not None and len(t)]
+        mismatch, diverged = None, False
+        if held:
+            best = max(held, key=len)
+            n = min(len(best), len(prompt))
+            diff = np.flatnonzero(best[:n] != prompt[:n])
+            mismatch, diverged = (int(diff[0]), True) if len(diff) else (n, False)
+        inflight = (ib.landed, ib.tokens) if ib is not None and not ib.arrived.is_set() else None
+        _remember(self._before, session, _Before(mismatch, diverged, inflight))
 
     async def _import_from_store(self, session: str, upto_blocks: int) -> int:
         """Reserve the engine's blocks here on the loop, copy and digest on a worker thread,
@@ -437,22 +543,34 @@ class KVShare:
         await asyncio.sleep(0)  # a write-behind hands its pins back through the loop
         return not pending
 
-    def explain_reuse(self, session: str, prompt: np.ndarray, reused: int) -> tuple[int | None, bool, float | None]:
-        """(token where the prompt stopped matching the best cache held here, stale-state flag, replica age)."""
+    def explain(self, session: str, prompt: np.ndarray, reused: int, predicted: int | None) -> ReuseExplained:
+        """Why a turn of `session` that moved here reused `reused` tokens when placement predicted
+        `predicted`: one reason, checked in order. The prompt diverged from what was held before
+        the predicted point; else a replica was still landing when the turn ran; else this host
+        refused the session's latest replica; else it evicted the session; else unexplained."""
         e = self.engine
-        best: np.ndarray | None = e.session_tokens(session)
+        before = self._before.pop(session, None)
         m = self.store.manifest(session)
-        age = time.time() - m.updated if m is not None else None
-        if m is not None and (best is None or len(m.tokens) > len(best)):
-            best = m.tokens
-        mismatch = None
-        if best is not None:
-            n = min(len(best), len(prompt))
-            diff = np.flatnonzero(best[:n] != prompt[:n])
-            mismatch = int(diff[0]) if len(diff) else n
+        age = round(time.time() - m.updated, 3) if m is not None else None
         usable = self._store_match_blocks(session, prompt) * e.block_size
         stale = usable >= 0.9 * len(prompt) and reused < 0.9 * len(prompt)
-        return mismatch, stale, round(age, 3) if age is not None else None
+        mismatch = before.mismatch if before is not None else None
+        base = ReuseExplained(mismatch_token=mismatch, stale_state=stale, replica_age_s=age)
+        # Reuse comes in whole blocks: a prediction inside the last block is met by the block before it.
+        expected = (predicted or 0) // e.block_size * e.block_size
+        if reused >= expected:
+            return base
+        if before is not None and before.diverged and mismatch is not None and mismatch < expected:
+            return dataclasses.replace(base, shortfall="prompt_diverged")
+        if before is not None and before.inflight is not None:
+            landed, offered = before.inflight
+            return dataclasses.replace(base, shortfall="replica_in_flight", inflight_landed=landed,
+                                       inflight_offered=offered)
+        if session in self._refusals:
+            return dataclasses.replace(base, shortfall="replica_refused", refused_reason=self._refusals[session])
+        if session in self._evictions:
+            return dataclasses.replace(base, shortfall="evicted", evicted_from=self._evictions[session])
+        return dataclasses.replace(base, shortfall="unexplained")
 
     # ---- after a turn: replicate to the predicted next host ---------------------
 
@@ -464,6 +582,7 @@ class KVShare:
     def after_turn(self, session: str, target: str | None, turn_s: float = 0.0) -> None:
         """A turn of `session` ended here after `turn_s` seconds: push the replica to `target`
         (the host placement predicts next, decided where the turn ended), and keep this host's own copy."""
+        self._evictions.pop(session, None)  # it ran here: the engine holds it afresh
         self._note_turn(session, turn_s)
         if not self.worth_replicating(session):
             return
@@ -858,8 +977,14 @@ class KVShare:
         if isinstance(ev, wire.BlockHeader) and not st.first_block_seen:
             # Transfer time counts from the first block's first byte, as raw TCP's does.
             st.first_block_seen, st.t_first = True, time.monotonic()
-        elif isinstance(ev, wire.BlockReceived) and st.writer is not None:
-            st.writer.write_block(ev.index, ev.data, ev.digest)
+        elif isinstance(ev, wire.BlockReceived):
+            if st.writer is not None:
+                st.writer.write_block(ev.index, ev.data, ev.digest)
+            ib = st.plan.inbound
+            if ib is not None and st.offer is not None:  # progress for a turn that waits on it: plain stores
+                if not ib.t_first:
+                    ib.t_first = st.t_first
+                ib.landed = (ev.index + 1) * st.offer.block_size
         elif isinstance(ev, wire.EndReceived):
             last_byte = time.monotonic()
             assert st.offer is not None
@@ -924,19 +1049,22 @@ class KVShare:
             # Every KV block is held by a running turn: the replica goes to the store only
             # (the slow path: disk on the critical path), to be imported before its next turn.
             # The receiving thread opens the store write (it copies and verifies held blocks).
-            self._track_inbound(offer, store_held)
-            return _Plan(store_only=True, first_missing=store_held, store_held=store_held)
+            ib = self._track_inbound(offer, store_held, ev.tokens)
+            return _Plan(store_only=True, first_missing=store_held, store_held=store_held, inbound=ib)
         engine_held = txn.missing[0] if txn.missing else offer.n_blocks
         first = max(engine_held, store_held)
-        self._track_inbound(offer, first)
+        ib = self._track_inbound(offer, first, ev.tokens)
         return _Plan(txn=txn, first_missing=first, engine_held=engine_held, store_held=store_held, tokens=ev.tokens,
-                     hashes=ev.hashes)
+                     hashes=ev.hashes, inbound=ib)
 
-    def _track_inbound(self, offer: wire.Offer, first: int) -> None:
+    def _track_inbound(self, offer: wire.Offer, first: int, tokens: np.ndarray) -> _Inbound:
         st = self.inn.get(offer.sender)
         rate = st.bytes / st.seconds if st is not None and st.seconds > 0 else 1e9  # measured on this link
-        self._inbound[offer.session] = _Inbound(offer.sender, offer.num_tokens, time.monotonic(),
-                                                 eta_s=(offer.n_blocks - first) * offer.block_bytes / rate)
+        held = first * offer.block_size
+        ib = self._inbound[offer.session] = _Inbound(
+            offer.sender, offer.num_tokens, time.monotonic(), eta_s=(offer.n_blocks - first) * offer.block_bytes / rate,
+            held=held, landed=held, offered=tokens)
+        return ib
 
     def _on_complete(self, offer: wire.Offer, plan: _Plan, received: int, last_byte: float, t_first: float,
                      committed: int | None) -> int:
@@ -955,7 +1083,11 @@ class KVShare:
         st.ready_lag_s.append(lag)
         ib = self._inbound.pop(offer.session, None)
         if ib is not None:
-            ib.landed.set()
+            ib.landed = ib.tokens
+            ib.arrived.set()
+        # A replica of it landed whole: an earlier refusal or eviction no longer explains anything.
+        self._refusals.pop(offer.session, None)
+        self._evictions.pop(offer.session, None)
         # A delta builds on the replica before it: those bytes stay useful. Replica bytes
         # are wasted only if the store drops them before any turn here used them.
         self._unused[offer.session] = self._unused.get(offer.session, 0) + received
@@ -974,15 +1106,16 @@ class KVShare:
         if offer is not None:
             ib = self._inbound.pop(offer.session, None)
             if ib is not None:
-                ib.landed.set()
+                ib.arrived.set()
 
     def _refused(self, offer: wire.Offer | None, src: str, reason: str, message: str) -> None:
         self.inn[src].refused[reason] += 1
         session = offer.session if offer is not None else "?"
         if offer is not None:
+            _remember(self._refusals, offer.session, reason)
             ib = self._inbound.pop(offer.session, None)
             if ib is not None:
-                ib.landed.set()
+                ib.arrived.set()
         log.info("refused a replica of %s from %s: %s (%s)", session, src, reason, message)
         self._publish(ReplicaRefused(session=session, src=src, dst=self.name, reason=reason,
                                              message=message[:200]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import ssl
 import time
 from collections.abc import Callable
@@ -53,7 +54,11 @@ class ReplicaView(Protocol):
 
     def store_sessions(self) -> list[str]: ...
 
-    def inbound(self, session: str) -> tuple[int, float | None]: ...
+    def inbound(self, session: str) -> tuple[int, float | None, int]:
+        """(tokens of a replica landing here, seconds until it is whole, tokens of it landed so far)."""
+
+    def inbound_sessions(self) -> list[str]:
+        """Sessions with a replica landing here now."""
 
     def inflight_to(self, session: str) -> str | None: ...
 
@@ -116,13 +121,14 @@ class Mesh:
         r = self.replicas
         rec = self.book.records.get(session)
         stored, updated = r.store_tokens(session)
-        inbound, eta = r.inbound(session)
+        inbound, eta, landed = r.inbound(session)
         return SessionHolding(
             session=session, resident_tokens=self.engine.resident_tokens(session), store_tokens=stored,
             store_updated=updated, home_seq=rec.home_seq if rec else 0, turn_seq=rec.turn_seq if rec else 0,
             last_turn_at=rec.last_turn_at if rec else 0.0, turns=rec.turns if rec else 0,
             moves=rec.moves if rec else 0, last_handoff=rec.last_handoff if rec else None,
             inflight_to=r.inflight_to(session), inbound_tokens=inbound, inbound_eta_s=eta,
+            inbound_landed=landed,
         )
 
     def holdings(self, session: str) -> dict[str, Holding]:
@@ -139,7 +145,7 @@ class Mesh:
             host, seq = routed
             cur = out.get(host, Holding())
             if seq > cur.turn_seq:
-                out[host] = Holding(cur.resident, cur.stored, cur.inbound, cur.inbound_eta_s, max(seq, cur.home_seq), seq)
+                out[host] = dataclasses.replace(cur, home_seq=max(seq, cur.home_seq), turn_seq=seq)
         return out
 
     def note_routed(self, session: str, host: str, seq: int) -> None:
@@ -196,10 +202,11 @@ class Mesh:
 
     def local_status(self) -> PeerStatus:
         e, r = self.engine, self.replicas
-        names = set(e.sessions) | set(self.book.records) | set(r.store_sessions())
+        # A replica still landing is reported too: placement counts what of it has landed (or will).
+        names = set(e.sessions) | set(self.book.records) | set(r.store_sessions()) | set(r.inbound_sessions())
         return PeerStatus(
             host=self._host_info(), sessions=[self.local_holding(s) for s in sorted(names)],
-            counters=self.book.counters.model_copy(), links=self.links(),
+            counters=self.book.counters.model_copy(deep=True), links=self.links(),
             mean_turn_s=e.slots.mean_turn_s(), import_bps=r.import_bps(),
             kv_bytes_per_token=e.kv_bytes_per_token, wasted_replica_bytes=r.wasted_bytes,
         )
@@ -226,6 +233,8 @@ class Mesh:
         for host, st in statuses.items():
             for f in ("warm", "partial", "cold", "stale_state_cold"):
                 setattr(counters, f, getattr(counters, f) + getattr(st.counters, f))
+            for reason, n in st.counters.shortfall.items():
+                counters.shortfall[reason] = counters.shortfall.get(reason, 0) + n
             for li in st.links:
                 # Transfer figures come from the sender's report, handoff counts from the receiver's.
                 cur = links.setdefault((li.src, li.dst), LinkInfo(src=li.src, dst=li.dst))
@@ -242,7 +251,7 @@ class Mesh:
 
 def _holding(sh: SessionHolding) -> Holding:
     return Holding(sh.resident_tokens, sh.store_tokens, sh.inbound_tokens, sh.inbound_eta_s or 0.0, sh.home_seq,
-                   sh.turn_seq)
+                   sh.turn_seq, inbound_landed=sh.inbound_landed)
 
 
 def _session_info(session: str, held: dict[str, SessionHolding], now: float) -> SessionInfo:

@@ -10,7 +10,7 @@ import collections
 import time
 from dataclasses import dataclass
 
-from kvmesh.node.protocol import HandoffClass, HandoffCounters
+from kvmesh.node.protocol import HandoffClass, HandoffCounters, ShortfallReason
 
 
 @dataclass
@@ -23,6 +23,16 @@ class SessionRecord:
     moves: int = 0
     last_handoff: HandoffClass | None = None
     last_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class HandoffRecord:
+    """A turn that moved here: from where, its class, and why it reused less than predicted."""
+
+    src: str
+    cls: HandoffClass
+    stale: bool = False  # cold although a usable replica was stored here
+    shortfall: ShortfallReason = "none"
 
 
 @dataclass
@@ -51,9 +61,8 @@ class SessionBook:
             self.records.move_to_end(session)
         return rec
 
-    def turn_served(self, session: str, prompt_tokens: int, handoff: tuple[str, HandoffClass, bool] | None,
-                    seq: int) -> SessionRecord:
-        """Record a turn that ran here; `handoff` = (previous host, class, stale_state) when it moved."""
+    def turn_served(self, session: str, prompt_tokens: int, handoff: HandoffRecord | None, seq: int) -> SessionRecord:
+        """Record a turn that ran here; `handoff` when it moved here."""
         rec = self.get(session)
         rec.turns += 1
         rec.turn_seq = max(seq, rec.turn_seq + 1)
@@ -61,12 +70,14 @@ class SessionBook:
         rec.last_turn_at = time.time()
         rec.last_prompt_tokens = prompt_tokens
         if handoff is not None:
-            src, cls, stale = handoff
+            src, cls = handoff.src, handoff.cls
             rec.moves += 1
             rec.last_handoff = cls
-            setattr(self.counters, cls, getattr(self.counters, cls) + 1)
-            if stale and cls == "cold":
-                self.counters.stale_state_cold += 1
+            c = self.counters
+            setattr(c, cls, getattr(c, cls) + 1)
+            if handoff.stale and cls == "cold":
+                c.stale_state_cold += 1
+            c.shortfall[handoff.shortfall] = c.shortfall.get(handoff.shortfall, 0) + 1
             lc = self.links_in[src]
             setattr(lc, cls, getattr(lc, cls) + 1)
         return rec

@@ -33,6 +33,7 @@ from kvmesh.node.engine.engine import (
 )
 from kvmesh.node.engine.sampling import MIN_TEMPERATURE
 from kvmesh.node.errors import KVMeshError
+from kvmesh.node.kvshare.service import ReuseExplained
 from kvmesh.node.mesh.auth import PEER_HEADER, check_peer_token
 from kvmesh.node.mesh.forward import (
     PeerSilent,
@@ -47,6 +48,7 @@ from kvmesh.node.mesh.forward import (
 )
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.placement import Decision
+from kvmesh.node.mesh.sessions import HandoffRecord
 from kvmesh.node.protocol import (
     Event,
     Handoff,
@@ -69,7 +71,7 @@ class TurnReplicas(Protocol):
 
     async def ensure_imported(self, session: str, prompt: np.ndarray) -> int: ...
 
-    def explain_reuse(self, session: str, prompt: np.ndarray, reused: int) -> tuple[int | None, bool, float | None]: ...
+    def explain(self, session: str, prompt: np.ndarray, reused: int, predicted: int | None) -> ReuseExplained: ...
 
     def worth_replicating(self, session: str) -> bool: ...
 
@@ -189,25 +191,32 @@ class HostTurn:
         p.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, self.seq)
         self._replicate(stats.total_s)
 
-    def _handoff(self, stats: TurnStats) -> tuple[str, HandoffClass, bool] | None:
-        """Publish the handoff this turn was, if it moved here: (previous host, class, stale state)."""
+    def _handoff(self, stats: TurnStats) -> HandoffRecord | None:
+        """Publish the handoff this turn was, if it moved here, with why it reused less than predicted."""
         if self.handoff_class is None or self.prev_host is None:
             return None
         p, req = self.path, self.req
         cls = classify(stats.cached_tokens / max(1, stats.prompt_tokens))
         prompt = np.asarray(req.prompt, dtype=np.int32)
-        mismatch_tok, stale, age = p.replicas.explain_reuse(req.session, prompt, stats.cached_tokens)
+        why = p.replicas.explain(req.session, prompt, stats.cached_tokens, self.predicted)
+        # Where the prompt stopped matching: for a handoff that was not warm, or one that diverged.
+        mismatch_tok = why.mismatch_token if cls != "warm" or why.shortfall == "prompt_diverged" else None
         msg_idx = None
         if mismatch_tok is not None:
             starts = p.engine.tokenizer.message_starts(np.asarray(req.prompt))
             msg_idx = int(np.searchsorted(starts, mismatch_tok, side="right")) - 1
+        if why.shortfall != "none":
+            log.info("handoff of %s %s->%s reused %d of %d predicted: %s", req.session, self.prev_host, p.name,
+                     stats.cached_tokens, self.predicted or 0, why.shortfall)
+        stale = why.stale_state and cls == "cold"
         p.publish(Handoff(session=req.session, src=self.prev_host, dst=p.name, cls=cls,
                           prompt_tokens=stats.prompt_tokens, reused_tokens=stats.cached_tokens,
-                          predicted_reused_tokens=self.predicted, replica_age_s=age,
-                          mismatch_token=mismatch_tok if cls != "warm" else None,
-                          mismatch_message=msg_idx if cls != "warm" else None,
-                          stale_state=stale and cls == "cold", turn_seq=self.seq))
-        return self.prev_host, cls, stale
+                          predicted_reused_tokens=self.predicted, replica_age_s=why.replica_age_s,
+                          mismatch_token=mismatch_tok, mismatch_message=msg_idx, stale_state=stale,
+                          shortfall=why.shortfall, inflight_landed_tokens=why.inflight_landed,
+                          inflight_offered_tokens=why.inflight_offered, refused_reason=why.refused_reason,
+                          evicted_from=why.evicted_from, turn_seq=self.seq))
+        return HandoffRecord(self.prev_host, cls, stale, why.shortfall)
 
     def _replicate(self, turn_s: float) -> None:
         """Push the session to the host it would move to next: placement decides, here where the turn ended."""

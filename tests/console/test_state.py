@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.console.state import ConsoleState, normalize_url
+from kvmesh.console.format import fmt_shortfall
+from kvmesh.console.state import ConsoleState, describe, normalize_url
 from kvmesh.node.protocol import (
     DrainProgress,
     DrainStarted,
@@ -297,3 +298,18 @@ def test_a_late_event_of_an_older_turn_does_not_move_the_home_back(state: Consol
     # Turn 9 moves it on, whatever the hosts' clocks say.
     state.feed(NODE1, handoff(seq=21, node="node-1", ts=T0 - 60, session="s-001", src="node-3", dst="node-1"))
     assert s.home == "node-1", "an event without a turn_seq (an older node) is applied in arrival order"
+
+
+def test_handoff_shortfalls_are_counted_per_reason(state: ConsoleState) -> None:
+    """Shortfall counts come from the snapshot, grow with live handoffs, and show compactly (non-zero only)."""
+    state.node_connected(NODE1)
+    snap = make_snapshot()
+    snap.cluster.counters.shortfall = {"none": 48, "replica_in_flight": 2, "unexplained": 0}
+    state.feed(NODE1, snap)
+    ev = handoff(seq=3, cls="partial").model_copy(update={"shortfall": "evicted", "predicted_reused_tokens": 990})
+    state.feed(NODE1, ev)
+    assert state.counters.shortfall == {"none": 48, "replica_in_flight": 2, "unexplained": 0, "evicted": 1}
+    assert snap.cluster.counters.shortfall.get("evicted") is None, "the snapshot's own counts must stay as sent"
+    assert fmt_shortfall(state.counters.shortfall) == "in flight 2, evicted 1"
+    assert fmt_shortfall({"none": 5}) == ""
+    assert "evicted" in describe(ev)[0]

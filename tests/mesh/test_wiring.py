@@ -16,6 +16,7 @@ import pytest
 import kvmesh.node
 from kvmesh.node.config import EngineConfig, MeshConfig, PeerConfig, SimConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnDone
+from kvmesh.node.kvshare.service import ReuseExplained
 from kvmesh.node.mesh.actions import RelayFailed, relay_action
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.turn import TurnPath
@@ -68,8 +69,11 @@ class FakeReplicas:
     def store_sessions(self) -> list[str]:
         return []
 
-    def inbound(self, session: str) -> tuple[int, float | None]:
-        return 0, None
+    def inbound(self, session: str) -> tuple[int, float | None, int]:
+        return 0, None, 0
+
+    def inbound_sessions(self) -> list[str]:
+        return []
 
     def inflight_to(self, session: str) -> str | None:
         return None
@@ -84,13 +88,13 @@ class FakeReplicas:
         self.imported.append(session)
         return 0
 
-    def explain_reuse(self, session: str, prompt: np.ndarray, reused: int) -> tuple[int | None, bool, float | None]:
-        return None, False, None
+    def explain(self, session: str, prompt: np.ndarray, reused: int, predicted: int | None) -> ReuseExplained:
+        return ReuseExplained()
 
     def worth_replicating(self, session: str) -> bool:
         return True
 
-    def after_turn(self, session: str, target: str | None) -> None:
+    def after_turn(self, session: str, target: str | None, turn_s: float = 0.0) -> None:
         self.after.append((session, target))
 
 
