@@ -152,6 +152,7 @@ class _Job:
     offer_tip: tuple[int, bytes] | None = None  # (blocks offered, hash of the last one) once exported
     progress_at: float = 0.0  # monotonic time the socket last took bytes (sender thread writes it)
     sock: socket.socket | None = None  # while sending: closing it unblocks a stalled send
+    link_free: Callable[[], None] | None = None  # gives the push's gate permit back (once); see _stream
 
     def supersede(self) -> None:
         self.cancel.set()
@@ -294,7 +295,8 @@ class KVShare:
         self._evictions: dict[str, Literal["engine", "store"]] = {}  # evicted here since it last landed or ran
         self._generation = 0
         self._import_rates: collections.deque[float] = collections.deque(maxlen=32)
-        self._send_pool = concurrent.futures.ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kvshare-send")
+        # Twice the gate's permits: a push waiting for the receiver's verdict has given its permit back.
+        self._send_pool = concurrent.futures.ThreadPoolExecutor(2 * cfg.concurrency, thread_name_prefix="kvshare-send")
         self._disk = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvshare-disk")
         self._writes: set[concurrent.futures.Future[None]] = set()  # write-behinds queued or running (they pin blocks)
         self._gate = PushGate(cfg.concurrency)
@@ -620,6 +622,26 @@ class KVShare:
             return (-2.0, 0.0)  # superseded while waiting: let it go at once
         return push_key(self.push_facts(job.session, job.target), self.out[job.target].goodput_bps())
 
+    def _link_freer(self) -> Callable[[], None]:
+        """A callable, safe from any thread and idempotent, that gives one gate permit back."""
+        loop, released = self._loop, threading.Event()
+        assert loop is not None
+
+        def free() -> None:
+            if released.is_set():
+                return
+            released.set()
+            try:
+                on_loop = asyncio.get_running_loop() is loop
+            except RuntimeError:  # a sender thread
+                on_loop = False
+            if on_loop:
+                self._gate.release()
+            else:
+                loop.call_soon_threadsafe(self._gate.release)
+
+        return free
+
     def _enqueue(self, job: _Job) -> None:
         self._queued[(job.session, job.target)] = job
         self.out[job.target].queue_changed(+1)
@@ -678,8 +700,11 @@ class KVShare:
             await asyncio.sleep(0.02)
         if self._queued.get(key) is not job:
             return  # superseded while waiting
-        # The most valuable queued push gets the next free permit (pushorder), not the oldest.
+        # The most valuable queued push gets the next free permit (pushorder), not the oldest. A permit
+        # covers the push's use of the link: it is given back once the last byte is sent, not when the
+        # receiver has answered, so the next push fills the link while this one is verified and landed.
         await self._gate.acquire(lambda: self._push_key(job))
+        job.link_free = self._link_freer()
         try:
             while key in self._jobs:  # superseded, still winding down
                 await asyncio.sleep(0.01)
@@ -697,7 +722,7 @@ class KVShare:
             finally:
                 self._jobs.pop(key, None)
         finally:
-            self._gate.release()
+            job.link_free()
         if not job.done.done():
             job.done.set_result(result)
 
@@ -811,6 +836,8 @@ class KVShare:
                 end = tx.end()
                 sock.sendall(end)
                 sent += len(end)
+            if job.link_free is not None:
+                job.link_free()  # the link is free for the next push while the receiver lands this one
             done = self._read_reply(sock, tx)
             secs = time.monotonic() - t0
             if isinstance(done, wire.PeerRefused):

@@ -255,6 +255,11 @@ def summarize(run: LinkRun, plan: Plan) -> dict[str, Any]:
         "errors": run.load.get("errors"),
         "ttft_p50_s": run.load.get("ttft_p50_s"),
         "ttft_p95_s": run.load.get("ttft_p95_s"),
+        "latency_p99_s": run.load.get("latency_p99_s"),
+        # What the hosts went through: their event loops' lateness, engine evictions, turns served.
+        "hosts": {name: {"loop_lag_p99_ms": st.get("loop_lag_p99_ms"), "turns": st["engine"]["turns"],
+                         "evicted_sessions": st["engine"]["evicted_sessions"],
+                         "store_evictions": st["kvshare"].get("store_evictions")} for name, st in run.stats.items()},
         "duration_s": round(run.duration_s, 1),
     }
 
@@ -314,11 +319,13 @@ def write_png(runs: list[LinkRun], rows: list[dict[str, Any]], path: Path) -> st
     ax1.set_xlabel("seconds")
     ax1.set_ylabel("warm %")
     ax1.set_ylim(0, 101)
-    ax1.legend()
+    if any(run.series for run in runs):
+        ax1.legend()
     ax2.set_title("replica delta transfer time")
     ax2.set_xlabel("seconds")
     ax2.set_ylabel("transfers")
-    ax2.legend()
+    if any(run.ready for run in runs):
+        ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

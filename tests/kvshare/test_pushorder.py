@@ -1,10 +1,19 @@
-"""Replica pushes go by value when the link cannot carry them all: the key, and the gate that applies it."""
+"""Replica pushes go by value when the link cannot carry them all: the key, the gate that applies it, and real nodes."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+from support.conversation import Conversation
 
 from kvmesh.node.kvshare.pushorder import PushFacts, PushGate, push_key
+from kvmesh.node.launcher import wait_for
+from kvmesh.node.protocol import ReplicaSent, ReplicaStarted
+
+from .service_helpers import Pair, start_pair
 
 GBIT = 1e9
 
@@ -72,3 +81,42 @@ def test_gate_passes_a_permit_on_when_a_waiter_is_cancelled() -> None:
         return doomed.cancelled()
 
     assert asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def serial_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """Nodes a and b whose kv_share moves one push at a time (concurrency 1), a's pushes to b through a proxy."""
+    pair = start_pair(tmp_path_factory.mktemp("serial-pair"), kvshare={"concurrency": 1})
+    try:
+        yield pair
+    finally:
+        pair.proxy.resume()
+        pair.stop()
+
+
+def test_queued_pushes_start_by_value_not_arrival(serial_pair: Pair) -> None:
+    """Real nodes, one push at a time: while a big push holds the link, a session whose turns come quickly goes
+    before one queued earlier whose turns are far apart (earliest next turn first)."""
+    p = serial_pair
+    soon, late = Conversation("order-soon", chars=1500), Conversation("order-late", chars=1500)
+    big = Conversation("order-big", chars=6000)
+    with p.events("a") as ev_a:
+        p.turn("a", late, grow=300)  # one turn: its think time is the node's default guess (seconds)
+        for _ in range(4):  # back-to-back turns: its own think time is learned as ~0
+            p.turn("a", soon, grow=300)
+        wait_for(lambda: len(ev_a.live(ReplicaSent, session=soon.session)) >= 1, "soon's first replica to land")
+        p.proxy.pause()
+        try:
+            p.turn("a", big)
+            wait_for(lambda: p.proxy.connections >= 1, "the big push to hold the link")
+            p.turn("a", late, grow=300)  # queued first...
+            p.turn("a", soon, grow=300)  # ...queued second, but its next turn is due sooner
+            time.sleep(0.3)  # both are queued behind the big push
+        finally:
+            p.proxy.resume()
+        ev_a.wait_live(ReplicaSent, session=big.session)
+        wait_for(lambda: len(ev_a.live(ReplicaSent, session=late.session)) >= 2, "late's second replica to land")
+        big_at = ev_a.received().index(ev_a.live(ReplicaStarted, session=big.session)[-1])
+        after = [e.session for e in ev_a.received()[big_at + 1:]
+                 if isinstance(e, ReplicaStarted) and e.session in (soon.session, late.session)]
+    assert after[:2] == [soon.session, late.session], after
