@@ -188,10 +188,12 @@ class _Inbound:
         return left if left > 0 else now - self.started
 
 
-def keep_waiting(rest_s: float, rest_tokens: int, prefill_tps: float) -> bool:
+def keep_waiting(rest_s: float, at_stake: int, prefill_tps: float) -> bool:
     """Whether a turn should keep waiting for the rest of a replica still landing: only while it is
-    expected to land sooner than the engine would recompute those tokens."""
-    return rest_tokens > 0 and rest_s < rest_tokens / max(prefill_tps, 1.0)
+    expected to land sooner than the engine would recompute the tokens at stake. A replica is usable
+    only once it lands whole (the receiver commits at its end), so every token it brings beyond
+    what this host held is at stake, not just those still on the wire."""
+    return at_stake > 0 and rest_s < at_stake / max(prefill_tps, 1.0)
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,7 @@ class _Before:
     mismatch: int | None  # where the prompt stopped matching the best cache/replica held (its end if it matched)
     diverged: bool  # ...because a token differed (not because what was held ended there)
     inflight: tuple[int, int] | None  # (tokens landed, tokens offered) of a replica still landing
+    store_usable: int = 0  # tokens of the prompt the store's replica matched (whole blocks) as the turn began
 
 
 @dataclass(frozen=True)
@@ -440,7 +443,7 @@ class KVShare:
         e = self.engine
         held = e.cached_prefix(session, prompt)
         stored_blocks = self._store_match_blocks(session, prompt)
-        self._note_before(session, prompt, ib)
+        self._note_before(session, prompt, ib, stored_blocks * e.block_size)
         self._unused.pop(session, None)  # whatever replica is here is now being used
         if stored_blocks * e.block_size <= held:
             return 0
@@ -464,18 +467,18 @@ class KVShare:
         t0 = time.monotonic()
         while not ib.arrived.is_set():
             now = time.monotonic()
-            rest_tokens, rest_s = ib.tokens - ib.landed, ib.rest_s(now)
+            rest_tokens, rest_s = ib.tokens - ib.held, ib.rest_s(now)  # none of it is usable before the end
             prefill = self.engine.prefill_rate()
             if now - t0 >= MAX_INBOUND_WAIT_S or not keep_waiting(rest_s, rest_tokens, prefill):
                 log.info("turn of %s runs now, after %.2fs: its replica from %s has %d of %d tokens here; the rest "
-                         "is expected in %.2fs, recomputing it takes %.2fs", session, now - t0, ib.src, ib.landed,
+                         "is expected in %.2fs, recomputing what it brings takes %.2fs", session, now - t0, ib.src, ib.landed,
                          ib.tokens, rest_s, rest_tokens / max(prefill, 1.0))
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ib.arrived.wait(), min(INBOUND_CHECK_S, t0 + MAX_INBOUND_WAIT_S - now))
         log.info("turn of %s waited %.2fs for its replica from %s to land", session, time.monotonic() - t0, ib.src)
 
-    def _note_before(self, session: str, prompt: np.ndarray, ib: _Inbound | None) -> None:
+    def _note_before(self, session: str, prompt: np.ndarray, ib: _Inbound | None, store_usable: int) -> None:
         """Remember what this host holds of the session as its turn starts (to explain the handoff
         later, once the turn has replaced the engine's cache): where the prompt stops matching the
         largest cache or replica held (the engine's, the store's, or one still landing), and how
@@ -490,7 +493,7 @@ class KVShare:
             diff = np.flatnonzero(best[:n] != prompt[:n])
             mismatch, diverged = (int(diff[0]), True) if len(diff) else (n, False)
         inflight = (ib.landed, ib.tokens) if ib is not None and not ib.arrived.is_set() else None
-        _remember(self._before, session, _Before(mismatch, diverged, inflight))
+        _remember(self._before, session, _Before(mismatch, diverged, inflight, store_usable))
 
     async def _import_from_store(self, session: str, upto_blocks: int) -> int:
         """Reserve the engine's blocks here on the loop, copy and digest on a worker thread,
@@ -554,7 +557,9 @@ class KVShare:
         before = self._before.pop(session, None)
         m = self.store.manifest(session)
         age = round(time.time() - m.updated, 3) if m is not None else None
-        usable = self._store_match_blocks(session, prompt) * e.block_size
+        # Stale state: the store held a usable replica when the turn began, and the turn did not use it
+        # (what landed during the turn does not count: that is a replica in flight).
+        usable = before.store_usable if before is not None else self._store_match_blocks(session, prompt) * e.block_size
         stale = usable >= 0.9 * len(prompt) and reused < 0.9 * len(prompt)
         mismatch = before.mismatch if before is not None else None
         base = ReuseExplained(mismatch_token=mismatch, stale_state=stale, replica_age_s=age)
@@ -810,7 +815,9 @@ class KVShare:
                 return PushResult(False, reason=ev.reason, message=ev.message)
             assert isinstance(ev, wire.Accepted)
             t0 = time.monotonic()  # transfer time counts from the first block
-            queued_bytes = 0
+            # Bytes the receiver acknowledged while another push was queued (TCP_INFO, sampled per block):
+            # bytes handed to the socket are not yet on the link.
+            queued_bytes, acked = 0, tcp_acked(sock)
             for i in range(ev.first_missing, len(pinned.ids)):
                 if job.cancel.is_set():
                     raise _Superseded()
@@ -830,8 +837,10 @@ class KVShare:
                         return PushResult(False, reason=refusal.reason, message=refusal.message, bytes_sent=sent)
                     raise
                 sent += len(hdr) + data.nbytes
+                now_acked = tcp_acked(sock)
                 if backlog.backlogged:
-                    queued_bytes += len(hdr) + data.nbytes
+                    queued_bytes += now_acked - acked
+                acked = now_acked
             else:
                 end = tx.end()
                 sock.sendall(end)
@@ -839,6 +848,8 @@ class KVShare:
             if job.link_free is not None:
                 job.link_free()  # the link is free for the next push while the receiver lands this one
             done = self._read_reply(sock, tx)
+            if backlog.backlogged:
+                queued_bytes += tcp_acked(sock) - acked
             secs = time.monotonic() - t0
             if isinstance(done, wire.PeerRefused):
                 return PushResult(False, reason=done.reason, message=done.message, bytes_sent=sent, seconds=secs)
@@ -1177,6 +1188,15 @@ def tcp_bytes(sock: socket.socket) -> tuple[int, int]:
     if len(info) < 208:
         return 0, 0
     return struct.unpack_from("Q", info, 200)[0], struct.unpack_from("Q", info, 128)[0]
+
+
+def tcp_acked(sock: socket.socket) -> int:
+    """Payload bytes the peer has acknowledged on this TCP socket (tcpi_bytes_acked at 120), 0 where unknown."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128)
+    except (OSError, AttributeError):
+        return 0
+    return struct.unpack_from("Q", info, 120)[0] if len(info) >= 128 else 0
 
 
 def _linger_close(conn: socket.socket, limit_s: float = 1.0) -> None:

@@ -38,15 +38,19 @@ B_STORE = 12 << 20  # b's replica store: three
 
 
 def test_a_turn_waits_for_a_landing_replica_only_while_it_beats_recompute() -> None:
-    """The rest of a landing replica is timed at its observed rate and waited for only if that beats recompute."""
+    """The rest of a landing replica is timed at its observed rate and waited for only if that beats recomputing
+    all it brings (it is usable only once whole)."""
     ib = _Inbound("a", tokens=10_000, started=100.0, eta_s=0.5, held=2_000, landed=2_000)
+    at_stake = ib.tokens - ib.held  # 8,000 tokens: none usable before the replica's end
     assert ib.rest_s(100.2) == pytest.approx(0.3)  # nothing landed yet: the estimate made at the offer
     assert ib.rest_s(103.0) == pytest.approx(3.0)  # ...long overdue: as long again as it has taken
-    assert not keep_waiting(ib.rest_s(103.0), ib.tokens - ib.landed, prefill_tps=4_000)  # recompute: 2 s
+    assert not keep_waiting(ib.rest_s(103.0), at_stake, prefill_tps=4_000)  # recompute: 2 s
     ib.t_first, ib.landed = 100.0, 6_000  # 4,000 tokens in 1 s: the other 4,000 take 1 s more
     assert ib.rest_s(101.0) == pytest.approx(1.0)
-    assert keep_waiting(ib.rest_s(101.0), ib.tokens - ib.landed, prefill_tps=2_000)  # recompute: 2 s
-    assert not keep_waiting(ib.rest_s(101.0), ib.tokens - ib.landed, prefill_tps=8_000)  # recompute: 0.5 s
+    # Recomputing the 4,000 tokens still on the wire would take as long as waiting, but running now
+    # loses all 8,000 the replica brings (2 s): wait.
+    assert keep_waiting(ib.rest_s(101.0), at_stake, prefill_tps=4_000)
+    assert not keep_waiting(ib.rest_s(101.0), at_stake, prefill_tps=16_000)  # recompute: 0.5 s
     assert not keep_waiting(0.0, 0, prefill_tps=1.0)  # nothing left to land
 
 
