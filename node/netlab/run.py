@@ -56,6 +56,7 @@ class LinkRun:
     link: str
     ready: list[dict[str, Any]] = field(default_factory=list)
     imported: list[float] = field(default_factory=list)
+    turns: list[tuple[float, int]] = field(default_factory=list)  # (the host's own TTFT, tokens prefilled) per turn
     series: list[tuple[float, float, int]] = field(default_factory=list)  # (t, warm %, handoffs)
     cluster: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # host -> its /v1/stats at the end
@@ -72,7 +73,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 class _EventTap:
-    """Collects replica_ready / replica_imported events from one node's websocket, on a thread."""
+    """Collects replica_ready, replica_imported and turn_finished events from one node's websocket, on a thread."""
 
     def __init__(self, api: str, run: LinkRun):
         self.url = api.replace("http://", "ws://") + "/v1/events"
@@ -95,6 +96,8 @@ class _EventTap:
                             self.run.ready.append(ev)
                         elif ev["type"] == "replica_imported":
                             self.run.imported.append(ev["seconds"])
+                        elif ev["type"] == "turn_finished" and ev.get("ok", True):
+                            self.run.turns.append((ev["ttft_s"], ev["prompt_tokens"] - ev["cached_tokens"]))
             except Exception:  # noqa: BLE001 - reconnect; the run goes on
                 time.sleep(0.5)
 
@@ -256,6 +259,11 @@ def summarize(run: LinkRun, plan: Plan) -> dict[str, Any]:
         "ttft_p50_s": run.load.get("ttft_p50_s"),
         "ttft_p95_s": run.load.get("ttft_p95_s"),
         "latency_p99_s": run.load.get("latency_p99_s"),
+        # The serving hosts' view of the same turns: their TTFT (queue + prefill + first token, no HTTP) and
+        # the tokens they had to prefill (not reused from any cache).
+        "host_ttft_p50_s": _round(_pct([t for t, _ in run.turns], 0.5)),
+        "host_ttft_p95_s": _round(_pct([t for t, _ in run.turns], 0.95)),
+        "prefilled_tokens_per_turn": round(sum(n for _, n in run.turns) / len(run.turns)) if run.turns else None,
         # What the hosts went through: their event loops' lateness, engine evictions, turns served.
         "hosts": {name: {"loop_lag_p99_ms": st.get("loop_lag_p99_ms"), "turns": st["engine"]["turns"],
                          "evicted_sessions": st["engine"]["evicted_sessions"],
@@ -292,6 +300,10 @@ def table(rows: list[dict[str, Any]], plan: Plan) -> str:
     out.append("delta MiB and Mb/s are at full scale (measured / scale); times are as measured in the compressed run. "
                "Transfers ran under load, raw TCP on the idle link after it; `useful` is useful_util_backlogged.")
     return "\n".join(out)
+
+
+def _round(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
 
 
 def _f(x: float | None) -> str:
