@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import pytest
 
 from kvmesh.node.bench.workload import text
 from kvmesh.node.netlab import calibrate as cal
+from kvmesh.node.netlab.run import node_config, plan_of
 
 
 def test_calibrated_demand_is_the_reports() -> None:
@@ -54,3 +56,24 @@ def test_load_shape_draws_match_the_calibration() -> None:
     mean = sum(sizes) / len(sizes) + shape.max_tokens
     assert abs(mean - cal.calibrate().turn_tokens) / cal.calibrate().turn_tokens < 0.05
     assert shape.sessions == 16 and shape.target_tokens == 50_000 and shape.think_s == cal.THINK_S
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base: dict[str, object] = {"kv_scale": 0.05, "time_compress": 4.0, "time_scale": 1.0, "demand": None, "kvshare": "on"}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_netlab_plan_applies_compression_to_nodes_link_and_load() -> None:
+    """--time-compress 4 reaches the lab: sim rates x4, the link at rate x 0.05 x 4, think / 4, mesh timers / 4."""
+    plan = plan_of(_args())
+    assert plan.link_scale == pytest.approx(0.2) and plan.think == pytest.approx(0.25) and plan.demand == 1.0
+    engine, extra = node_config(plan, 1024)
+    assert engine["sim"] == {"kv_scale": 0.05, "prefill_tps": cal.PREFILL_TPS * 4, "decode_tps": cal.DECODE_TPS * 4}
+    assert engine["slots"] == cal.SLOTS and extra["mesh"]["cold_move_after_s"] == pytest.approx(7.5)
+    assert extra["kvshare"].get("replicate_min_tokens") is None
+    off = node_config(plan_of(_args(kvshare="off")), 1024)[1]["kvshare"]
+    assert off["replicate_min_tokens"] > cal.CONVERSATION_TOKENS * 100 and off["persist_own"] is False
+    twice = plan_of(_args(demand=2.0))
+    assert twice.demand == pytest.approx(2.0) and twice.think == pytest.approx(cal.think_scale_for(2.0) / 4)
+    with pytest.raises(SystemExit, match="not both"):
+        plan_of(_args(demand=2.0, time_scale=0.5))

@@ -62,8 +62,17 @@ def test_very_short_netlab_run_reports_table_json_and_png(tmp_path: Path) -> Non
     (row,) = result["links"]
     assert row["link"] == "10gbit" and row["turns"] > 0 and row["errors"] == 0
     for key in ("warm_pct", "partial_pct", "cold_pct", "stale_state_cold", "transfer_p50_s", "ready_lag_p50_s",
-                "mbps_per_direction"):
+                "mbps_per_direction", "useful_util_backlogged", "shortfall", "ttft_p95_s"):
         assert key in row
+    # Every byte tc sent on the data link is accounted for by kind, within a few percent, both ways.
+    assert set(row["wire_bytes"]) == set(row["tc"]) == {"host-a>host-b", "host-b>host-a"}
+    for way, tc in row["tc"].items():
+        kinds = row["wire_bytes"][way]
+        assert tc["bytes"] > 0 and kinds["peer_status"] > 0 and kinds["tcp_ip_headers"] > 0
+        assert 97.0 <= tc["accounted_pct"] <= 103.0, (way, tc, kinds)
+    assert sum(row["wire_bytes"]["host-a>host-b"].get(k, 0) + row["wire_bytes"]["host-b>host-a"].get(k, 0)
+               for k in ("replica_landed", "replica_cut")) > 0, "no replica crossed the link"
+    assert 320 <= result["calibration"]["mbps_per_direction"] <= 450 and result["time_compress"] == 1.0
     assert "kvmesh: 10gbit" in r.stdout and "report: 10 GbE" in r.stdout
     assert json.loads((out / "netlab.json").read_text())["links"][0]["link"] == "10gbit"
     assert (out / "netlab.png").stat().st_size > 1000
