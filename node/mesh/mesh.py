@@ -251,7 +251,7 @@ class Mesh:
 
 def _holding(sh: SessionHolding) -> Holding:
     return Holding(sh.resident_tokens, sh.store_tokens, sh.inbound_tokens, sh.inbound_eta_s or 0.0, sh.home_seq,
-                   sh.turn_seq, inbound_landed=sh.inbound_landed)
+                   sh.turn_seq)
 
 
 def _session_info(session: str, held: dict[str, SessionHolding], now: float) -> SessionInfo:

@@ -47,7 +47,6 @@ class Holding:
     inbound_eta_s: float = 0.0
     home_seq: int = 0  # the session's turn sequence when it was last homed here
     turn_seq: int = 0  # ...when its last turn ran here
-    inbound_landed: int = 0  # tokens of the inbound replica in place already
 
 
 @dataclass(frozen=True)
@@ -94,13 +93,12 @@ def _estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) ->
             extra = (held.stored - held.resident) * policy.kv_bytes_per_token / max(h.import_bps, 1e6)
         if held.inbound > reuse:
             # A replica still in flight counts whole if it lands sooner than the recompute would
-            # take (the turn waits for it there); otherwise the turn runs without waiting, and only
-            # what has landed by now counts.
+            # take (the turn waits for it there); otherwise the turn runs without waiting, and the
+            # replica counts for nothing: the receiver commits it only once it has landed whole
+            # (its bytes are authenticated at its end), so landed blocks are not usable before.
             gain_s = (held.inbound - reuse) / h.prefill_tps
             if held.inbound_eta_s < gain_s:
                 reuse, extra = held.inbound, max(extra, held.inbound_eta_s)
-            elif held.inbound_landed > reuse:
-                reuse = held.inbound_landed
     reuse = min(reuse, max(0, prompt - 1))
     return wait + extra + (prompt - reuse) / h.prefill_tps, reuse
 
