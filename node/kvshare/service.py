@@ -90,7 +90,7 @@ class LinkStats:
     # Bytes on the link by kind, as the kernel counted them on the push's socket (TCP_INFO):
     # replica_landed / replica_cut went to the target, replica_replies came back from it.
     wire: collections.Counter[str] = field(default_factory=collections.Counter)
-    backlogged_s: float = 0.0  # time with at least one push to this target queued
+    backlogged_s: float = 0.0  # time with at least one push to this target waiting for a send permit
     landed_backlogged_bytes: int = 0  # bytes of replicas that landed, sent while a push was queued
     _queued: int = 0
     _backlog_since: float = 0.0
@@ -649,13 +649,9 @@ class KVShare:
 
     def _enqueue(self, job: _Job) -> None:
         self._queued[(job.session, job.target)] = job
-        self.out[job.target].queue_changed(+1)
 
     def _dequeue(self, key: tuple[str, str]) -> _Job | None:
-        job = self._queued.pop(key, None)
-        if job is not None:
-            self.out[job.target].queue_changed(-1)
-        return job
+        return self._queued.pop(key, None)
 
     def submit(self, session: str, target: str) -> asyncio.Future[PushResult]:
         """Queue a replica push; a newer one supersedes an older one queued. One in flight is
@@ -708,7 +704,15 @@ class KVShare:
         # The most valuable queued push gets the next free permit (pushorder), not the oldest. A permit
         # covers the push's use of the link: it is given back once the last byte is sent, not when the
         # receiver has answered, so the next push fills the link while this one is verified and landed.
-        await self._gate.acquire(lambda: self._push_key(job))
+        # While it waits for a permit the link to its target is backlogged: there is more to send than
+        # the link carries (a push waiting for its own session's previous one is not counted: it waits
+        # for that delta to land, not for the link).
+        link = self.out[job.target]
+        link.queue_changed(+1)
+        try:
+            await self._gate.acquire(lambda: self._push_key(job))
+        finally:
+            link.queue_changed(-1)
         job.link_free = self._link_freer()
         try:
             while key in self._jobs:  # superseded, still winding down
