@@ -264,10 +264,7 @@ def summarize(run: LinkRun, plan: Plan) -> dict[str, Any]:
         "host_ttft_p50_s": _round(_pct([t for t, _ in run.turns], 0.5)),
         "host_ttft_p95_s": _round(_pct([t for t, _ in run.turns], 0.95)),
         "prefilled_tokens_per_turn": round(sum(n for _, n in run.turns) / len(run.turns)) if run.turns else None,
-        # What the hosts went through: their event loops' lateness, engine evictions, turns served.
-        "hosts": {name: {"loop_lag_p99_ms": st.get("loop_lag_p99_ms"), "turns": st["engine"]["turns"],
-                         "evicted_sessions": st["engine"]["evicted_sessions"],
-                         "store_evictions": st["kvshare"].get("store_evictions")} for name, st in run.stats.items()},
+        "hosts": _host_facts(run),
         "duration_s": round(run.duration_s, 1),
     }
 
@@ -300,6 +297,13 @@ def table(rows: list[dict[str, Any]], plan: Plan) -> str:
     out.append("delta MiB and Mb/s are at full scale (measured / scale); times are as measured in the compressed run. "
                "Transfers ran under load, raw TCP on the idle link after it; `useful` is useful_util_backlogged.")
     return "\n".join(out)
+
+
+def _host_facts(run: LinkRun) -> dict[str, dict[str, Any]]:
+    """What each host went through: its event loop's lateness, engine evictions, turns served."""
+    return {name: {"loop_lag_p99_ms": st.get("loop_lag_p99_ms"), "turns": st["engine"]["turns"],
+                   "evicted_sessions": st["engine"]["evicted_sessions"],
+                   "store_evictions": st["kvshare"].get("store_evictions")} for name, st in run.stats.items()}
 
 
 def _round(x: float | None, nd: int = 4) -> float | None:
