@@ -233,6 +233,21 @@ class _Superseded(Exception):
 
 
 @dataclass
+class _Progress:
+    """One push's bytes so far, on its sender thread."""
+
+    sent: int = 0  # handed to the socket
+    acked: int = 0  # acknowledged by the receiver (TCP_INFO), as last sampled
+    backlogged: int = 0  # ...of which while another push waited for a send permit
+
+    def acked_to(self, acked: int, backlogged: bool) -> None:
+        """Sampled per block: bytes handed to the socket are not yet on the link, acknowledged ones were."""
+        if backlogged:
+            self.backlogged += acked - self.acked
+        self.acked = acked
+
+
+@dataclass
 class _Plan:
     """The receiver's decision on an offer, made on the event loop."""
 
@@ -804,69 +819,69 @@ class KVShare:
     def _stream(self, sock: socket.socket, tx: wire.Sender, offer: wire.Offer, pinned: PinnedBlocks,
                 job: _Job) -> PushResult:
         """Offer, then send the blocks the receiver lacks, then wait for its verdict."""
-        t0 = time.monotonic()
-        sent = 0
-        backlog = self.out[job.target]
+        prog = _Progress()
         try:
             sock.settimeout(self.cfg.io_timeout_s)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.cfg.socket_buffer_bytes)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             frame = tx.offer_bytes(offer, pinned.tokens, pinned.hashes)
             sock.sendall(frame)
-            sent += len(frame)
+            prog.sent += len(frame)
             ev = self._read_reply(sock, tx)
             if isinstance(ev, wire.PeerRefused):
                 return PushResult(False, reason=ev.reason, message=ev.message)
             assert isinstance(ev, wire.Accepted)
             t0 = time.monotonic()  # transfer time counts from the first block
-            # Bytes the receiver acknowledged while another push was queued (TCP_INFO, sampled per block):
-            # bytes handed to the socket are not yet on the link.
-            queued_bytes, acked = 0, tcp_acked(sock)
-            for i in range(ev.first_missing, len(pinned.ids)):
-                if job.cancel.is_set():
-                    raise _Superseded()
-                if select.select([sock], [], [], 0)[0]:
-                    break  # the receiver spoke mid-stream: a refusal, read below
-                data = pinned.read(pinned.ids[i])  # here, not on the loop: off an accelerator it is a copy
-                hdr = tx.block_header(i, data)
-                try:
-                    sock.sendall(hdr)
-                    sock.sendall(data)
-                    job.progress_at = time.monotonic()
-                except OSError:
-                    if job.cancel.is_set():
-                        raise _Superseded() from None
-                    refusal = self._late_refusal(sock, tx)
-                    if refusal is not None:
-                        return PushResult(False, reason=refusal.reason, message=refusal.message, bytes_sent=sent)
-                    raise
-                sent += len(hdr) + data.nbytes
-                now_acked = tcp_acked(sock)
-                if backlog.backlogged:
-                    queued_bytes += now_acked - acked
-                acked = now_acked
-            else:
-                end = tx.end()
-                sock.sendall(end)
-                sent += len(end)
+            refused = self._send_blocks(sock, tx, pinned, job, ev.first_missing, prog)
+            if refused is not None:
+                return refused
             if job.link_free is not None:
                 job.link_free()  # the link is free for the next push while the receiver lands this one
             done = self._read_reply(sock, tx)
-            if backlog.backlogged:
-                queued_bytes += tcp_acked(sock) - acked
+            prog.acked_to(tcp_acked(sock), self.out[job.target].backlogged)
             secs = time.monotonic() - t0
             if isinstance(done, wire.PeerRefused):
-                return PushResult(False, reason=done.reason, message=done.message, bytes_sent=sent, seconds=secs)
+                return PushResult(False, reason=done.reason, message=done.message, bytes_sent=prog.sent, seconds=secs)
             assert isinstance(done, wire.Completed)
             return PushResult(True, tokens=done.tokens, blocks_sent=len(pinned.ids) - ev.first_missing,
-                              bytes_sent=sent, seconds=secs, backlogged_bytes=queued_bytes)
+                              bytes_sent=prog.sent, seconds=secs, backlogged_bytes=prog.backlogged)
         except _Superseded:
-            return PushResult(False, reason="superseded", bytes_sent=sent)
+            return PushResult(False, reason="superseded", bytes_sent=prog.sent)
         except (OSError, wire.ProtocolError) as err:
             if job.cancel.is_set():
-                return PushResult(False, reason="superseded", bytes_sent=sent)
+                return PushResult(False, reason="superseded", bytes_sent=prog.sent)
             reason = err.reason if isinstance(err, wire.ProtocolError) else "unreachable"
-            return PushResult(False, reason=reason, message=str(err), bytes_sent=sent)
+            return PushResult(False, reason=reason, message=str(err), bytes_sent=prog.sent)
+
+    def _send_blocks(self, sock: socket.socket, tx: wire.Sender, pinned: PinnedBlocks, job: _Job, first: int,
+                     prog: _Progress) -> PushResult | None:
+        """Send blocks first.. and END; a refusal the receiver sent mid-stream, or None once END is sent."""
+        link = self.out[job.target]
+        prog.acked = tcp_acked(sock)
+        for i in range(first, len(pinned.ids)):
+            if job.cancel.is_set():
+                raise _Superseded()
+            if select.select([sock], [], [], 0)[0]:
+                return None  # the receiver spoke mid-stream: a refusal, read as its verdict
+            data = pinned.read(pinned.ids[i])  # here, not on the loop: off an accelerator it is a copy
+            hdr = tx.block_header(i, data)
+            try:
+                sock.sendall(hdr)
+                sock.sendall(data)
+                job.progress_at = time.monotonic()
+            except OSError:
+                if job.cancel.is_set():
+                    raise _Superseded() from None
+                refusal = self._late_refusal(sock, tx)
+                if refusal is not None:
+                    return PushResult(False, reason=refusal.reason, message=refusal.message, bytes_sent=prog.sent)
+                raise
+            prog.sent += len(hdr) + data.nbytes
+            prog.acked_to(tcp_acked(sock), link.backlogged)
+        end = tx.end()
+        sock.sendall(end)
+        prog.sent += len(end)
+        return None
 
     def _late_refusal(self, sock: socket.socket, tx: wire.Sender) -> wire.PeerRefused | None:
         """After a failed send, the receiver's refusal may still be readable: find it."""
