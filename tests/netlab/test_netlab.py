@@ -51,14 +51,15 @@ def test_lab_cleans_up_when_the_body_fails() -> None:
 @needs_netns
 def test_very_short_netlab_run_reports_table_json_and_png(tmp_path: Path) -> None:
     """`kvmesh netlab` end to end on one link for a few seconds: table, JSON last line, files, no leftovers."""
+    # K = 4: 12 s carry 48 s of the report's run, long enough for conversations to pass replicate_min_tokens.
     before = _netns()
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "kvmesh.node.cli", "netlab", "--links", "10gbit", "--duration", "12",
-                        "--sessions", "4", "--target-tokens", "12000", "--cache-mib", "128", "--out", str(out)],
+                        "--time-compress", "4", "--sessions", "4", "--target-tokens", "12000", "--cache-mib", "128", "--out", str(out)],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout.strip().splitlines()[-1])
-    assert result["scale"] == 0.05 and result["latency_emulation"].startswith("none")
+    assert result["kv_scale"] == 0.05 and result["latency_emulation"].startswith("none")
     (row,) = result["links"]
     assert row["link"] == "10gbit" and row["turns"] > 0 and row["errors"] == 0
     for key in ("warm_pct", "partial_pct", "cold_pct", "stale_state_cold", "transfer_p50_s", "ready_lag_p50_s",
@@ -72,7 +73,8 @@ def test_very_short_netlab_run_reports_table_json_and_png(tmp_path: Path) -> Non
         assert 97.0 <= tc["accounted_pct"] <= 103.0, (way, tc, kinds)
     assert sum(row["wire_bytes"]["host-a>host-b"].get(k, 0) + row["wire_bytes"]["host-b>host-a"].get(k, 0)
                for k in ("replica_landed", "replica_cut")) > 0, "no replica crossed the link"
-    assert 320 <= result["calibration"]["mbps_per_direction"] <= 450 and result["time_compress"] == 1.0
+    assert 320 <= result["calibration"]["mbps_per_direction"] <= 450 and result["time_compress"] == 4.0
+    assert result["scale"] == result["kv_scale"] * 4
     assert "kvmesh: 10gbit" in r.stdout and "report: 10 GbE" in r.stdout
     assert json.loads((out / "netlab.json").read_text())["links"][0]["link"] == "10gbit"
     assert (out / "netlab.png").stat().st_size > 1000
