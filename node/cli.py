@@ -162,7 +162,7 @@ def _add_bench(sub: Subparsers) -> None:
 
 def _add_netlab(sub: Subparsers) -> None:
     nl = sub.add_parser("netlab", help="the field report's experiment: two namespaces, shaped links (root)")
-    nl.add_argument("--quick", action="store_true", help="240 s per link at --time-compress 4 (16 min of the report's run)")
+    nl.add_argument("--quick", action="store_true", help="240 s per link at --time-compress 6 (24 min of the report's run)")
     nl.add_argument("--links", default="1gbit,10gbit")
     nl.add_argument("--duration", type=float, default=None, help="seconds per link (default: the report's 90 minutes / K)")
     nl.add_argument("--time-compress", type=float, default=None, metavar="K",
