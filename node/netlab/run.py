@@ -373,7 +373,7 @@ def run_netlab(args: argparse.Namespace) -> int:
         for link in links:
             runs.append(run_link(link, Path(tmp), args, plan))
     rows = [summarize(r, plan) for r in runs]
-    result = {"links": rows, "scale": plan.link_scale, "kv_scale": plan.kv_scale, "time_compress": plan.compress.k,
+    result = {"links": rows, "scale": round(plan.link_scale, 6), "kv_scale": plan.kv_scale, "time_compress": plan.compress.k,
               "think_multiplier": round(plan.think, 4), "demand": plan.demand, "kvshare": plan.kvshare,
               "duration_s": args.duration, "full_scale_minutes": round(plan.compress.full_scale_s(args.duration) / 60, 1),
               "calibration": cal.summary(), "latency_emulation": "none (netem unavailable)"}
