@@ -275,23 +275,23 @@ def table(rows: list[dict[str, Any]], plan: Plan) -> str:
            f"{plan.compress.k:g}); demand {plan.demand:g}x the report's; kv_share {'on' if plan.kvshare else 'OFF'}; "
            "no latency emulation (no netem).",
            "",
-           f"{'':<26}{'delta MiB':>10}{'xfer p50':>9}{'p95':>7}{'raw TCP':>8}{'ready lag':>10}{'warm%':>7}"
+           f"{'':<36}{'delta MiB':>10}{'xfer p50':>9}{'p95':>7}{'raw TCP':>8}{'ready lag':>10}{'warm%':>7}"
            f"{'part%':>7}{'cold%':>7}{'stale':>6}{'Mb/s a>b,b>a':>14}{'useful':>7}{'ttft p95':>9}"]
     for r in rows:
         rep = REPORT.get(r["link"], {})
-        out.append(f"{'report: ' + rep.get('label', r['link']):<26}{rep.get('delta_mib', ''):>10}"
+        out.append(f"{'report: ' + rep.get('label', r['link']):<36}{rep.get('delta_mib', ''):>10}"
                    f"{rep.get('transfer_s', ''):>9}{'':>7}{'':>8}{'':>10}{rep.get('warm_pct', ''):>7}"
                    f"{rep.get('partial_pct') if rep.get('partial_pct') is not None else '':>7}{'':>7}{'':>6}"
                    f"{'320-450':>14}")
         mb = ",".join(f"{m:.0f}" for m in r["mbps_per_direction_full_scale"])
         warm = ("no handoffs", "", "") if not r["handoffs"] else (
             _f(r["warm_pct"]), _f(r["partial_pct"]), _f(r["cold_pct"]))
-        out.append(f"{'kvmesh: ' + r['link']:<26}{r['delta_mib_p50']:>10}{_f(r['transfer_p50_s']):>9}"
+        out.append(f"{'kvmesh: ' + r['link']:<36}{r['delta_mib_p50']:>10}{_f(r['transfer_p50_s']):>9}"
                    f"{_f(r['transfer_p95_s']):>7}{_f(r['raw_tcp_idle_s_for_p50_delta']):>8}{_f(r['ready_lag_p50_s']):>10}"
                    f"{warm[0]:>7}{warm[1]:>7}{warm[2]:>7}{r['stale_state_cold']:>6}"
                    f"{mb:>14}{_f(r['useful_util_backlogged']):>7}{_f(r['ttft_p95_s']):>9}")
         if r["handoffs"]:
-            out.append(f"{'':<26}{r['handoffs']} handoffs; shortfall: "
+            out.append(f"{'':<36}{r['handoffs']} handoffs; shortfall: "
                        + (", ".join(f"{k} {v}" for k, v in sorted(r["shortfall"].items())) or "-"))
     out.append("")
     out.append("delta MiB and Mb/s are at full scale (measured / scale); times are as measured in the compressed run. "
