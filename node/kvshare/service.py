@@ -236,15 +236,28 @@ class _Superseded(Exception):
 class _Progress:
     """One push's bytes so far, on its sender thread."""
 
+    backlog_s: Callable[[], float]  # the link's time backlogged so far (LinkStats.backlog_s_now)
     sent: int = 0  # handed to the socket
     acked: int = 0  # acknowledged by the receiver (TCP_INFO), as last sampled
     backlogged: int = 0  # ...of which while another push waited for a send permit
+    clock: Callable[[], float] = time.monotonic
+    _at: float = 0.0
+    _backlog_at: float = 0.0
 
-    def acked_to(self, acked: int, backlogged: bool) -> None:
-        """Sampled per block: bytes handed to the socket are not yet on the link, acknowledged ones were."""
-        if backlogged:
-            self.backlogged += acked - self.acked
-        self.acked = acked
+    def __post_init__(self) -> None:
+        self._at, self._backlog_at = self.clock(), self.backlog_s()
+
+    def acked_to(self, acked: int) -> None:
+        """Sampled per block and at the verdict. Bytes acknowledged since the last sample count as
+        backlogged in the share of that interval the link was backlogged: judged by the state at the
+        sample alone, the bytes acknowledged while the receiver lands a push (seconds) were all
+        counted whenever a push happened to be queued at the verdict, which put useful utilisation
+        above 1."""
+        now, backlog = self.clock(), self.backlog_s()
+        span = now - self._at
+        share = min(1.0, max(0.0, backlog - self._backlog_at) / span) if span > 0 else 0.0
+        self.backlogged += round((acked - self.acked) * share)
+        self.acked, self._at, self._backlog_at = acked, now, backlog
 
 
 @dataclass
@@ -819,7 +832,7 @@ class KVShare:
     def _stream(self, sock: socket.socket, tx: wire.Sender, offer: wire.Offer, pinned: PinnedBlocks,
                 job: _Job) -> PushResult:
         """Offer, then send the blocks the receiver lacks, then wait for its verdict."""
-        prog = _Progress()
+        prog = _Progress(self.out[job.target].backlog_s_now)
         try:
             sock.settimeout(self.cfg.io_timeout_s)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.cfg.socket_buffer_bytes)
@@ -838,7 +851,7 @@ class KVShare:
             if job.link_free is not None:
                 job.link_free()  # the link is free for the next push while the receiver lands this one
             done = self._read_reply(sock, tx)
-            prog.acked_to(tcp_acked(sock), self.out[job.target].backlogged)
+            prog.acked_to(tcp_acked(sock))
             secs = time.monotonic() - t0
             if isinstance(done, wire.PeerRefused):
                 return PushResult(False, reason=done.reason, message=done.message, bytes_sent=prog.sent, seconds=secs)
@@ -856,8 +869,7 @@ class KVShare:
     def _send_blocks(self, sock: socket.socket, tx: wire.Sender, pinned: PinnedBlocks, job: _Job, first: int,
                      prog: _Progress) -> PushResult | None:
         """Send blocks first.. and END; a refusal the receiver sent mid-stream, or None once END is sent."""
-        link = self.out[job.target]
-        prog.acked = tcp_acked(sock)
+        prog.acked_to(tcp_acked(sock))
         for i in range(first, len(pinned.ids)):
             if job.cancel.is_set():
                 raise _Superseded()
@@ -877,7 +889,7 @@ class KVShare:
                     return PushResult(False, reason=refusal.reason, message=refusal.message, bytes_sent=prog.sent)
                 raise
             prog.sent += len(hdr) + data.nbytes
-            prog.acked_to(tcp_acked(sock), link.backlogged)
+            prog.acked_to(tcp_acked(sock))
         end = tx.end()
         sock.sendall(end)
         prog.sent += len(end)
