@@ -10,9 +10,11 @@ counts every frame A sends with its 66 bytes of Ethernet, IPv4 and TCP headers
 (with timestamps); its packet count x 66 gives those headers, and what is left
 unaccounted is shown, never spread over the kinds.
 
-`useful_util_backlogged`: bytes of replicas that landed, sent while at least one
-more push to the same target was queued, over the link's capacity for the time
-a push was queued. Bytes of a transfer later cut do not count.
+`useful_util_backlogged`: bytes of replicas that landed, acknowledged while at
+least one more push to the same target waited for a send permit, over the link's
+capacity for the time a push waited. Bytes of a transfer later cut do not count.
+The sender samples acknowledged bytes per block; each sample's bytes count in the
+share of its interval that the link was backlogged.
 """
 
 from __future__ import annotations
