@@ -178,14 +178,29 @@ def run_link(link: str, work: Path, args: argparse.Namespace, plan: Plan) -> Lin
             run.cluster = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=10).json()
             run.stats = {n.name: httpx.get(f"{n.api}/v1/stats", timeout=10).json() for n in nodes}
             run.tc = lab.qdisc_sent()  # read with the stats: both count from the nodes' start
-            sizes = [e["bytes"] for e in run.ready if e["blocks"] > 0]
-            if sizes:
-                a, b = lab.hosts
-                run.raw_tcp_s = rawtcp.measure(int(statistics.median(sizes)), b.exec_prefix(), a.exec_prefix(), b.data_ip)
         finally:
             for n in nodes:
                 n.stop()
+        sizes = [e["bytes"] for e in run.ready if e["blocks"] > 0]
+        if sizes:
+            # Raw TCP on the idle link: once the nodes are gone and the link has drained (a backlog of
+            # pushes outlives the load, and measured under it raw TCP read up to 4x slow).
+            _wait_idle(lab)
+            a, b = lab.hosts
+            run.raw_tcp_s = rawtcp.measure(int(statistics.median(sizes)), b.exec_prefix(), a.exec_prefix(), b.data_ip)
     return run
+
+
+def _wait_idle(lab: TwoHostLab, quiet_s: float = 0.3, limit_s: float = 10.0) -> None:
+    """Until neither end of the data link sends anything for `quiet_s` (at most `limit_s`)."""
+    deadline = time.monotonic() + limit_s
+    last = lab.qdisc_sent()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = lab.qdisc_sent()
+        if now == last:
+            return
+        last = now
 
 
 def _drive(run: LinkRun, nodes: list[NodeProcess], args: argparse.Namespace, plan: Plan) -> None:
