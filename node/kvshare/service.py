@@ -57,6 +57,7 @@ from kvmesh.node.tls import client_context, server_context
 
 log = logging.getLogger("kvmesh.kvshare")
 T = TypeVar("T")
+K = TypeVar("K")
 
 # Inbound transfers served at once; an offer must be complete within OFFER_DEADLINE_S (or two
 # io_timeout_s) of connecting: each read is bounded by io_timeout_s, this bounds a trickling client.
@@ -91,7 +92,7 @@ class LinkStats:
     # replica_landed / replica_cut went to the target, replica_replies came back from it.
     wire: collections.Counter[str] = field(default_factory=collections.Counter)
     backlogged_s: float = 0.0  # time with at least one push to this target waiting for a send permit
-    landed_backlogged_bytes: int = 0  # bytes of replicas that landed, sent while a push was queued
+    landed_backlogged_bytes: int = 0  # bytes of replicas that landed, acknowledged while a push was queued
     _queued: int = 0
     _backlog_since: float = 0.0
 
@@ -103,10 +104,6 @@ class LinkStats:
         self._queued += delta
         if self._queued == 0:
             self.backlogged_s += now - self._backlog_since
-
-    @property
-    def backlogged(self) -> bool:
-        return self._queued > 0
 
     def backlog_s_now(self) -> float:
         return self.backlogged_s + (time.monotonic() - self._backlog_since if self._queued else 0.0)
@@ -138,7 +135,7 @@ class PushResult:
     message: str = ""
     wire_sent: int = 0  # payload bytes the kernel put on the link (TCP_INFO bytes_sent, with resends)
     wire_received: int = 0
-    backlogged_bytes: int = 0  # of bytes_sent, those sent while another push to the target was queued
+    backlogged_bytes: int = 0  # bytes acknowledged while another push to the target was queued (_Progress)
 
 
 @dataclass
@@ -220,11 +217,11 @@ class ReuseExplained:
     evicted_from: Literal["engine", "store"] | None = None
 
 
-def _remember(d: dict[str, T], session: str, value: T) -> None:
-    """Keep the latest `value` for `session`, forgetting the oldest sessions beyond MAX_EXPLAINED."""
-    d.pop(session, None)
-    d[session] = value
-    while len(d) > MAX_EXPLAINED:
+def _remember(d: dict[K, T], key: K, value: T, cap: int = MAX_EXPLAINED) -> None:
+    """Keep the latest `value` for `key`, forgetting the least recently set keys beyond `cap`."""
+    d.pop(key, None)
+    d[key] = value
+    while len(d) > cap:
         d.pop(next(iter(d)))
 
 
@@ -635,9 +632,7 @@ class KVShare:
             gap = max(0.0, now - turn_s - prev[0])
             think = 0.5 * think + 0.5 * gap
             self._think_s = 0.9 * self._think_s + 0.1 * gap
-        self._turns[session] = (now, think)
-        if len(self._turns) > MAX_UNUSED_TRACKED:
-            self._turns.pop(next(iter(self._turns)))
+        _remember(self._turns, session, (now, think), MAX_UNUSED_TRACKED)
 
     def push_facts(self, session: str, target: str) -> PushFacts:
         """What the push gate weighs: bytes the target lacks, time to the session's next turn, and
@@ -675,12 +670,6 @@ class KVShare:
 
         return free
 
-    def _enqueue(self, job: _Job) -> None:
-        self._queued[(job.session, job.target)] = job
-
-    def _dequeue(self, key: tuple[str, str]) -> _Job | None:
-        return self._queued.pop(key, None)
-
     def submit(self, session: str, target: str) -> asyncio.Future[PushResult]:
         """Queue a replica push; a newer one supersedes an older one queued. One in flight is
         superseded only if the session no longer extends what it sends, or once it stalls
@@ -688,7 +677,7 @@ class KVShare:
         (Restarting a progressing transfer on every turn starves a slow link: nothing lands.)"""
         assert self._loop is not None
         key = (session, target)
-        old = self._dequeue(key)
+        old = self._queued.pop(key, None)
         if old is not None:
             old.done.set_result(PushResult(False, reason="superseded"))
             self._superseded(session, target)
@@ -696,7 +685,7 @@ class KVShare:
         if running is not None and running.started and not running.cancel.is_set() and not self._extends(running):
             self._supersede_running(running)
         job = _Job(session, target, self._loop.create_future())
-        self._enqueue(job)
+        self._queued[key] = job
         asyncio.ensure_future(self._run_job(job))
         return job.done
 
@@ -747,7 +736,7 @@ class KVShare:
                 await asyncio.sleep(0.01)
             if self._queued.get(key) is not job:
                 return  # superseded while waiting
-            self._dequeue(key)
+            del self._queued[key]
             self._jobs[key] = job
             job.started = True
             job.progress_at = time.monotonic()
@@ -797,9 +786,7 @@ class KVShare:
         if result.ok:
             st.add(result.bytes_sent, result.seconds)
             st.landed_backlogged_bytes += result.backlogged_bytes
-            self._landed_tokens[(job.session, job.target)] = result.tokens
-            if len(self._landed_tokens) > MAX_UNUSED_TRACKED:
-                self._landed_tokens.pop(next(iter(self._landed_tokens)))
+            _remember(self._landed_tokens, (job.session, job.target), result.tokens, MAX_UNUSED_TRACKED)
             self._publish(ReplicaSent(session=job.session, src=self.name, dst=job.target, blocks=result.blocks_sent,
                                       bytes=result.bytes_sent, seconds=round(result.seconds, 4), tokens=result.tokens))
         elif result.reason != "superseded":
@@ -1208,26 +1195,29 @@ async def _await_worker(fut: asyncio.Future[T], *, stop: Callable[[], None], rel
         raise
 
 
-def tcp_bytes(sock: socket.socket) -> tuple[int, int]:
-    """(payload bytes sent, including resends; payload bytes received) on this TCP socket, as the
-    kernel counted them (struct tcp_info: tcpi_bytes_sent at 200, tcpi_bytes_received at 128;
-    Linux 4.19+). (0, 0) where the kernel does not say."""
+def _tcp_info_u64(sock: socket.socket, *offsets: int) -> tuple[int, ...]:
+    """Counters of struct tcp_info at these byte offsets, as the kernel keeps them for this TCP
+    socket; all 0 where the kernel does not say (no TCP_INFO, or a struct too short)."""
+    end = max(offsets) + 8
     try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, end)
     except (OSError, AttributeError):
-        return 0, 0
-    if len(info) < 208:
-        return 0, 0
-    return struct.unpack_from("Q", info, 200)[0], struct.unpack_from("Q", info, 128)[0]
+        return (0,) * len(offsets)
+    if len(info) < end:
+        return (0,) * len(offsets)
+    return tuple(struct.unpack_from("Q", info, off)[0] for off in offsets)
+
+
+def tcp_bytes(sock: socket.socket) -> tuple[int, int]:
+    """(payload bytes sent, including resends; payload bytes received) on this TCP socket
+    (tcpi_bytes_sent at 200, tcpi_bytes_received at 128; Linux 4.19+)."""
+    sent, received = _tcp_info_u64(sock, 200, 128)
+    return sent, received
 
 
 def tcp_acked(sock: socket.socket) -> int:
-    """Payload bytes the peer has acknowledged on this TCP socket (tcpi_bytes_acked at 120), 0 where unknown."""
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128)
-    except (OSError, AttributeError):
-        return 0
-    return struct.unpack_from("Q", info, 120)[0] if len(info) >= 128 else 0
+    """Payload bytes the peer has acknowledged on this TCP socket (tcpi_bytes_acked at 120)."""
+    return _tcp_info_u64(sock, 120)[0]
 
 
 def _linger_close(conn: socket.socket, limit_s: float = 1.0) -> None:

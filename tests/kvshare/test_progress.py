@@ -12,11 +12,15 @@ class _Clocks:
         self.now = 100.0
         self.backlog = 0.0
 
+    def progress(self) -> _Progress:
+        """A push starting now, sampling this clock and backlog."""
+        return _Progress(lambda: self.backlog, clock=lambda: self.now)
+
 
 def test_bytes_acked_count_in_the_backlogged_share_of_each_interval() -> None:
     """Half an interval backlogged: half its bytes count; none backlogged: none; all: all."""
     c = _Clocks()
-    prog = _Progress(lambda: c.backlog, clock=lambda: c.now)
+    prog = c.progress()
     c.now, c.backlog = 101.0, 0.5
     prog.acked_to(1000)
     assert prog.backlogged == 500
@@ -31,7 +35,7 @@ def test_bytes_acked_count_in_the_backlogged_share_of_each_interval() -> None:
 def test_a_long_verdict_wait_with_a_push_queued_at_its_end_is_not_all_backlogged() -> None:
     """Bytes acked over a 4 s wait for the verdict, a push queued for its last 0.1 s: 2.5% of them count."""
     c = _Clocks()
-    prog = _Progress(lambda: c.backlog, clock=lambda: c.now)
+    prog = c.progress()
     c.now, c.backlog = 104.0, 0.1
     prog.acked_to(8_000_000)
     assert prog.backlogged == 200_000
