@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.node.config import KVShareConfig
 from kvmesh.node.load import LoadShape
 
 # The report's figures (field-report.md).
@@ -49,7 +50,7 @@ KV_BYTES_PER_TOKEN = 20_480  # ~1 GB per 50k tokens
 DELTA_MIB = 247
 MBPS_PER_DIRECTION = (320.0, 450.0)
 RUN_MINUTES = 90
-REPLICATE_MIN_TOKENS = 8192
+REPLICATE_MIN_TOKENS = KVShareConfig().replicate_min_tokens  # netlab's nodes run with the default
 
 # The load generator's distributions, derived below and checked by tests/netlab/test_calibrate.py.
 SYSTEM_TOKENS = (2500, 4000)  # system prompt; the task message adds ~300
