@@ -13,6 +13,17 @@ from kvmesh.node.errors import ConfigError
 Subparsers = argparse._SubParsersAction  # the type argparse gives `add_subparsers`
 
 
+def _positive(text: str) -> float:
+    """argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
 def _node_overrides(args: argparse.Namespace) -> dict[str, object]:
     o: dict[str, object] = {}
     for flag, key in (("name", "name"), ("engine", "engine.kind"), ("model", "engine.model"), ("slots", "engine.slots"), ("host", "api.host"),
@@ -164,12 +175,12 @@ def _add_netlab(sub: Subparsers) -> None:
     nl = sub.add_parser("netlab", help="the field report's experiment: two namespaces, shaped links (root)")
     nl.add_argument("--quick", action="store_true", help="240 s per link at --time-compress 6 (24 min of the report's run)")
     nl.add_argument("--links", default="1gbit,10gbit")
-    nl.add_argument("--duration", type=float, default=None, help="seconds per link (default: the report's 90 minutes / K)")
-    nl.add_argument("--time-compress", type=float, default=None, metavar="K",
+    nl.add_argument("--duration", type=_positive, default=None, help="seconds per link (default: the report's 90 minutes / K)")
+    nl.add_argument("--time-compress", type=_positive, default=None, metavar="K",
                     help="run K times faster: think, prefill and decode times / K, link rates x K, same bytes")
-    nl.add_argument("--kv-scale", type=float, default=0.05, help="KV bytes per token AND link rate x this")
-    nl.add_argument("--time-scale", type=float, default=1.0, help="think times x this (heavier or lighter demand)")
-    nl.add_argument("--demand", type=float, default=None, help="kv_share demand as a multiple of the report's (sets think times)")
+    nl.add_argument("--kv-scale", type=_positive, default=0.05, help="KV bytes per token AND link rate x this")
+    nl.add_argument("--time-scale", type=_positive, default=1.0, help="think times x this (heavier or lighter demand)")
+    nl.add_argument("--demand", type=_positive, default=None, help="kv_share demand as a multiple of the report's (sets think times)")
     nl.add_argument("--kvshare", choices=["on", "off"], default="on", help="off: no replicas (the baseline to compare)")
     nl.add_argument("--sessions", type=int, default=16)
     nl.add_argument("--target-tokens", type=int, default=50_000, help="a conversation ends at this size")

@@ -142,7 +142,10 @@ class Plan:
 def plan_of(args: argparse.Namespace) -> Plan:
     if args.demand is not None and args.time_scale != 1.0:
         raise SystemExit("kvmesh netlab: give --demand or --time-scale, not both")
-    time_scale = think_scale_for(args.demand) if args.demand is not None else args.time_scale
+    try:
+        time_scale = think_scale_for(args.demand) if args.demand is not None else args.time_scale
+    except ValueError as err:
+        raise SystemExit(f"kvmesh netlab: --demand: {err}") from None
     demand = calibrate(time_scale).mbps_per_direction / calibrate().mbps_per_direction
     k = Compression(args.time_compress)
     return Plan(args.kv_scale, k, k.think_multiplier(time_scale), round(demand, 3), args.kvshare == "on")

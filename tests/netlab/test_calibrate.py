@@ -8,6 +8,7 @@ import random
 import pytest
 
 from kvmesh.node.bench.workload import text
+from kvmesh.node.cli import build_parser
 from kvmesh.node.netlab import calibrate as cal
 from kvmesh.node.netlab.run import node_config, plan_of
 
@@ -77,3 +78,14 @@ def test_netlab_plan_applies_compression_to_nodes_link_and_load() -> None:
     assert twice.demand == pytest.approx(2.0) and twice.think == pytest.approx(cal.think_scale_for(2.0) / 4)
     with pytest.raises(SystemExit, match="not both"):
         plan_of(_args(demand=2.0, time_scale=0.5))
+
+
+def test_bad_netlab_arguments_are_refused_with_a_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    """Zero, negative or non-numeric rates and a demand turns cannot meet are refused before anything starts."""
+    for bad, said in ((["--demand", "0"], "must be above 0"), (["--time-compress", "-2"], "must be above 0"),
+                      (["--duration", "x"], "is not a number")):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["netlab", *bad])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="turns closer than their own length"):
+        plan_of(_args(demand=10.0))
