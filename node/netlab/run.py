@@ -20,12 +20,14 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import signal
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -332,6 +334,16 @@ def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:g}"
 
 
+def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """Write `path` through a temporary file beside it: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_png(runs: list[LinkRun], rows: list[dict[str, Any]], path: Path) -> str:
     try:
         import matplotlib
@@ -344,7 +356,7 @@ def write_png(runs: list[LinkRun], rows: list[dict[str, Any]], path: Path) -> st
     for run in runs:
         if not run.series:
             ax1.text(0.5, 0.5 - 0.1 * runs.index(run), f"{run.link}: no handoffs", transform=ax1.transAxes, ha="center")
-        if run.series:
+        else:
             ax1.plot([t for t, _, _ in run.series], [w for _, w, _ in run.series], label=run.link)
         secs = [e["recv_s"] for e in run.ready if e["blocks"] > 0]
         if secs:
@@ -361,8 +373,10 @@ def write_png(runs: list[LinkRun], rows: list[dict[str, Any]], path: Path) -> st
     if any(run.ready for run in runs):
         ax2.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        _write_whole(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
     return f"PNG report: {path}"
 
 
@@ -396,7 +410,7 @@ def run_netlab(args: argparse.Namespace) -> int:
               "duration_s": args.duration, "full_scale_minutes": round(plan.compress.full_scale_s(args.duration) / 60, 1),
               "calibration": cal.summary(), "latency_emulation": "none (netem unavailable)"}
     json_path = out_dir / "netlab.json"
-    json_path.write_text(json.dumps(result, indent=2))
+    _write_whole(json_path, lambda tmp: tmp.write_text(json.dumps(result, indent=2)))
     note = write_png(runs, rows, out_dir / "netlab.png")
     if not args.json:
         print(table(rows, plan))

@@ -80,4 +80,5 @@ def test_very_short_netlab_run_reports_table_json_and_png(tmp_path: Path) -> Non
     assert "kvmesh: 10gbit" in r.stdout and "report: 10 GbE" in r.stdout
     assert json.loads((out / "netlab.json").read_text())["links"][0]["link"] == "10gbit"
     assert (out / "netlab.png").stat().st_size > 1000
+    assert not list(out.glob(".*.tmp")), "a temporary file was left beside the report"
     assert _netns() == before
