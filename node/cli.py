@@ -44,26 +44,26 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvmesh.node.demo import run_demo
+    from kvmesh.node.lab.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvmesh.node import bench
+    from kvmesh.node.lab import bench
 
     return bench.run(args)
 
 
 def cmd_netlab(args: argparse.Namespace) -> int:
-    from kvmesh.node.netlab.run import run_netlab
+    from kvmesh.node.lab.netlab.run import run_netlab
 
     return run_netlab(args)
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from kvmesh.node.bench.common import emit
-    from kvmesh.node.load import LoadRunner, LoadShape
+    from kvmesh.node.lab.bench.common import emit
+    from kvmesh.node.lab.load import LoadRunner, LoadShape
 
     shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, max_tokens=args.max_tokens,
                       seed=args.seed)
@@ -78,13 +78,13 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from kvmesh.node.chaos import run_chaos
+    from kvmesh.node.lab.chaos import run_chaos
 
     return run_chaos(args)
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    from kvmesh.node.soak import run_soak
+    from kvmesh.node.lab.soak import run_soak
 
     return run_soak(args)
 

@@ -17,7 +17,7 @@ import pytest
 from kvmesh.console.config import load_config_file
 from kvmesh.node.config import load_config
 from kvmesh.node.errors import ConfigError
-from kvmesh.node.launcher import NodeProcess, free_port
+from kvmesh.node.lab.launcher import NodeProcess, free_port
 from kvmesh.node.meshinit import MeshPlan, parse_host, plan_files, write_files
 
 SECRET_ENV = ("KVMESH_MESH_SECRET", "KVMESH_ADMIN_TOKEN")

@@ -14,7 +14,7 @@ from kvmesh.console.app import KvmeshConsole
 from kvmesh.console.config import ConsoleConfig
 from kvmesh.console.screens.confirm import ConfirmScreen
 from kvmesh.console.state import ConsoleState
-from kvmesh.node.launcher import NodeProcess, write_mesh
+from kvmesh.node.lab.launcher import NodeProcess, write_mesh
 
 pytestmark = pytest.mark.anyio
 TOKEN = "console-e2e-admin-token"

@@ -465,7 +465,7 @@ def test_bench_ttft_runs_on_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureF
     """`kvmesh bench ttft --json --model DIR`: cold and warm (imported) turns on the checkpoint."""
     import argparse
 
-    from kvmesh.node.bench.ttft import run_ttft
+    from kvmesh.node.lab.bench.ttft import run_ttft
 
     d = write_checkpoint(tmp_path / "bench-qwen3", "qwen3")
     raw = json.loads((d / "config.json").read_text())

@@ -1,5 +1,5 @@
 """Helpers for the kv_share service tests: real node processes on loopback, the drills' fault proxy
-(`kvmesh.node.chaos.proxy.LinkProxy`) on the a -> b kv_share path, and a hand-driven kv_share sender
+(`kvmesh.node.lab.chaos.proxy.LinkProxy`) on the a -> b kv_share path, and a hand-driven kv_share sender
 (conversations and the /v1/events reader are tests/support's).
 
 - `start_pair(workdir, ...)`: two `kvmesh node` processes (`a`, `b`, sim engine, blocks of 64 tokens), a
@@ -34,13 +34,13 @@ import numpy as np
 from support.conversation import Conversation, Turn
 from support.events import EventStream
 
-from kvmesh.node.chaos.proxy import LinkProxy
+from kvmesh.node.lab.chaos.proxy import LinkProxy
 from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
 from kvmesh.node.engine.simkv import block_bytes
 from kvmesh.node.kvshare import wire
-from kvmesh.node.launcher import LocalMesh, free_port, wait_for, wait_peers, write_mesh
+from kvmesh.node.lab.launcher import LocalMesh, free_port, wait_for, wait_peers, write_mesh
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 BLOCK = 64

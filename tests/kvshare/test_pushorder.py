@@ -10,7 +10,7 @@ import pytest
 from support.conversation import Conversation
 
 from kvmesh.node.kvshare.pushorder import PushFacts, PushGate, push_key
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.protocol import ReplicaSent, ReplicaStarted
 
 from .service_helpers import Pair, start_pair

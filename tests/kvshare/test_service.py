@@ -18,7 +18,7 @@ from support.conversation import Conversation
 from support.events import EventStream
 
 from kvmesh.node.kvshare import wire
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.protocol import (
     ReplicaImported,
     ReplicaReady,

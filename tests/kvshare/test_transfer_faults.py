@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from support.conversation import Conversation
 
-from kvmesh.node.chaos.proxy import Fault
+from kvmesh.node.lab.chaos.proxy import Fault
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
 from kvmesh.node.kvshare import wire
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.protocol import ReplicaReady, ReplicaRefused, session_key
 
 from .service_helpers import BLOCK, Pair, hand_offer, hand_send, read_reply

@@ -25,8 +25,8 @@ import httpx
 import openai
 from support.conversation import Conversation, Turn
 
-from kvmesh.node.bench.workload import text
-from kvmesh.node.launcher import LocalMesh, wait_for, write_mesh
+from kvmesh.node.lab.workload import text
+from kvmesh.node.lab.launcher import LocalMesh, wait_for, write_mesh
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 NAMES = ("a", "b", "c")

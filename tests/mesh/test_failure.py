@@ -10,7 +10,7 @@ import pytest
 from support.conversation import Conversation
 
 from kvmesh.node.engine.tokenizer import ByteTokenizer
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 
 from .helpers import MODEL, Mesh, whole_blocks
 

@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvmesh.node.bench.workload import text
+from kvmesh.node.lab.workload import text
 from kvmesh.node.engine import gguf_gen
-from kvmesh.node.launcher import write_mesh
+from kvmesh.node.lab.launcher import write_mesh
 
 from .helpers import Mesh
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 from support.conversation import Conversation
 
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.protocol import PROTOCOL_VERSION, SnapshotEvent
 
 from .helpers import Mesh, whole_blocks

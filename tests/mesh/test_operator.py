@@ -9,8 +9,8 @@ import secrets
 import pytest
 from support.conversation import Conversation
 
-from kvmesh.node.bench.workload import text
-from kvmesh.node.launcher import NodeProcess, mesh_configs, wait_for
+from kvmesh.node.lab.workload import text
+from kvmesh.node.lab.launcher import NodeProcess, mesh_configs, wait_for
 
 from .helpers import Mesh, whole_blocks
 

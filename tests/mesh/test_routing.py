@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from support.conversation import Conversation
 
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 
 from .helpers import Mesh, whole_blocks
 

@@ -22,9 +22,9 @@ import pytest
 from support.conversation import Conversation, Turn
 from support.events import EventStream
 
-from kvmesh.node.chaos.proxy import Fault, LinkProxy
+from kvmesh.node.lab.chaos.proxy import Fault, LinkProxy
 from kvmesh.node.kvshare.service import _Inbound, keep_waiting
-from kvmesh.node.launcher import free_port, wait_for, write_mesh
+from kvmesh.node.lab.launcher import free_port, wait_for, write_mesh
 from kvmesh.node.protocol import Handoff, ReplicaRefused
 
 from .helpers import MODEL, POLL_S, SIM, STALE_S, Mesh, whole_blocks

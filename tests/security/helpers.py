@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from kvmesh.node.config import NodeConfig
-from kvmesh.node.launcher import LocalMesh, NodeProcess, wait_peers, write_mesh
+from kvmesh.node.lab.launcher import LocalMesh, NodeProcess, wait_peers, write_mesh
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 MODEL = "kvmesh-sim"

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 from .helpers import Mesh, chat, openai_error

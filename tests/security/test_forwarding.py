@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 
 from .helpers import Mesh, chat
 from .test_auth import undrained_after

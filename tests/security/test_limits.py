@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.server import HEADER_DEADLINE_S
 
 from .conftest import KV_IO_TIMEOUT_S

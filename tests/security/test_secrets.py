@@ -18,7 +18,7 @@ from support.events import EventStream
 from kvmesh.node.config import load_config
 from kvmesh.node.errors import ConfigError
 from kvmesh.node.kvshare import wire
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 from .helpers import Mesh, chat

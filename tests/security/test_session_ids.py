@@ -21,7 +21,7 @@ import openai
 import pytest
 from websockets.sync.client import connect
 
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.protocol import session_key
 from kvmesh.node.server import ThreadedServer, serve_in_thread
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvmesh.node.bench.workload import grow_conversation
+from kvmesh.node.lab.workload import grow_conversation
 from kvmesh.node.config import load_config
 from kvmesh.node.errors import ConfigError
-from kvmesh.node.launcher import NodeProcess, free_port, write_toml
+from kvmesh.node.lab.launcher import NodeProcess, free_port, write_toml
 
 SECRET = "tls-test-mesh-secret-000000"
 

@@ -1,6 +1,6 @@
 """A conversation driven through a node's OpenAI API turn by turn, and what one turn reported.
 
-Two openings: a coding agent's (`node.bench.workload.grow_conversation`, about `tokens` tokens of
+Two openings: a coding agent's (`node.lab.workload.grow_conversation`, about `tokens` tokens of
 system prompt, tool outputs and replies), or, with `chars`, one system prompt of that many characters
 tagged with the session (so no two sessions share a block) and a "go". Either way the chat template only
 grows at the end: each turn appends the reply and a tool output, so every turn's prompt extends the last.
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.node.bench.workload import grow_conversation, text
+from kvmesh.node.lab.workload import grow_conversation, text
 from kvmesh.node.engine.tokenizer import ByteTokenizer
 
 AGENT_TOKENS = 8000  # a "long" agent opening (byte tokenizer: ~1 token per character)

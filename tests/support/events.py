@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from kvmesh.node.launcher import wait_for
+from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.protocol import Event, SnapshotEvent, parse_event
 
 E = TypeVar("E", bound=BaseModel)

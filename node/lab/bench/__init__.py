@@ -1,0 +1,30 @@
+"""`kvmesh bench ...`: each benchmark prints one JSON object as its last stdout line.
+
+This package's own module only dispatches; what the benchmarks share (output, exit
+status, a local mesh) lives in `node.bench.common`, so no benchmark imports this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark `args.bench`; its exit status is non-zero when its run had errors."""
+    if args.bench == "ttft":
+        from kvmesh.node.lab.bench.ttft import run_ttft
+
+        return run_ttft(args)
+    if args.bench == "handoff":
+        from kvmesh.node.lab.bench.handoff import run_handoff
+
+        return run_handoff(args)
+    if args.bench == "transfer" and getattr(args, "engine", "sim") == "llamacpp":
+        from kvmesh.node.lab.bench.llamaxfer import run_llama_transfer
+
+        return run_llama_transfer(args)
+    if args.bench == "transfer":
+        from kvmesh.node.lab.bench.transfer import run_transfer
+
+        return run_transfer(args)
+    raise SystemExit(f"unknown benchmark {args.bench!r}")

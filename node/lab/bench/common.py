@@ -1,0 +1,71 @@
+"""What every `kvmesh bench ...` shares: the JSON output, the exit status, and a local sim mesh.
+
+A leaf module: the benchmarks import it, it imports none of them (node.bench's
+dispatcher imports the benchmarks, so helpers living there made a cycle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvmesh.node.lab.launcher import NodeProcess, merge_config, write_mesh
+
+
+def failures(result: dict[str, Any]) -> list[str]:
+    """Why a benchmark's run failed (empty when it did not): any error it counted, or no work done.
+
+    A figure measured over a run that lost turns or rounds is not the figure the run claims, so
+    such a run must not exit 0 (scripts and CI read the exit status, not the JSON)."""
+    why: list[str] = []
+    errors = result.get("errors", 0)
+    if errors:
+        why.append(f"{errors} error(s): {'; '.join(map(str, result.get('error_samples', [])[:3])) or 'see the JSON'}")
+    if "turns" in result and not result["turns"]:
+        why.append("no turn completed")
+    if "rounds" in result and not result["rounds"]:
+        why.append("no round completed")
+    return why
+
+
+def emit(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """Human lines first (unless --json), then the JSON object as the very last stdout line.
+
+    Returns the exit status: 0 only when `failures(result)` is empty (each reason goes to stderr)."""
+    if not getattr(args, "json", False):
+        for k, v in result.items():
+            print(f"{k:>28}: {v}")
+    print(json.dumps(result), flush=True)
+    why = failures(result)
+    for w in why:
+        print(f"kvmesh bench: FAILED: {w}", file=sys.stderr)
+    return 1 if why else 0
+
+
+def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cache_bytes: int,
+               extra: dict[str, Any] | None = None, engine: dict[str, Any] | None = None) -> list[NodeProcess]:
+    """The benchmarks' mesh on loopback (`launcher.write_mesh`), started: every node ready.
+
+    The sim engine unless `engine` names another (its keys replace the sim's)."""
+    if engine is None:
+        engine = {"kind": "sim", "sim": {"kv_scale": kv_scale}}
+    engine = {"slots": slots, "cache_bytes": cache_bytes, "queue_timeout_s": 600.0, **engine}
+    base: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 4 * cache_bytes},
+                            "mesh": {"poll_interval_s": 0.25}}
+    merge_config(base, extra or {})
+    return list(write_mesh(work, names, engine=engine, extra=base).start(peers_timeout=None).nodes.values())
+
+
+def llamacpp_engine(args: argparse.Namespace, max_context: int) -> dict[str, Any] | None:
+    """`--engine llamacpp`: the engine config every node of a local mesh runs, serving --model or the
+    generated tiny GGUF (node.engine.gguf_gen); None for the sim."""
+    if getattr(args, "engine", "sim") != "llamacpp":
+        return None
+    from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
+
+    model = getattr(args, "model", None) or ensure_model(spec_for("tiny"))
+    # The nodes share the box's cores: one thread each.
+    return {"kind": "llamacpp", "model": str(model), "max_context": max_context, "llamacpp": {"threads": 1}}

@@ -1,0 +1,76 @@
+"""`kvmesh bench handoff`: two sim nodes on loopback, 16 coding-agent sessions, handoffs counted.
+
+The counters are the mesh's own (GET /v1/cluster), not the load generator's
+view; decision time is the placement function's, measured inside the nodes.
+The exit status is non-zero when any turn failed (or none completed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvmesh.node.lab.bench.common import emit, llamacpp_engine, start_mesh
+from kvmesh.node.lab.launcher import wait_peers
+from kvmesh.node.lab.load import LoadRunner, LoadShape
+
+
+def _llama_shape(args: argparse.Namespace) -> dict[str, Any]:
+    """With llama.cpp on a CPU, conversations open long and grow in small steps: a turn's new tokens
+    stay under a tenth of its prompt (a move is warm only from 90% reuse), and prefill (real compute
+    here, not a cost model) stays a fraction of a second per turn. The sim keeps LoadShape's shape."""
+    if getattr(args, "engine", "sim") != "llamacpp":
+        return {}
+    return {"system_tokens": (8500, 10000), "tool_tokens": (50, 300)}
+
+
+def run_handoff(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
+        nodes = start_mesh(Path(tmp), ["node-a", "node-b"], slots=args.slots, kv_scale=args.kv_scale,
+                           cache_bytes=args.cache_bytes, engine=llamacpp_engine(args, max_context=args.target_tokens + 16384),
+                           extra={"mesh": {"cold_move_after_s": args.cold_move_after},
+                                  "kvshare": {"replicate_min_tokens": args.replicate_min_tokens}})
+        try:
+            wait_peers(nodes)
+            shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, seed=args.seed,
+                              max_tokens=args.max_tokens, **_llama_shape(args))
+            runner = LoadRunner([n.api for n in nodes], shape, time_scale=args.time_scale)
+            t0 = time.monotonic()
+            stats = asyncio.run(runner.run(args.duration))
+            elapsed = time.monotonic() - t0
+            time.sleep(1.0)  # two status polls: every node's counters are in the cluster view
+            cluster = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=10).json()
+            node_stats = [httpx.get(f"{n.api}/v1/stats", timeout=10).json() for n in nodes]
+        finally:
+            for n in nodes:
+                n.stop()
+    c = cluster["counters"]
+    total = c["warm"] + c["partial"] + c["cold"]
+
+    def pct(x: int) -> float:
+        return round(100.0 * x / total, 2) if total else 0.0
+
+    load = stats.summary()
+    result = {
+        "handoffs": total, "warm": c["warm"], "partial": c["partial"], "cold": c["cold"],
+        "warm_pct": pct(c["warm"]), "partial_pct": pct(c["partial"]), "cold_pct": pct(c["cold"]),
+        "stale_state_cold": c["stale_state_cold"],
+        "decision_p99_ms": max(s["decision_p99_ms"] for s in node_stats),
+        "decision_cpu_p99_ms": max(s["decision_cpu_p99_ms"] for s in node_stats),
+        "loop_lag_p99_ms": max(s["loop_lag_p99_ms"] for s in node_stats),  # the worst node's
+        "loop_lag_max_ms": max(s["loop_lag_max_ms"] for s in node_stats),
+        "loop_lag_cpu_p99_ms": max(s["loop_lag_cpu_p99_ms"] for s in node_stats),
+        "turns": load["turns"], "errors": load["errors"], "error_samples": load["error_samples"],
+        "status": load["status"], "duration_s": round(elapsed, 1),
+        "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
+        "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
+        "cold_move_after_s": args.cold_move_after, "replicate_min_tokens": args.replicate_min_tokens,
+        "engine": getattr(args, "engine", "sim"),
+    }
+    return emit(result, args)  # non-zero when a turn failed: its counters describe a run that lost turns

@@ -1,0 +1,138 @@
+"""`kvmesh bench ttft`: cold prefill vs warm continuation from an imported replica file.
+
+Cold: a fresh engine prefills the whole conversation. Warm: the same
+conversation's cache is exported to a replica file, a *fresh* engine imports
+it, and the conversation continues with one more ~256-token user message.
+TTFT is from request to first token; the warm figure includes the import.
+With `--model DIR` both engines run a local Hugging Face checkpoint (kind "torch"),
+and the conversation is grown until the checkpoint's tokenizer counts ~--tokens.
+With `--engine llamacpp` both run llama.cpp on `--model X.gguf`, or without it on the
+generated GGUF with a real model's proportions (node.engine.gguf_gen preset "bench").
+Exit status non-zero when the warm turn reused none of the imported replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvmesh.node.lab.bench.common import emit
+from kvmesh.node.lab.workload import grow_conversation, text
+from kvmesh.node.config import EngineConfig, LlamaCppConfig, SimConfig
+from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
+from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
+from kvmesh.node.engine.hashing import payload_digest
+from kvmesh.node.engine.hf import open_checkpoint
+from kvmesh.node.engine.llamacpp import LlamaModel
+from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
+from kvmesh.node.kvshare.store import ReplicaStore
+
+SESSION = "bench-ttft"
+
+async def _ttft(engine: Engine, prompt: list[int], max_tokens: int = 1) -> tuple[float, str]:
+    """Request to first token, as the engine measured it (queue + reuse + prefill + first sample)."""
+    out = []
+    ttft = None
+    async for ev in engine.generate(GenerateRequest(SESSION, prompt, max_tokens=max_tokens, temperature=0.0)):
+        if isinstance(ev, TextDelta):
+            out.append(ev.text)
+        elif isinstance(ev, TurnDone):
+            ttft = ev.stats.ttft_s
+    assert ttft is not None
+    return ttft, "".join(out)
+
+
+def _engine_cfg(kind: str, tokens: int, model: Path | None = None) -> EngineConfig:
+    ctx = max(4096, tokens + 2048)
+    if kind == "llamacpp":
+        # --model: a GGUF file; without it, the generated GGUF with a real model's proportions.
+        gguf = model if model is not None else ensure_model(spec_for("bench"))
+        return EngineConfig(kind="llamacpp", model=str(gguf), slots=1, max_context=ctx, cache_bytes=(ctx + 1024) * 8192)
+    if model is not None:
+        # KV bytes per token at fp32 bound the bf16 a GPU would use; the context is capped
+        # by the checkpoint's max_position_embeddings.
+        m = open_checkpoint(model, max_context=ctx).config
+        return EngineConfig(kind="torch", model=str(model), slots=1, max_context=m.max_context,
+                            cache_bytes=(m.max_context + 1024) * m.kv_bytes_per_token(torch.float32))
+    kv = 8192 if kind == "tiny" else SimConfig().scaled_kv_bytes_per_token()
+    return EngineConfig(kind=kind, slots=1, max_context=ctx, cache_bytes=(ctx + 1024) * kv,  # type: ignore[arg-type]
+                        sim=SimConfig(max_context=ctx))
+
+
+def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict[str, str]], random.Random]:
+    """The workload's conversation, sized in the model's tokens (the byte tokenizer: 1 char ~ 1 token)."""
+    target = tokens
+    tok: Tokenizer | None = None
+    if model is not None:
+        tok = LlamaModel.open(model, LlamaCppConfig()).tokenizer if kind == "llamacpp" else HFTokenizer.from_dir(model)
+    for _ in range(4):
+        rng = random.Random(7)
+        msgs = grow_conversation(rng, target)
+        if tok is None:
+            break
+        n = len(tok.apply_chat_template(msgs))
+        if abs(n - tokens) <= 0.05 * tokens:
+            break
+        target = max(64, int(target * tokens / max(1, n)))
+    return msgs, rng
+
+def run_ttft(args: argparse.Namespace) -> int:
+    model = getattr(args, "model", None)
+    msgs, rng = _conversation(args.tokens, model, args.engine)
+    cfg = _engine_cfg(args.engine, args.tokens, model)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-ttft-") as tmp:
+        root = Path(args.store_dir or tmp)
+        store = ReplicaStore(root, budget_bytes=1 << 40)
+
+        async def scenario() -> dict[str, object]:
+            home = Engine(cfg)
+            prompt = home.tokenizer.apply_chat_template(msgs)
+            cold_s, reply = await _ttft(home, prompt, max_tokens=16)
+            # Export the home engine's cache of this conversation to a replica file.
+            man_tokens = home.session_tokens(SESSION)
+            assert man_tokens is not None
+            with home.export(SESSION) as blocks:
+                n = len(blocks)
+                w = store.begin_write(SESSION, fingerprint=home.fingerprint, block_size=home.block_size,
+                                      block_bytes=home.block_bytes, tokens=man_tokens[: n * home.block_size],
+                                      hashes=[b.hash for b in blocks], first_block=0, generation=1)
+                with w:
+                    for b in blocks:
+                        w.write_block(b.index, b.data, payload_digest(b.data))
+                    w.commit()
+            home.close()
+            del home
+            follow = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": text(rng, 256)}]
+            away = Engine(cfg)
+            prompt2 = away.tokenizer.apply_chat_template(follow)
+            t0 = time.monotonic()
+            store.import_into(away, SESSION)
+            import_s = time.monotonic() - t0
+            gen_s, _ = await _ttft(away, prompt2)
+            warm_s = import_s + gen_s
+            cached = away.counters.cached_tokens
+            away.close()
+            # A warm turn that reused nothing of the imported replica measured a cold prefill: an error.
+            errors = [] if cached else ["the warm turn reused none of the imported replica"]
+            return {
+                "prompt_tokens": len(prompt),
+                "cold_ttft_s": round(cold_s, 4),
+                "warm_ttft_s": round(warm_s, 4),
+                "import_s": round(import_s, 4),
+                "ratio": round(warm_s / cold_s, 4),
+                "warm_prompt_tokens": len(prompt2),
+                "warm_cached_tokens": cached,
+                "engine": cfg.kind,
+                "errors": len(errors), "error_samples": errors,
+                **({"model": cfg.served_model, "device": str(away.device), "dtype": str(away.dtype).removeprefix("torch.")}
+                   if model is not None or cfg.kind == "llamacpp" else {}),
+            }
+
+        result = asyncio.run(scenario())
+    return emit(result, args)

@@ -1,0 +1,193 @@
+"""`kvmesh load`: drive a mesh through its OpenAI API like a fleet of coding agents.
+
+N concurrent sessions, each a system prompt of a few thousand tokens, then
+turns that append tool output and a short assistant reply, with think time
+between turns; a conversation that reaches `target_tokens` ends and a new one
+starts. Deterministic from the seed (texts, sizes, think times; not which host
+answers). Turns go to the entry nodes round-robin. A JSONL trace (one line per
+turn: session, time offset, appended messages) can be recorded and replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from kvmesh.node.lab.workload import system_prompt, text
+
+
+@dataclass
+class LoadShape:
+    sessions: int = 16
+    target_tokens: int = 50_000
+    tool_tokens: tuple[int, int] = (300, 4000)
+    system_tokens: tuple[int, int] = (2500, 4000)  # a conversation's opening system prompt
+    max_tokens: int = 64
+    think_s: tuple[float, float] = (0.5, 2.0)
+    seed: int = 1
+
+
+@dataclass
+class LoadStats:
+    turns: int = 0
+    errors: int = 0
+    status: Counter[str] = field(default_factory=Counter)
+    handoffs: Counter[str] = field(default_factory=Counter)
+    hosts: Counter[str] = field(default_factory=Counter)
+    ttft_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    conversations: int = 0
+    error_samples: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        def pct(xs: list[float], q: float) -> float | None:
+            v = sorted(xs)
+            return round(v[min(len(v) - 1, int(q * len(v)))], 4) if v else None
+
+        return {
+            "turns": self.turns, "errors": self.errors, "conversations": self.conversations,
+            "status": dict(self.status), "handoffs": dict(self.handoffs), "hosts": dict(self.hosts),
+            "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p95_s": pct(self.ttft_s, 0.95), "ttft_p99_s": pct(self.ttft_s, 0.99),
+            "latency_p50_s": pct(self.latency_s, 0.5), "latency_p99_s": pct(self.latency_s, 0.99),
+            "error_samples": self.error_samples[:5],
+        }
+
+
+class LoadRunner:
+    def __init__(self, nodes: list[str], shape: LoadShape, *, model: str | None = None, record: TextIO | None = None,
+                 time_scale: float = 1.0):
+        self.nodes = nodes
+        self.shape = shape
+        self.model = model
+        self.record = record
+        self.time_scale = time_scale  # think times are multiplied by this (time compression)
+        self.stats = LoadStats()
+        self._rr = 0
+        self._t0 = 0.0
+        self._stop = asyncio.Event()
+
+    def _entry(self) -> str:
+        self._rr += 1
+        return self.nodes[self._rr % len(self.nodes)]
+
+    async def turn(self, client: httpx.AsyncClient, session: str, messages: list[dict[str, str]]) -> str | None:
+        """One streamed turn; returns the reply text, or None when it failed."""
+        url = f"{self._entry()}/v1/chat/completions"
+        body = {"model": self.model, "messages": messages, "max_tokens": self.shape.max_tokens, "temperature": 0,
+                "stream": True}
+        t0 = time.monotonic()
+        ttft = None
+        out: list[str] = []
+        st = self.stats
+        try:
+            async with client.stream("POST", url, json=body, headers={"X-Session-Id": session}) as r:
+                st.status[str(r.status_code)] += 1
+                if r.status_code != 200:
+                    detail = (await r.aread())[:200].decode(errors="replace")
+                    raise RuntimeError(f"HTTP {r.status_code}: {detail}")
+                st.handoffs[r.headers.get("x-kvmesh-handoff", "none")] += 1
+                st.hosts[r.headers.get("x-kvmesh-host", "?")] += 1
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    obj = json.loads(line[6:])
+                    if "error" in obj:
+                        raise RuntimeError(obj["error"].get("message", "error in stream"))
+                    for ch in obj.get("choices", []):
+                        piece = ch.get("delta", {}).get("content")
+                        if piece:
+                            ttft = ttft or time.monotonic() - t0
+                            out.append(piece)
+        except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
+            st.errors += 1
+            if len(st.error_samples) < 20:
+                st.error_samples.append(f"{session}: {type(e).__name__}: {e}")
+            return None
+        st.turns += 1
+        st.ttft_s.append(ttft if ttft is not None else time.monotonic() - t0)
+        st.latency_s.append(time.monotonic() - t0)
+        return "".join(out)
+
+    def _log(self, session: str, appended: list[dict[str, str]]) -> None:
+        if self.record is not None:
+            self.record.write(json.dumps({"session": session, "t": round(time.monotonic() - self._t0, 3),
+                                          "messages": appended}) + "\n")
+            self.record.flush()
+
+    async def _agent(self, client: httpx.AsyncClient, slot: int) -> None:
+        sh = self.shape
+        rng = random.Random(sh.seed * 1_000_003 + slot)
+        conv = 0
+        while not self._stop.is_set():
+            conv += 1
+            self.stats.conversations += 1
+            session = f"agent{slot:02d}-c{conv}"
+            msgs = [{"role": "system", "content": system_prompt(rng, rng.randint(*sh.system_tokens))},
+                    {"role": "user", "content": "Build the to-do app described in the spec. " + text(rng, 300)}]
+            appended = list(msgs)
+            size = sum(len(m["content"]) for m in msgs)
+            while size < sh.target_tokens and not self._stop.is_set():
+                self._log(session, appended)
+                reply = await self.turn(client, session, msgs)
+                if reply is None:
+                    await asyncio.sleep(0.5)  # a failed turn is retried after a pause, same messages
+                    continue
+                tool = text(rng, rng.randint(*sh.tool_tokens))
+                appended = [{"role": "assistant", "content": reply}, {"role": "tool", "content": tool}]
+                msgs += appended
+                size += len(reply) + len(tool)
+                await self._sleep(rng.uniform(*sh.think_s) * self.time_scale)
+
+    async def _sleep(self, s: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), s)
+        except TimeoutError:
+            pass
+
+    async def _discover_model(self, client: httpx.AsyncClient) -> None:
+        if self.model is None:
+            r = await client.get(f"{self.nodes[0]}/v1/models")
+            self.model = r.json()["data"][0]["id"]
+
+    async def run(self, duration_s: float) -> LoadStats:
+        self._t0 = time.monotonic()
+        limits = httpx.Limits(max_connections=self.shape.sessions * 2 + 8)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits) as client:
+            await self._discover_model(client)
+            agents = [asyncio.create_task(self._agent(client, i)) for i in range(self.shape.sessions)]
+            await self._sleep(duration_s)
+            self._stop.set()
+            # Let turns in flight finish: a turn is never abandoned half-way.
+            await asyncio.gather(*agents, return_exceptions=True)
+        return self.stats
+
+    async def replay(self, trace: Path) -> LoadStats:
+        """Send the recorded turns at their recorded offsets (scaled by time_scale)."""
+        lines = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+        self._t0 = time.monotonic()
+        convs: dict[str, list[dict[str, str]]] = {}
+        by_session: dict[str, list[dict[str, Any]]] = {}
+        for rec in lines:
+            by_session.setdefault(rec["session"], []).append(rec)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5)) as client:
+            await self._discover_model(client)
+
+            async def one(session: str, recs: list[dict[str, Any]]) -> None:
+                msgs = convs.setdefault(session, [])
+                for rec in recs:
+                    delay = rec["t"] * self.time_scale - (time.monotonic() - self._t0)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    msgs += rec["messages"]
+                    await self.turn(client, session, msgs)
+
+            await asyncio.gather(*(one(s, r) for s, r in by_session.items()))
+        return self.stats
