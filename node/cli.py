@@ -8,9 +8,11 @@ import logging
 import sys
 from pathlib import Path
 
+from kvmesh.node.engine.models import is_gguf
 from kvmesh.node.errors import ConfigError
 
 Subparsers = argparse._SubParsersAction  # the type argparse gives `add_subparsers`
+GGUF_HELP = "a GGUF file or a packaged model's alias (smollm2, gemma3-270m); implies --engine llamacpp"
 
 
 def _positive(text: str) -> float:
@@ -110,7 +112,7 @@ def _add_node(sub: Subparsers) -> None:
     n.add_argument("--name")
     n.add_argument("--engine", choices=["tiny", "sim", "torch", "llamacpp"])
     n.add_argument("--model", help="with --engine torch: a local Hugging Face checkpoint directory; "
-                   "with --engine llamacpp: a GGUF file")
+                   "a GGUF file or a packaged model's alias (smollm2, gemma3-270m): llama.cpp")
     n.add_argument("--slots", type=int)
     n.add_argument("--host")
     n.add_argument("--port", type=int)
@@ -125,12 +127,12 @@ def _add_demo(sub: Subparsers) -> None:
     d.add_argument("--headless", action="store_true", help="print the counters once a second instead of the console")
     d.add_argument("--seconds", type=float, default=None, help="with --headless: stop after this long")
     d.add_argument("--sessions", type=int, default=16)
-    d.add_argument("--engine", choices=["sim", "llamacpp"], default="sim",
-                   help="llamacpp: both nodes run llama.cpp on --model (default: a generated GGUF)")
-    d.add_argument("--model", type=Path, help="with --engine llamacpp: a GGUF file")
+    d.add_argument("--engine", choices=["sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else sim; "
+                   "llamacpp: both nodes run llama.cpp on --model (default: a generated GGUF)")
+    d.add_argument("--model", type=Path, help=GGUF_HELP)
     d.add_argument("--view", choices=("main", "demo"), default="main",
                    help="the console's first view; 'demo': big counters for a room (read-only)")
-    d.set_defaults(func=cmd_demo)
+    d.set_defaults(func=cmd_demo, engine_default="sim")
 
 
 def _add_bench(sub: Subparsers) -> None:
@@ -139,10 +141,11 @@ def _add_bench(sub: Subparsers) -> None:
     t = bsub.add_parser("ttft", help="cold vs warm (replica-imported) time to first token")
     t.add_argument("--json", action="store_true")
     t.add_argument("--tokens", type=int, default=16384)
-    t.add_argument("--engine", choices=["tiny", "sim", "llamacpp"], default="tiny")
+    t.add_argument("--engine", choices=["tiny", "sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else tiny")
     t.add_argument("--store-dir", type=Path, help="where the replica file goes (default: a temp dir)")
     t.add_argument("--model", type=Path, help="a local Hugging Face checkpoint directory: run the torch engine on it; "
-                   "with --engine llamacpp: a GGUF file (default: a generated one)")
+                   "a GGUF file or a packaged model's alias (smollm2, gemma3-270m): llama.cpp (default: a generated GGUF)")
+    t.set_defaults(engine_default="tiny")
     h = bsub.add_parser("handoff", help="two sim nodes, 16 agent sessions: warm/partial/cold handoffs")
     h.add_argument("--json", action="store_true")
     h.add_argument("--duration", type=float, default=120.0)
@@ -156,17 +159,19 @@ def _add_bench(sub: Subparsers) -> None:
     h.add_argument("--seed", type=int, default=1)
     h.add_argument("--cold-move-after", type=float, default=30.0, help="mesh.cold_move_after_s for both nodes")
     h.add_argument("--replicate-min-tokens", type=int, default=8192, help="kvshare.replicate_min_tokens")
-    h.add_argument("--engine", choices=["sim", "llamacpp"], default="sim",
-                   help="llamacpp: both nodes run llama.cpp on --model (default: a generated GGUF)")
-    h.add_argument("--model", type=Path, help="with --engine llamacpp: a GGUF file (the same on both nodes)")
+    h.add_argument("--engine", choices=["sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else sim; "
+                   "llamacpp: both nodes run llama.cpp on --model (default: a generated GGUF)")
+    h.add_argument("--model", type=Path, help=GGUF_HELP + " (the same on both nodes)")
+    h.set_defaults(engine_default="sim")
     x = bsub.add_parser("transfer", help="kv_share delta vs raw TCP between two node processes")
     x.add_argument("--json", action="store_true")
     x.add_argument("--mib", type=float, default=247.0, help="delta size")
     x.add_argument("--link", choices=["loopback", "1gbit", "10gbit"], default="loopback")
     x.add_argument("--repeat", type=int, default=3)
-    x.add_argument("--engine", choices=["sim", "llamacpp"], default="sim",
-                   help="llamacpp: block export/import rates of the llama.cpp engine for a --tokens session, beside memcpy")
-    x.add_argument("--model", type=Path, help="with --engine llamacpp: a GGUF file (default: a generated one)")
+    x.add_argument("--engine", choices=["sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else sim; "
+                   "llamacpp: block export/import rates of the llama.cpp engine for a --tokens session, beside memcpy")
+    x.add_argument("--model", type=Path, help=GGUF_HELP + " (default: a generated one)")
+    x.set_defaults(engine_default="sim")
     x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
     b.set_defaults(func=cmd_bench)
 
@@ -236,19 +241,29 @@ def _add_init(sub: Subparsers) -> None:
     i.add_argument("--host", action="append", required=True, metavar="NAME=ADDR[,KVSHARE_ADDR]",
                    help="a host of the mesh (repeat); the second address, if given, is where kv_share listens")
     i.add_argument("--out", type=Path, default=Path("kvmesh-mesh"), help="folder for the files (default: kvmesh-mesh)")
-    i.add_argument("--engine", choices=["sim", "tiny", "torch", "llamacpp"], default="sim")
+    i.add_argument("--engine", choices=["sim", "tiny", "torch", "llamacpp"], help="default: llamacpp for a GGUF --model, else sim")
     i.add_argument("--model", default="", help="with --engine torch: the checkpoint directory on every host; "
-                   "with --engine llamacpp: the GGUF file on every host")
+                   "a GGUF file on every host or a packaged model's alias (smollm2, gemma3-270m): llama.cpp")
     i.add_argument("--slots", type=int, default=4)
     i.add_argument("--api-port", type=int, default=8000)
     i.add_argument("--kvshare-port", type=int, default=9000)
     i.add_argument("--store-dir", default="/var/lib/kvmesh/store", help="replica store folder on each host")
     i.add_argument("--force", action="store_true", help="overwrite files that exist")
-    i.set_defaults(func=cmd_init)
+    i.set_defaults(func=cmd_init, engine_default="sim")
+
+
+def _infer_engine(args: argparse.Namespace) -> None:
+    """A GGUF `--model` (a `.gguf` path or a packaged alias) means llama.cpp unless `--engine` says otherwise."""
+    default = getattr(args, "engine_default", None)
+    if default is None or args.engine is not None:
+        return
+    model = getattr(args, "model", None)
+    args.engine = "llamacpp" if model and is_gguf(model) else default
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _infer_engine(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:

@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
+from kvmesh.node.engine.models import gguf_name, is_gguf
 from kvmesh.node.errors import ConfigError
 
 HOST_NAME_PATTERN = r"^[A-Za-z0-9._-]+$"  # a host's name (1-64 of these): in file names, URLs and the console
@@ -69,7 +70,7 @@ class LlamaCppConfig(_Strict):
 class EngineConfig(_Strict):
     kind: Literal["tiny", "sim", "torch", "llamacpp"] = "tiny"
     model: str = Field("", description="kind 'torch': a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3); "
-                       "kind 'llamacpp': a GGUF file")
+                       "kind 'llamacpp': a GGUF file, or a packaged model's alias (smollm2, gemma3-270m)")
     model_name: str = Field("", description="served model id; defaults to the checkpoint directory's name, else kvmesh-<kind>")
     slots: int = Field(4, ge=1, le=256)
     queue_max: int = Field(64, ge=0)
@@ -83,6 +84,14 @@ class EngineConfig(_Strict):
     first_chunk: int = Field(16384, ge=16)
     sim: SimConfig = SimConfig()
     llamacpp: LlamaCppConfig = LlamaCppConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gguf_means_llamacpp(cls, data: object) -> object:
+        # A `.gguf` path or a packaged model's alias names a model only llama.cpp serves.
+        if isinstance(data, dict) and "kind" not in data and is_gguf(str(data.get("model", ""))):
+            return {**data, "kind": "llamacpp"}
+        return data
 
     @model_validator(mode="after")
     def _model_matches_kind(self) -> EngineConfig:
@@ -100,7 +109,7 @@ class EngineConfig(_Strict):
         if self.model_name:
             return self.model_name
         if self.kind == "llamacpp":
-            return Path(self.model).stem
+            return gguf_name(self.model)
         return Path(self.model).name if self.kind == "torch" else f"kvmesh-{self.kind}"
 
 

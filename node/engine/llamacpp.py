@@ -45,6 +45,8 @@ from kvmesh.node.config import LlamaCppConfig
 from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.llamatok import LlamaTokenizer
+from kvmesh.node.engine.models import PACKAGED
+from kvmesh.node.engine.models import resolve as resolve_model
 from kvmesh.node.engine.runner import DecodeBatcher, DecodeStep
 from kvmesh.node.errors import CheckpointError, ConfigError
 
@@ -160,9 +162,10 @@ class LlamaModel:
 
     @classmethod
     def open(cls, path: str | Path, cfg: LlamaCppConfig) -> LlamaModel:
-        p = Path(path)
+        p = resolve_model(path)
         if not p.is_file():
-            raise CheckpointError(f"{p} does not exist: engine.model must be a GGUF file", path=str(p))
+            raise CheckpointError(f"{p} does not exist: engine.model must be a GGUF file or one of "
+                                  f"{', '.join(PACKAGED)}", path=str(p))
         lib = _lib()
         _install_logging(lib)
         lib.llama_backend_init()

@@ -1,7 +1,7 @@
 """`kvmesh soak --minutes M`: 64 coding-agent sessions on a three-node sim mesh, for M minutes.
 
 Three `kvmesh node` processes on loopback (sim engine, kv_scale 0.02) take the
-`node.load` workload through every node as an entry. Reported, as one JSON
+`node.lab.load` workload through every node as an entry. Reported, as one JSON
 object on the last stdout line:
 
 - errors: failed turns as the load generator counts them (non-200 answers,

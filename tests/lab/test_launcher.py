@@ -1,4 +1,4 @@
-"""node.launcher: the one local-mesh builder (configs, start, stop) and the one poll-with-a-deadline."""
+"""node.lab.launcher: the one local-mesh builder (configs, start, stop) and the one poll-with-a-deadline."""
 
 from __future__ import annotations
 

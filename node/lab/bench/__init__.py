@@ -1,7 +1,7 @@
 """`kvmesh bench ...`: each benchmark prints one JSON object as its last stdout line.
 
 This package's own module only dispatches; what the benchmarks share (output, exit
-status, a local mesh) lives in `node.bench.common`, so no benchmark imports this one.
+status, a local mesh) lives in `node.lab.bench.common`, so no benchmark imports this one.
 """
 
 from __future__ import annotations

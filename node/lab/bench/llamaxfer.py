@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kvmesh.node.lab.bench.common import emit
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.engine import Engine, GenerateRequest
 from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
 from kvmesh.node.engine.llamacpp import LlamaRunner
+from kvmesh.node.lab.bench.common import emit
 
 SESSION = "bench-transfer"
 

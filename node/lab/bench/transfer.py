@@ -26,10 +26,10 @@ from websockets.sync.client import connect
 
 from kvmesh.node.lab.bench import rawtcp
 from kvmesh.node.lab.bench.common import emit
-from kvmesh.node.lab.workload import text
 from kvmesh.node.lab.launcher import NodeProcess, mesh_configs, wait_peers
-from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 from kvmesh.node.lab.netlab.mesh import LAB_SECRET
+from kvmesh.node.lab.workload import text
+from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
 BLOCK = 256
 _PEER_TOKEN = peer_token(LAB_SECRET.encode())  # the lab's secret; loopback meshes have none and accept any

@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.node.lab.bench.common import emit
-from kvmesh.node.lab.workload import grow_conversation, text
 from kvmesh.node.config import EngineConfig, LlamaCppConfig, SimConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
 from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
@@ -32,6 +30,8 @@ from kvmesh.node.engine.hf import open_checkpoint
 from kvmesh.node.engine.llamacpp import LlamaModel
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
 from kvmesh.node.kvshare.store import ReplicaStore
+from kvmesh.node.lab.bench.common import emit
+from kvmesh.node.lab.workload import grow_conversation, text
 
 SESSION = "bench-ttft"
 

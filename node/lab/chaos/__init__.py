@@ -6,7 +6,7 @@ per node, a mesh secret and an admin token). Every directed kv_share link goes
 through a TCP proxy run here (each node's peer `kvshare` address in the TOML
 written here is the proxy), so the drill sees every transfer, can slow one
 down to hit it mid-stream, cut it after N bytes or flip one bit of a block.
-The coding-agent workload (`node.load`) runs throughout, plus turns the drill
+The coding-agent workload (`node.lab.load`) runs throughout, plus turns the drill
 drives itself; one fault is injected while turns are in flight, then healed.
 
 After each scenario the drill checks, and fails the scenario on any breach:

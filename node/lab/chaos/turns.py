@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from kvmesh.node.lab.workload import system_prompt, text
 from kvmesh.node.lab.load import LoadRunner, LoadShape
+from kvmesh.node.lab.workload import system_prompt, text
 
 MODEL = "kvmesh-sim"
 

@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 from websockets.sync.client import connect
 
-from kvmesh.node.lab.bench import rawtcp
 from kvmesh.node.config import EngineConfig
+from kvmesh.node.lab.bench import rawtcp
 from kvmesh.node.lab.launcher import NodeProcess, wait_peers
 from kvmesh.node.lab.load import LoadRunner
 from kvmesh.node.lab.netlab.account import account, useful_util_backlogged

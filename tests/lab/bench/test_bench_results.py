@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from kvmesh.node.cli import build_parser
 from kvmesh.node.lab.bench.common import emit, failures
 from kvmesh.node.lab.bench.handoff import run_handoff
 from kvmesh.node.lab.bench.transfer import median_index, summarize
-from kvmesh.node.cli import build_parser
 
 
 def _args(**kw: Any) -> argparse.Namespace:

@@ -19,6 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvmesh.node.engine.hashing import block_hashes, chain_seed, payload_digest
+from kvmesh.node.engine.simkv import block_bytes
+from kvmesh.node.kvshare import wire
+from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.lab.chaos import (
     Fault,
     LinkProxy,
@@ -29,10 +33,6 @@ from kvmesh.node.lab.chaos import (
 from kvmesh.node.lab.chaos.harness import Drill
 from kvmesh.node.lab.chaos.invariants import Observed, judge
 from kvmesh.node.lab.chaos.runner import EXIT_NOT_RUN, summarize
-from kvmesh.node.engine.hashing import block_hashes, chain_seed, payload_digest
-from kvmesh.node.engine.simkv import block_bytes
-from kvmesh.node.kvshare import wire
-from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.protocol import session_key
 
 SECRET = b"a-test-secret-of-some-length"

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from kvmesh.node.lab.workload import text
 from kvmesh.node.cli import build_parser
 from kvmesh.node.lab.netlab import calibrate as cal
 from kvmesh.node.lab.netlab.run import node_config, plan_of
+from kvmesh.node.lab.workload import text
 
 
 def test_calibrated_demand_is_the_reports() -> None:

