@@ -33,11 +33,11 @@ from kvmesh.node.kvshare.wire import (
     Receiver,
     Refused,
     Sender,
-    _mac,
     encode_answer,
     encode_block_header,
     encode_end,
 )
+from kvmesh.node.kvshare.wire_frames import _mac
 
 from .helpers import Replica, make_replica
 
