@@ -21,10 +21,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.schema import ChatCompletionRequest
-from kvmesh.node.api.toolcalls import (
+from kvmesh.node.api.toolcalls import ToolCallParser
+from kvmesh.node.api.toolevents import (
     ContentDelta,
     ToolCallArgs,
-    ToolCallParser,
     ToolCallStart,
     ToolEvent,
     assemble,

@@ -4,6 +4,7 @@
 `ContentDelta` (text for the client), `ToolCallStart` (index, id, name), `ToolCallArgs`
 (a fragment of the call's arguments JSON) and `ToolCallEnd`; `finish()` flushes what is
 held. The same events make a streamed answer (OpenAI deltas) and, assembled, a whole one.
+The events and their assembly live in `toolevents`, the JSON syntax check in `tooljson`.
 
 Two forms are recognised:
 - Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, anywhere in
@@ -29,251 +30,25 @@ Rules:
 from __future__ import annotations
 
 import json
-import re
-import secrets
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from kvmesh.node.api.toolevents import (
+    ContentDelta,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+    ToolEvent,
+    merge,
+    new_call_id,
+)
+from kvmesh.node.api.tooljson import COLON, OBJ_NEXT, STR, VALUE, WS, JsonScanner, JsonSyntaxError
 from kvmesh.node.engine.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 PYTHON_TAG = "<|python_tag|>"
 ARGS_KEYS = ("arguments", "parameters")
 # Keys a bare (Llama 3) call object may have; any other makes it an ordinary JSON reply.
 _LLAMA_KEYS = frozenset({"name", "type", "id", *ARGS_KEYS})
-_WS = " \t\r\n"
-
-
-def new_call_id() -> str:
-    """An OpenAI-style tool call id."""
-    return "call_" + secrets.token_hex(12)
-
-
-# ---- events ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ContentDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallStart:
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolCallArgs:
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallEnd:
-    index: int
-    broken: str | None = None  # the call's raw text when its JSON never completed
-
-
-ToolEvent = ContentDelta | ToolCallStart | ToolCallArgs | ToolCallEnd
-
-
-def _merge(out: list[ToolEvent], ev: ToolEvent) -> None:
-    """Append, joining a content or arguments fragment to the one before it."""
-    last = out[-1] if out else None
-    if isinstance(ev, ContentDelta):
-        if not ev.text:
-            return
-        if isinstance(last, ContentDelta):
-            out[-1] = ContentDelta(last.text + ev.text)
-            return
-    elif isinstance(ev, ToolCallArgs):
-        if not ev.text:
-            return
-        if isinstance(last, ToolCallArgs) and last.index == ev.index:
-            out[-1] = ToolCallArgs(ev.index, last.text + ev.text)
-            return
-    out.append(ev)
-
-
-def coalesce(events: Iterable[ToolEvent]) -> list[ToolEvent]:
-    """The same events with adjacent content / same-call argument fragments joined."""
-    out: list[ToolEvent] = []
-    for ev in events:
-        _merge(out, ev)
-    return out
-
-
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str
-
-    def openai(self) -> dict[str, object]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass
-class Reply:
-    """A whole answer: its content and its complete tool calls (broken calls are content)."""
-
-    content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
-
-
-def assemble(events: Iterable[ToolEvent]) -> Reply:
-    reply = Reply()
-    open_calls: dict[int, ToolCall] = {}
-    for ev in events:
-        if isinstance(ev, ContentDelta):
-            reply.content += ev.text
-        elif isinstance(ev, ToolCallStart):
-            open_calls[ev.index] = ToolCall(ev.id, ev.name, "")
-        elif isinstance(ev, ToolCallArgs):
-            open_calls[ev.index].arguments += ev.text
-        else:
-            call = open_calls.pop(ev.index)
-            if ev.broken is None:
-                reply.calls.append(call)
-            else:
-                reply.content += ev.broken
-    return reply
-
-
-# ---- an incremental JSON syntax check ----------------------------------------------------
-
-class JsonSyntaxError(ValueError):
-    """The character does not continue valid JSON."""
-
-
-(_VALUE, _OBJ_FIRST, _OBJ_KEY, _COLON, _OBJ_NEXT, _ARR_FIRST, _ARR_NEXT,
- _STR, _ESC, _HEX, _NUM, _LIT, _DONE) = range(13)
-_NUM_CHARS = frozenset("0123456789+-.eE")
-_NUM_RE = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?\Z")
-_LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
-_HEXDIGITS = frozenset("0123456789abcdefABCDEF")
-
-
-class JsonScanner:
-    """Reads one JSON object a character at a time; `push` raises JsonSyntaxError at the first
-    character that cannot continue it, `done` once it is whole. `depth` is the number of open
-    containers and `last_key` the object key read last (what the call parser needs)."""
-
-    def __init__(self) -> None:
-        self.stack: list[str] = []
-        self.state = _VALUE
-        self.last_key: str | None = None
-        self._is_key = False
-        self._text: list[str] = []  # the key or number being read
-        self._lit = ""
-        self._hex = 0
-
-    @property
-    def depth(self) -> int:
-        return len(self.stack)
-
-    @property
-    def done(self) -> bool:
-        return self.state == _DONE
-
-    def push(self, ch: str) -> None:
-        st = self.state
-        if st == _NUM:
-            if ch in _NUM_CHARS:
-                self._text.append(ch)
-                return
-            if not _NUM_RE.match("".join(self._text)):
-                raise JsonSyntaxError("not a number")
-            self._after_value()
-            st = self.state
-        if st in (_STR, _ESC, _HEX):
-            self._string(ch)
-        elif st == _LIT:
-            if not self._lit or ch != self._lit[0]:
-                raise JsonSyntaxError("not a literal")
-            self._lit = self._lit[1:]
-            if not self._lit:
-                self._after_value()
-        elif ch in _WS and st != _DONE:
-            return
-        else:
-            self._structure(st, ch)
-
-    def _structure(self, st: int, ch: str) -> None:
-        if st in (_VALUE, _ARR_FIRST):
-            if st == _ARR_FIRST and ch == "]":
-                self._close()
-            else:
-                self._begin_value(ch)
-        elif st in (_OBJ_FIRST, _OBJ_KEY) and ch == '"':
-            self.state, self._is_key, self._text = _STR, True, []
-        elif st == _OBJ_FIRST and ch == "}":
-            self._close()
-        elif st == _COLON and ch == ":":
-            self.state = _VALUE
-        elif st == _OBJ_NEXT and ch == ",":
-            self.state = _OBJ_KEY
-        elif st == _ARR_NEXT and ch == ",":
-            self.state = _VALUE
-        elif (st == _OBJ_NEXT and ch == "}") or (st == _ARR_NEXT and ch == "]"):
-            self._close()
-        else:
-            raise JsonSyntaxError(f"unexpected {ch!r}")
-
-    def _begin_value(self, ch: str) -> None:
-        if not self.stack and ch != "{":
-            raise JsonSyntaxError("not an object")
-        if ch == "{":
-            self.stack.append("o")
-            self.state = _OBJ_FIRST
-        elif ch == "[":
-            self.stack.append("a")
-            self.state = _ARR_FIRST
-        elif ch == '"':
-            self.state, self._is_key = _STR, False
-        elif ch == "-" or ch.isdigit() and ch.isascii():
-            self.state, self._text = _NUM, [ch]
-        elif ch in _LITERALS:
-            self.state, self._lit = _LIT, _LITERALS[ch]
-        else:
-            raise JsonSyntaxError(f"unexpected {ch!r}")
-
-    def _string(self, ch: str) -> None:
-        if self._is_key:
-            self._text.append(ch)
-        if self.state == _ESC:
-            if ch == "u":
-                self.state, self._hex = _HEX, 4
-            elif ch in '"\\/bfnrt':
-                self.state = _STR
-            else:
-                raise JsonSyntaxError("bad escape")
-        elif self.state == _HEX:
-            if ch not in _HEXDIGITS:
-                raise JsonSyntaxError("bad \\u escape")
-            self._hex -= 1
-            if not self._hex:
-                self.state = _STR
-        elif ch == "\\":
-            self.state = _ESC
-        elif ch == '"':
-            if self._is_key:
-                self.last_key = json.loads('"' + "".join(self._text))
-                self.state = _COLON
-            else:
-                self._after_value()
-        elif ch < " ":
-            raise JsonSyntaxError("control character in a string")
-
-    def _close(self) -> None:
-        self.stack.pop()
-        self._after_value()
-
-    def _after_value(self) -> None:
-        if not self.stack:
-            self.state = _DONE
-        else:
-            self.state = _OBJ_NEXT if self.stack[-1] == "o" else _ARR_NEXT
 
 
 # ---- the parser --------------------------------------------------------------------------
@@ -360,24 +135,24 @@ class ToolCallParser:
             return self._blank_text(out, final)
         j = buf.find(TOOL_CALL_OPEN)
         if j >= 0:
-            _merge(out, ContentDelta(buf[:j]))
+            merge(out, ContentDelta(buf[:j]))
             self._buf, self._blank = buf[j:], True
             return True
         keep = 0 if final else _partial_suffix(buf, TOOL_CALL_OPEN)
-        _merge(out, ContentDelta(buf[: len(buf) - keep]))
+        merge(out, ContentDelta(buf[: len(buf) - keep]))
         self._buf = buf[len(buf) - keep:]
         return False
 
     def _blank_text(self, out: list[ToolEvent], final: bool) -> bool:
         """Only whitespace since the start or the last call: a call may open here."""
         buf = self._buf
-        body = buf.lstrip(_WS)
+        body = buf.lstrip(WS)
         lead = buf[: len(buf) - len(body)]
         if not body:
             if final:
                 self._buf = ""
                 if not self.calls:
-                    _merge(out, ContentDelta(lead))
+                    merge(out, ContentDelta(lead))
             return False
         if self._json_ok and self.calls and body[0] == ";":
             self._buf = body[1:]  # Llama 3 separates calls with ';'
@@ -401,7 +176,7 @@ class ToolCallParser:
 
     def _close(self, final: bool) -> bool:
         """After a Hermes call's object: its closing tag (whitespace before it is dropped)."""
-        body = self._buf.lstrip(_WS)
+        body = self._buf.lstrip(WS)
         if body.startswith(TOOL_CALL_CLOSE):
             self._buf = body[len(TOOL_CALL_CLOSE):]
         elif not final and TOOL_CALL_CLOSE.startswith(body):
@@ -423,9 +198,9 @@ class ToolCallParser:
                 return True
             if ok and not call.started and call.name is not None and call.args_state in (1, 3):
                 call.started = True
-                _merge(out, ToolCallStart(call.index, self._new_id(), call.name))
+                merge(out, ToolCallStart(call.index, self._new_id(), call.name))
             if call.started and call.args:
-                _merge(out, ToolCallArgs(call.index, "".join(call.args)))
+                merge(out, ToolCallArgs(call.index, "".join(call.args)))
                 call.args.clear()
             if not ok or call.scanner.done:
                 self._buf = self._buf[pos + 1:]
@@ -443,7 +218,7 @@ class ToolCallParser:
         prev_state, prev_depth = sc.state, sc.depth
         sc.push(ch)
         call.raw += ch
-        if prev_depth == 1 and prev_state == _VALUE and sc.state != _VALUE:  # a top-level value begins
+        if prev_depth == 1 and prev_state == VALUE and sc.state != VALUE:  # a top-level value begins
             call.vkey, call.vstart = sc.last_key, len(call.raw) - 1
             if call.vkey == "name" and ch != '"':
                 return False
@@ -451,12 +226,12 @@ class ToolCallParser:
                 if call.args_state or ch not in '{"':
                     return False
                 call.args_state = 1 if ch == "{" else 2
-        elif prev_depth == 1 and prev_state == _STR and sc.state == _COLON:  # a top-level key was read
+        elif prev_depth == 1 and prev_state == STR and sc.state == COLON:  # a top-level key was read
             if not call.hermes and sc.last_key not in _LLAMA_KEYS:
                 return False  # an ordinary JSON reply, not a call
         if call.args_state == 1 and call.vkey in ARGS_KEYS and call.vstart >= 0:
             call.args.append(ch)
-        if call.vstart >= 0 and sc.depth == 1 and sc.state == _OBJ_NEXT:  # that value ended
+        if call.vstart >= 0 and sc.depth == 1 and sc.state == OBJ_NEXT:  # that value ended
             return self._value_read(call, call.raw[call.vstart:])
         if sc.done:
             return self._object_read(call)
@@ -485,7 +260,7 @@ class ToolCallParser:
     def _complete(self, out: list[ToolEvent]) -> None:
         call = self._call
         assert call is not None and call.started
-        _merge(out, ToolCallEnd(call.index))
+        merge(out, ToolCallEnd(call.index))
         self._index += 1
         self.calls += 1
         self._call = None
@@ -497,9 +272,9 @@ class ToolCallParser:
         call = self._call
         assert call is not None
         if call.started:
-            _merge(out, ToolCallEnd(call.index, broken=call.raw))
+            merge(out, ToolCallEnd(call.index, broken=call.raw))
             self._index += 1
         else:
-            _merge(out, ContentDelta(call.raw))
+            merge(out, ContentDelta(call.raw))
         self._call = None
         self._mode, self._blank, self._json_ok = _TEXT, False, False

@@ -3,6 +3,10 @@
 The engine is the only source of truth for what it holds: `cached_prefix`
 answers from the block manager's live state, never from anyone's memory of it.
 All bookkeeping runs on the event loop thread; runners only touch tensors.
+
+Beside it: a turn's request, events and stats (`turns`), exported blocks, pins and the
+import transaction (`export_import`), and each kind's construction (`backends`). Their
+names stay importable from here, where kv_share, the mesh and the API have always found them.
 """
 
 from __future__ import annotations
@@ -12,113 +16,43 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 
 import numpy as np
 import torch
 import xxhash
 
 from kvmesh.node.config import EngineConfig
+from kvmesh.node.engine.backends import make_runner, open_backend
 from kvmesh.node.engine.blocks import BlockManager, BlockPool
+from kvmesh.node.engine.export_import import ExportedBlock, ImportTxn, PinnedBlocks
 from kvmesh.node.engine.hashing import as_tokens, block_hashes, chain_seed
-from kvmesh.node.engine.hf import Checkpoint, load_decoder, open_checkpoint
-from kvmesh.node.engine.llamacpp import LlamaModel, LlamaRunner, RestoreFailed
-from kvmesh.node.engine.llamacpp import fingerprint as llama_fingerprint
-from kvmesh.node.engine.model import ModelConfig, fingerprint, preset
-from kvmesh.node.engine.runner import Runner, SimCost, SimRunner, TorchRunner, blocks_for
+from kvmesh.node.engine.hf import Checkpoint
+from kvmesh.node.engine.llamacpp import RestoreFailed
+from kvmesh.node.engine.model import ModelConfig
+from kvmesh.node.engine.runner import Runner, blocks_for
 from kvmesh.node.engine.sampling import sample
 from kvmesh.node.engine.scripted import ScriptedRunner
 from kvmesh.node.engine.sequence import Match, Sequence
 from kvmesh.node.engine.slots import SlotScheduler
-from kvmesh.node.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvmesh.node.engine.tokenizer import Tokenizer
+from kvmesh.node.engine.turns import EngineCounters, GenerateRequest, TextDelta, TurnBegin, TurnDone, TurnStats
 from kvmesh.node.errors import ContextLengthExceeded, ImportRefused, InvalidRequest
 
+__all__ = [
+    "Engine",
+    "EngineCounters",
+    "ExportedBlock",
+    "GenerateRequest",
+    "ImportTxn",
+    "PinnedBlocks",
+    "TextDelta",
+    "TurnBegin",
+    "TurnDone",
+    "TurnStats",
+]
+
 log = logging.getLogger("kvmesh.engine")
-
-
-@dataclass
-class GenerateRequest:
-    session: str
-    prompt: list[int] | np.ndarray
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    # Awaited once the slot and the session are held, just before the cache is matched:
-    # the node imports a stored replica here, so nothing can evict it in between.
-    prepare: Callable[[], Awaitable[object]] | None = None
-
-
-@dataclass
-class TurnStats:
-    session: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int = 0
-    finish_reason: str = "length"
-    queue_s: float = 0.0
-    load_s: float = 0.0
-    prefill_s: float = 0.0
-    ttft_s: float = 0.0
-    total_s: float = 0.0
-
-
-@dataclass
-class TurnBegin:
-    """First event of every turn: the slot is held and the reused prefix is known."""
-
-    stats: TurnStats
-
-
-@dataclass
-class TextDelta:
-    text: str
-
-
-@dataclass
-class TurnDone:
-    stats: TurnStats
-
-
-@dataclass(frozen=True)
-class ExportedBlock:
-    index: int
-    hash: bytes
-    tokens: np.ndarray  # [block_size] int32
-    data: memoryview  # the block's KV bytes (zero-copy on CPU)
-
-
-@dataclass
-class PinnedBlocks:
-    """A session's full blocks, pinned in the pool; a thread other than the pinning one may read
-    their bytes. `release` (idempotent) unpins them once no thread reads them any more."""
-
-    ids: list[int]
-    hashes: list[bytes]
-    tokens: np.ndarray  # [len(ids) * block_size] the pinned blocks' token ids
-    read: Callable[[int], memoryview]  # a block's bytes by id (a host copy when the pool is on an accelerator)
-    _release: Callable[[list[int]], None]
-    _released: bool = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._release(self.ids)
-
-
-@dataclass
-class EngineCounters:
-    turns: int = 0
-    prefill_tokens: int = 0
-    cached_tokens: int = 0
-    evicted_sessions: int = 0
-    imported_blocks: int = 0
-    imports_refused: int = 0
-    restores_failed: int = 0  # cached blocks the runner could not restore (the turn recomputed)
-    prefill_s: float = 0.0
-    recent_prefill_tps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=16))
 
 
 def _generator(seed: int | None) -> torch.Generator | None:
@@ -129,67 +63,34 @@ def _generator(seed: int | None) -> torch.Generator | None:
     return torch.Generator().manual_seed(mixed & ((1 << 63) - 1))
 
 
-def _pick_device(want: str) -> torch.device:
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def _pick_dtype(want: str, device: torch.device) -> torch.dtype:
-    if want == "auto":
-        # fp32 is faster than bf16 on these CPUs (machine-facts); bf16 on GPUs.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, want)
-
-
 class Engine:
     """N slots over one block pool; a torch model (tiny preset or a local checkpoint), a GGUF model
     in llama.cpp (node.engine.llamacpp) or the sim cost model underneath."""
 
     def __init__(self, cfg: EngineConfig, *, model_cfg: ModelConfig | None = None):
         self.cfg = cfg
-        # kind "torch": a Hugging Face checkpoint directory; its config carries the
-        # checkpoint digest, so the fingerprint below names these exact weights.
-        self.checkpoint: Checkpoint | None = None
-        self.tokenizer: Tokenizer
-        if cfg.kind == "torch":
-            self.checkpoint = open_checkpoint(cfg.model, max_context=cfg.max_context)
-            self.tokenizer = HFTokenizer.from_dir(self.checkpoint.path, extra_eos_ids=self.checkpoint.config.eos_ids)
-        elif cfg.kind != "llamacpp":  # llama.cpp's tokenizer comes with its model, below
-            self.tokenizer = ByteTokenizer()
         self.block_size = cfg.block_size
         self.model_name = cfg.served_model
-        self.device = _pick_device(cfg.device)
-        llama: LlamaRunner | None = None
-        if cfg.kind == "llamacpp":
-            llama = self._open_llamacpp(cfg)
-            block_shape: tuple[int, ...] = (llama.block_bytes,)
-        elif cfg.kind == "sim":
-            self.dtype = torch.uint8
-            self.model_cfg = model_cfg or preset("tiny", max_context=cfg.sim.max_context)
-            self.kv_bytes_per_token = cfg.sim.scaled_kv_bytes_per_token()
-            block_shape = (self.kv_bytes_per_token * self.block_size,)
-            self.device = torch.device("cpu")
-            fp_cfg = ModelConfig(name=f"sim-{self.kv_bytes_per_token}", max_context=cfg.sim.max_context)
-        if cfg.kind not in ("sim", "llamacpp"):
-            self.dtype = _pick_dtype(cfg.dtype, self.device)
-            if self.checkpoint is not None:
-                self.model_cfg = model_cfg or self.checkpoint.config
-            else:
-                self.model_cfg = model_cfg or preset(cfg.kind, max_context=cfg.max_context)
-            self.kv_bytes_per_token = self.model_cfg.kv_bytes_per_token(self.dtype)
-            m = self.model_cfg
-            block_shape = (m.n_layers, 2, m.n_kv_heads, self.block_size, m.head_dim)
-            fp_cfg = self.model_cfg
+        backend = open_backend(cfg, model_cfg)
+        # kind "torch": a Hugging Face checkpoint directory; its config carries the
+        # checkpoint digest, so the fingerprint names these exact weights.
+        self.checkpoint: Checkpoint | None = backend.checkpoint
+        self.tokenizer: Tokenizer = backend.tokenizer
+        self.model_cfg = backend.model_cfg
+        self.dtype, self.device = backend.dtype, backend.device
+        self.kv_bytes_per_token = backend.kv_bytes_per_token
+        self.block_bytes = backend.block_bytes
+        self.fingerprint = backend.fingerprint
         self.max_context = self.model_cfg.max_context
-        if llama is None:
-            self.fingerprint = fingerprint(fp_cfg, self.dtype, self.block_size)
-            self.block_bytes = self.kv_bytes_per_token * self.block_size
         self.seed_hash = chain_seed(self.fingerprint)
         num_blocks = max(4, cfg.cache_bytes // self.block_bytes)
-        self.pool = BlockPool(num_blocks, block_shape, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, backend.block_shape, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, self.block_size)
-        self.runner: Runner = self._make_runner(cfg, llama)
+        runner = make_runner(cfg, backend, self.pool, self.seed_hash)
+        if cfg.kind == "sim" and cfg.sim.scripted_reply is not None:
+            # Test only (node.engine.scripted): the real sim runner with its logits replaced by a fixed reply.
+            runner = ScriptedRunner(runner, self.tokenizer.encode(cfg.sim.scripted_reply), self.tokenizer.eos_id)
+        self.runner: Runner = runner
         self.slots = SlotScheduler(cfg.slots, cfg.queue_max, cfg.queue_timeout_s)
         self.sessions: collections.OrderedDict[str, Sequence] = collections.OrderedDict()  # LRU first
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
@@ -200,41 +101,6 @@ class Engine:
         self.counters = EngineCounters()
         # Called with the session id whenever a resident cache is dropped.
         self.on_evict: Callable[[str], None] | None = None
-
-    def _make_runner(self, cfg: EngineConfig, llama: LlamaRunner | None) -> Runner:
-        """The back end under the bookkeeping, once the pool exists (runners write into it)."""
-        if llama is not None:
-            llama.attach(self.pool)
-            return llama
-        if cfg.kind == "sim":
-            sim = SimRunner(self.pool, SimCost(cfg.sim.prefill_tps, cfg.sim.decode_tps), self.tokenizer.vocab_size,
-                            seed=self.seed_hash, block_size=self.block_size, slots=cfg.slots)
-            if cfg.sim.scripted_reply is None:
-                return sim
-            # Test only (node.engine.scripted): the real sim runner with its logits replaced by a fixed reply.
-            return ScriptedRunner(sim, self.tokenizer.encode(cfg.sim.scripted_reply), self.tokenizer.eos_id)
-        weights = load_decoder(self.checkpoint, self.dtype, self.device) if self.checkpoint is not None else None
-        return TorchRunner(self.model_cfg, self.pool, cfg.slots, prefill_chunk=cfg.prefill_chunk,
-                           first_chunk=cfg.first_chunk, model=weights)
-
-    def _open_llamacpp(self, cfg: EngineConfig) -> LlamaRunner:
-        """Load the GGUF model and its context; sets what the other kinds derive from a ModelConfig.
-
-        A block's bytes are llama.cpp's per-sequence state of its positions (node.engine.llamacpp):
-        the pool holds raw bytes, block_bytes is the state size of a full block."""
-        model = LlamaModel.open(cfg.model, cfg.llamacpp)
-        try:
-            runner = LlamaRunner(model, cfg.llamacpp, slots=cfg.slots, max_context=cfg.max_context, block_size=self.block_size)
-        except BaseException:
-            model.close()
-            raise
-        self.tokenizer = model.tokenizer
-        self.dtype, self.device = torch.uint8, torch.device("cpu")
-        self.model_cfg = ModelConfig(name=model.path.stem, vocab_size=model.n_vocab, max_context=cfg.max_context)
-        self.block_bytes = runner.block_bytes
-        self.kv_bytes_per_token = -(-runner.block_bytes // self.block_size)
-        self.fingerprint = llama_fingerprint(model, cfg.llamacpp, runner.layout, self.block_size)
-        return runner
 
     # ---- what the engine holds ------------------------------------------------
 
@@ -571,65 +437,3 @@ class Engine:
     def close(self) -> None:
         self.runner.close()
 
-
-class ImportTxn:
-    """A replica import in progress: blocks reserved, bytes landing, hashes advertised on commit."""
-
-    def __init__(self, engine: Engine, session: str, tokens: np.ndarray, hashes: list[bytes]):
-        self.engine, self.session, self.tokens, self.hashes = engine, session, tokens, hashes
-        bm, bs = engine.blocks, engine.block_size
-        self.block_ids: list[int] = []
-        self.missing: list[int] = []
-        for i, h in enumerate(hashes):
-            bid = bm.lookup(h, tokens[i * bs : (i + 1) * bs])
-            if bid is None:
-                break
-            bm.acquire(bid)
-            self.block_ids.append(bid)
-        need = len(hashes) - len(self.block_ids)
-        if need and not engine._make_room(need):
-            bm.release(self.block_ids)
-            engine.counters.imports_refused += 1
-            raise ImportRefused(f"no room for {need} blocks: {bm.num_free} free, every other block held by a running turn "
-                                f"or pinned by a replica push reading it", reason="no_room")
-        start = len(self.block_ids)
-        self.block_ids += bm.allocate(need)
-        self.missing = list(range(start, len(hashes)))
-        self._done = False
-
-    def buffer(self, i: int) -> memoryview:
-        """Writable bytes of block i (CPU pools): receive straight into the pool."""
-        return self.engine.pool.bytes_view(self.block_ids[i])
-
-    def write(self, i: int, data: memoryview | bytes | np.ndarray) -> None:
-        size = data.nbytes if isinstance(data, np.ndarray) else memoryview(data).nbytes
-        if size != self.engine.block_bytes:
-            raise ImportRefused(f"block {i} is {size} bytes; this engine's blocks are {self.engine.block_bytes}", reason="size")
-        self.engine.pool.write_bytes(self.block_ids[i], data)
-
-    def commit(self, upto: int | None = None) -> int:
-        """Advertise the written blocks and make them the session's table; returns its tokens."""
-        e, bs = self.engine, self.engine.block_size
-        n = len(self.hashes) if upto is None else upto
-        for i in self.missing:
-            if i < n:
-                e.blocks.register(self.block_ids[i], self.hashes[i], self.tokens[i * bs : (i + 1) * bs])
-        e.blocks.release(self.block_ids[n:])
-        ids = self.block_ids[:n]
-        self._done = True
-        e.counters.imported_blocks += len([i for i in self.missing if i < n])
-        cur = e.sessions.get(self.session)
-        if cur is not None and (cur.busy or (cur.num_tokens >= n * bs and cur.hashes[: n] == self.hashes[:n])):
-            # A running turn or a longer copy of the same prefix wins; ours stay cached by hash.
-            e.blocks.release(ids)
-            return e.cached_prefix(self.session, self.tokens[: n * bs])
-        if cur is not None:  # replaced, not evicted
-            e.blocks.release(e.sessions.pop(self.session).block_ids)
-        e.sessions[self.session] = Sequence(self.session, self.tokens[: n * bs].copy(), ids, self.hashes[:n])
-        return n * bs
-
-    def abort(self) -> None:
-        """Nothing of this import becomes visible: reserved blocks go back unregistered."""
-        if not self._done:
-            self.engine.blocks.release(self.block_ids)
-            self._done = True

@@ -8,13 +8,13 @@ from collections.abc import Callable
 
 import pytest
 
-from kvmesh.node.api.toolcalls import (
+from kvmesh.node.api.toolcalls import ToolCallParser
+from kvmesh.node.api.toolevents import (
     ContentDelta,
     Reply,
     ToolCall,
     ToolCallArgs,
     ToolCallEnd,
-    ToolCallParser,
     ToolCallStart,
     ToolEvent,
     assemble,

@@ -1,0 +1,72 @@
+"""What a turn takes and yields: the request `Engine.generate` runs, the events it streams
+(`TurnBegin`, `TextDelta`, `TurnDone`) and the turn's stats; and the engine's running counters.
+
+Plain data, no engine in it: the API, the mesh and kv_share build and read these without
+the engine's machinery (they are importable from `node.engine.engine` too).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class GenerateRequest:
+    session: str
+    prompt: list[int] | np.ndarray
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    # Awaited once the slot and the session are held, just before the cache is matched:
+    # the node imports a stored replica here, so nothing can evict it in between.
+    prepare: Callable[[], Awaitable[object]] | None = None
+
+
+@dataclass
+class TurnStats:
+    session: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int = 0
+    finish_reason: str = "length"
+    queue_s: float = 0.0
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class TurnBegin:
+    """First event of every turn: the slot is held and the reused prefix is known."""
+
+    stats: TurnStats
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class TurnDone:
+    stats: TurnStats
+
+
+@dataclass
+class EngineCounters:
+    turns: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    evicted_sessions: int = 0
+    imported_blocks: int = 0
+    imports_refused: int = 0
+    restores_failed: int = 0  # cached blocks the runner could not restore (the turn recomputed)
+    prefill_s: float = 0.0
+    recent_prefill_tps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=16))
