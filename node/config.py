@@ -77,6 +77,8 @@ class EngineConfig(_Strict):
     queue_timeout_s: float = Field(30.0, gt=0)
     block_size: int = Field(256, ge=16, le=4096)
     cache_bytes: int = Field(1 << 30, gt=0, description="KV pool size: the byte budget for resident caches")
+    cache_tokens: int = Field(0, ge=0, description="KV pool size in tokens of context, sized from the model's own KV "
+                              "bytes per token (0: cache_bytes decides)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_context: int = Field(32768, ge=64, description="context limit per slot (tokens), torch and llamacpp engines")

@@ -8,6 +8,7 @@ llama.cpp), "torch" (a Hugging Face checkpoint) and the presets ("tiny", ...) on
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +19,11 @@ from kvmesh.node.engine.hf import Checkpoint, load_decoder, open_checkpoint
 from kvmesh.node.engine.llamacpp import LlamaModel, LlamaRunner
 from kvmesh.node.engine.llamacpp import fingerprint as llama_fingerprint
 from kvmesh.node.engine.model import ModelConfig, fingerprint, preset
+from kvmesh.node.engine.models import gguf_name
 from kvmesh.node.engine.runner import Runner, SimCost, SimRunner, TorchRunner
 from kvmesh.node.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+log = logging.getLogger("kvmesh.engine")
 
 
 @dataclass
@@ -92,18 +96,29 @@ def _open_sim(cfg: EngineConfig, model_cfg: ModelConfig | None) -> Backend:
                    fingerprint(fp_cfg, torch.uint8, cfg.block_size))
 
 
+def llama_context(cfg: EngineConfig, trained: int) -> int:
+    """The context per slot: engine.max_context as set, else the model's trained context; past it, a warning."""
+    if "max_context" not in cfg.model_fields_set:
+        return trained
+    if cfg.max_context > trained:
+        log.warning("engine.max_context = %d is past %s's trained context of %d tokens: answers past it may degrade",
+                    cfg.max_context, gguf_name(cfg.model), trained)
+    return cfg.max_context
+
+
 def _open_llamacpp(cfg: EngineConfig) -> Backend:
     """Load the GGUF model and its context; its tokenizer comes with the model.
 
     A block's bytes are llama.cpp's per-sequence state of its positions (node.engine.llamacpp):
     the pool holds raw bytes, block_bytes is the state size of a full block."""
     model = LlamaModel.open(cfg.model, cfg.llamacpp)
+    ctx = llama_context(cfg, model.n_ctx_train)
     try:
-        runner = LlamaRunner(model, cfg.llamacpp, slots=cfg.slots, max_context=cfg.max_context, block_size=cfg.block_size)
+        runner = LlamaRunner(model, cfg.llamacpp, slots=cfg.slots, max_context=ctx, block_size=cfg.block_size)
     except BaseException:
         model.close()
         raise
-    return Backend(model.tokenizer, ModelConfig(name=model.path.stem, vocab_size=model.n_vocab, max_context=cfg.max_context),
+    return Backend(model.tokenizer, ModelConfig(name=model.path.stem, vocab_size=model.n_vocab, max_context=ctx),
                    torch.uint8, torch.device("cpu"), (runner.block_bytes,), runner.block_bytes,
                    -(-runner.block_bytes // cfg.block_size),
                    llama_fingerprint(model, cfg.llamacpp, runner.layout, cfg.block_size), llama=runner)

@@ -83,7 +83,8 @@ class Engine:
         self.fingerprint = backend.fingerprint
         self.max_context = self.model_cfg.max_context
         self.seed_hash = chain_seed(self.fingerprint)
-        num_blocks = max(4, cfg.cache_bytes // self.block_bytes)
+        # A pool in tokens is sized from this model's own bytes per token (a bench need not know them).
+        num_blocks = max(4, -(-cfg.cache_tokens // self.block_size) if cfg.cache_tokens else cfg.cache_bytes // self.block_bytes)
         self.pool = BlockPool(num_blocks, backend.block_shape, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, self.block_size)
         runner = make_runner(cfg, backend, self.pool, self.seed_hash)

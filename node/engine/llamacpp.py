@@ -159,6 +159,7 @@ class LlamaModel:
     n_vocab: int
     digest: str
     tokenizer: LlamaTokenizer
+    n_ctx_train: int  # the context the model was trained for (GGUF `context_length`)
 
     @classmethod
     def open(cls, path: str | Path, cfg: LlamaCppConfig) -> LlamaModel:
@@ -185,7 +186,7 @@ class LlamaModel:
         tok = LlamaTokenizer(lib, vocab, chat_template=template.decode("utf-8") if template else None,
                              allowed=_allowed_tokens(p))
         return cls(p, lib, handle, vocab, int(lib.llama_model_n_layer(handle)), int(lib.llama_vocab_n_tokens(vocab)),
-                   gguf_digest(p), tok)
+                   gguf_digest(p), tok, int(lib.llama_model_n_ctx_train(handle)))
 
     def close(self) -> None:
         if self.handle:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import subprocess
 import sys
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from kvmesh.node.cli import _infer_engine, build_parser
-from kvmesh.node.config import EngineConfig
+from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine import models
+from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta
 from kvmesh.node.errors import ConfigError
 
 
@@ -84,3 +86,42 @@ def test_cli_engine_follows_the_model(argv: list[str], engine: str) -> None:
     args = build_parser().parse_args(argv)
     _infer_engine(args)
     assert args.engine == engine
+
+
+def _answer(engine: Engine, question: str, max_tokens: int = 12) -> str:
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+
+    async def run() -> str:
+        out = []
+        async for ev in engine.generate(GenerateRequest("s", prompt, max_tokens=max_tokens, temperature=0.0)):
+            if isinstance(ev, TextDelta):
+                out.append(ev.text)
+        return "".join(out)
+
+    return asyncio.run(run())
+
+
+def test_smollm2_serves_by_alias_at_its_trained_context() -> None:
+    """`model = "smollm2"` loads the real SmolLM2 (served as its GGUF's name), answers sensibly, and its context
+    per slot defaults to the 8,192 tokens it was trained for (not 32,768)."""
+    engine = Engine(EngineConfig(model="smollm2", slots=1, cache_tokens=2048, llamacpp=LlamaCppConfig(threads=2)))
+    try:
+        assert engine.max_context == 8192
+        # 30 layers x 3 KV heads x 64 x (K + V) x f16 = 23,040, plus the state format's per-block headers
+        assert 23040 <= engine.kv_bytes_per_token < 23040 * 1.01
+        assert engine.pool.num_blocks == 2048 // engine.block_size  # cache_tokens, in this model's own bytes
+        assert "Paris" in _answer(engine, "What is the capital of France? Answer in one word.")
+    finally:
+        engine.close()
+
+
+def test_an_explicit_context_is_kept_past_the_trained_one(caplog: pytest.LogCaptureFixture) -> None:
+    """engine.max_context set above the model's trained context is served as set, with a warning naming both."""
+    with caplog.at_level("WARNING", logger="kvmesh.engine"):
+        engine = Engine(EngineConfig(model="smollm2", slots=1, max_context=9000, cache_tokens=1024,
+                                     llamacpp=LlamaCppConfig(threads=2)))
+    try:
+        assert engine.max_context == 9000
+        assert any("9000" in r.message and "8192" in r.message for r in caplog.records)
+    finally:
+        engine.close()

@@ -106,7 +106,7 @@ def run_llama_transfer(args: argparse.Namespace) -> int:
     tokens = int(getattr(args, "tokens", 16384))
     model = getattr(args, "model", None) or ensure_model(spec_for("bench"))
     cfg = EngineConfig(kind="llamacpp", model=str(Path(model)), slots=1, max_context=tokens + 1024,
-                       cache_bytes=(tokens + 2048) * 8192, llamacpp=LlamaCppConfig())
+                       cache_tokens=tokens + 2048, llamacpp=LlamaCppConfig())
     engine = Engine(cfg)
     try:
         t0 = time.monotonic()

@@ -20,8 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from kvmesh.node.config import EngineConfig, LlamaCppConfig, SimConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
 from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
@@ -53,15 +51,14 @@ def _engine_cfg(kind: str, tokens: int, model: Path | None = None) -> EngineConf
     if kind == "llamacpp":
         # --model: a GGUF file; without it, the generated GGUF with a real model's proportions.
         gguf = model if model is not None else ensure_model(spec_for("bench"))
-        return EngineConfig(kind="llamacpp", model=str(gguf), slots=1, max_context=ctx, cache_bytes=(ctx + 1024) * 8192)
+        return EngineConfig(kind="llamacpp", model=str(gguf), slots=1, max_context=ctx, cache_tokens=ctx + 1024)
     if model is not None:
         # KV bytes per token at fp32 bound the bf16 a GPU would use; the context is capped
         # by the checkpoint's max_position_embeddings.
         m = open_checkpoint(model, max_context=ctx).config
         return EngineConfig(kind="torch", model=str(model), slots=1, max_context=m.max_context,
-                            cache_bytes=(m.max_context + 1024) * m.kv_bytes_per_token(torch.float32))
-    kv = 8192 if kind == "tiny" else SimConfig().scaled_kv_bytes_per_token()
-    return EngineConfig(kind=kind, slots=1, max_context=ctx, cache_bytes=(ctx + 1024) * kv,  # type: ignore[arg-type]
+                            cache_tokens=m.max_context + 1024)
+    return EngineConfig(kind=kind, slots=1, max_context=ctx, cache_tokens=ctx + 1024,  # type: ignore[arg-type]
                         sim=SimConfig(max_context=ctx))
 
 
