@@ -1,6 +1,6 @@
 """Helpers for the mesh integration tests: real `kvmesh node` processes on loopback.
 
-Every mesh here is three sim-engine nodes (`a`, `b`, `c`): a `node.launcher.LocalMesh` (one TOML per
+Every mesh here is three sim-engine nodes (`a`, `b`, `c`): a `node.lab.launcher.LocalMesh` (one TOML per
 node, free ports, a full mesh of static peers) with an admin token and, by default, a mesh secret.
 Clients are the official `openai` package for turns and `httpx` for the admin, cluster, stats and
 metrics endpoints; conversations are `support.conversation`'s, events `support.events`'.

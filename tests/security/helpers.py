@@ -1,6 +1,6 @@
 """Helpers for the bad-input and security tests.
 
-- `start_mesh(workdir)`: a `node.launcher.LocalMesh` of real `kvmesh node` processes (sim engine) with a mesh
+- `start_mesh(workdir)`: a `node.lab.launcher.LocalMesh` of real `kvmesh node` processes (sim engine) with a mesh
   secret, a previous secret and an admin token, every node at `--log-level DEBUG` so that whatever a node can
   log is in its log file.
 - `tree(path)`: a snapshot of a directory tree (relative names, sizes), to prove nothing touched a disk.
