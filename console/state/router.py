@@ -1,0 +1,126 @@
+"""Where each event goes: a snapshot rebuilds every part, a live event reaches the parts
+it touches (a handoff: counters, its link and its session), and every event is logged.
+
+Replayed events (`replay=True`) are already reflected in the snapshot that preceded
+them, so they go to the event log only, unless they are newer than the snapshot's
+watermark (`SnapshotEvent.seq` from the same node, when the node sets it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvmesh.console.format import Glyphs
+from kvmesh.console.state.changes import Changes
+from kvmesh.console.state.counters import Counters
+from kvmesh.console.state.eventlog import EventLog
+from kvmesh.console.state.hosts import Hosts
+from kvmesh.console.state.links import Links
+from kvmesh.console.state.nodes import NodeConn, Nodes
+from kvmesh.console.state.replicas import Replicas
+from kvmesh.console.state.sessions import Sessions
+from kvmesh.node.protocol import ClusterSnapshot, Event, Handoff, ReplicaSent, ReplicaStarted, SnapshotEvent
+
+
+class Router:
+    """Applies events (already deduplicated, in order) to the parts of the state."""
+
+    def __init__(
+        self, changes: Changes, nodes: Nodes, hosts: Hosts, sessions: Sessions, links: Links, counters: Counters,
+        log: EventLog, clock: Callable[[], float],
+    ) -> None:
+        self.snapshot_ts: float = 0.0
+        self._changes = changes
+        self._nodes = nodes
+        self._hosts = hosts
+        self._sessions = sessions
+        self._links = links
+        self._counters = counters
+        self._log = log
+        self._replicas = Replicas(sessions, clock)
+        self._handlers = self._make_handlers()
+
+    def _make_handlers(self) -> dict[str, Callable[[Any], None]]:
+        """The handler for each event type (each takes its own event class, hence `Any`)."""
+        h, s, r = self._hosts, self._sessions, self._replicas
+        return {
+            "turn_started": s.on_turn_started,
+            "turn_finished": s.on_turn_finished,
+            "handoff": self._on_handoff,
+            "replica_started": self._on_replica_started,
+            "replica_sent": self._on_replica_sent,
+            "replica_refused": r.on_refused,
+            "replica_superseded": r.on_superseded,
+            "replica_ready": r.on_ready,
+            "replica_imported": r.on_imported,
+            "replica_evicted": r.on_evicted,
+            "host_status": h.on_host_status,
+            "peer_up": h.on_peer,
+            "peer_down": h.on_peer,
+            "drain_started": h.on_drain_started,
+            "drain_progress": h.on_drain_progress,
+            "drain_completed": h.on_drain_completed,
+            "undrained": h.on_undrained,
+            "migrate_started": s.on_migrate_started,
+            "migrate_completed": s.on_migrate_completed,
+        }
+
+    def apply(self, url: str, event: Event, glyphs: Glyphs) -> None:
+        """One event from the node at (normalized) `url`; `glyphs` are for its log line."""
+        conn = self._nodes.add(url)
+        if isinstance(event, SnapshotEvent):
+            self._apply_snapshot(conn, event)
+            return
+        if event.replay and not self._newer_than_snapshot(conn, event):
+            self._log.add_event(event, glyphs)
+            return
+        handler = self._handlers.get(event.type)
+        if handler is not None:
+            handler(event)
+        self._log.add_event(event, glyphs)
+
+    def _newer_than_snapshot(self, conn: NodeConn, event: Event) -> bool:
+        return bool(
+            conn.snapshot_seq
+            and conn.snapshot_node
+            and event.node == conn.snapshot_node
+            and event.seq > conn.snapshot_seq
+        )
+
+    def _apply_snapshot(self, conn: NodeConn, event: SnapshotEvent) -> None:
+        snap: ClusterSnapshot = event.cluster
+        conn.name = snap.node or event.node or conn.name
+        conn.snapshot_node = event.node or snap.node
+        conn.snapshot_seq = event.seq
+        self.snapshot_ts = snap.ts or event.ts
+        ts = self.snapshot_ts
+        self._hosts.apply_snapshot(snap.hosts, ts)
+        for info in snap.hosts:
+            if info.api:
+                self._nodes.maybe_discover(info)
+        self._sessions.apply_snapshot(snap.sessions, ts)
+        self._links.apply_snapshot(snap.links, ts)
+        self._counters.apply_snapshot(snap.counters)
+        self._changes.full = True
+        self._changes.counters = True
+        self._changes.nodes = True
+        self._log.add_console(
+            f"snapshot from {conn.name}: {len(snap.hosts)} hosts, {len(snap.sessions)} sessions,"
+            f" {len(snap.links)} links",
+            ts=event.ts or None,
+        )
+
+    # ---- events that touch more than one part ---------------------------------------
+
+    def _on_handoff(self, ev: Handoff) -> None:
+        self._counters.on_handoff(ev)
+        self._links.on_handoff(ev)
+        self._sessions.on_handoff(ev)
+
+    def _on_replica_sent(self, ev: ReplicaSent) -> None:
+        self._links.on_replica_sent(ev)
+        self._replicas.end_inflight(ev.session, ev.dst)
+
+    def _on_replica_started(self, ev: ReplicaStarted) -> None:
+        self._replicas.on_started(ev, self._links.blocks_per_s(ev.src, ev.dst))
