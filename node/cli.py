@@ -145,6 +145,7 @@ def _add_bench(sub: Subparsers) -> None:
     t.add_argument("--store-dir", type=Path, help="where the replica file goes (default: a temp dir)")
     t.add_argument("--model", type=Path, help="a local Hugging Face checkpoint directory: run the torch engine on it; "
                    "a GGUF file or a packaged model's alias (smollm2, gemma3-270m): llama.cpp (default: a generated GGUF)")
+    t.add_argument("--block-size", type=int, help="with llama.cpp: tokens per KV block (default: from the model's context)")
     t.set_defaults(engine_default="tiny")
     h = bsub.add_parser("handoff", help="two sim nodes, 16 agent sessions: warm/partial/cold handoffs")
     h.add_argument("--json", action="store_true")
@@ -153,12 +154,12 @@ def _add_bench(sub: Subparsers) -> None:
     h.add_argument("--slots", type=int, default=4)
     h.add_argument("--kv-scale", type=float, default=0.05)
     h.add_argument("--cache-bytes", type=int, default=1 << 30)
-    h.add_argument("--target-tokens", type=int, default=50_000)
+    h.add_argument("--target-tokens", type=int, default=50_000, help="the sim's conversation length (llama.cpp: 80%% of the context)")
     h.add_argument("--max-tokens", type=int, default=64)
     h.add_argument("--time-scale", type=float, default=1.0, help="multiplies think times (compression < 1)")
     h.add_argument("--seed", type=int, default=1)
     h.add_argument("--cold-move-after", type=float, default=30.0, help="mesh.cold_move_after_s for both nodes")
-    h.add_argument("--replicate-min-tokens", type=int, default=8192, help="kvshare.replicate_min_tokens")
+    h.add_argument("--replicate-min-tokens", type=int, help="kvshare.replicate_min_tokens (default: the node's, from its context)")
     h.add_argument("--engine", choices=["sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else sim; "
                    "llamacpp: both nodes run llama.cpp on --model (default: a generated GGUF)")
     h.add_argument("--model", type=Path, help=GGUF_HELP + " (the same on both nodes)")
@@ -171,6 +172,7 @@ def _add_bench(sub: Subparsers) -> None:
     x.add_argument("--engine", choices=["sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else sim; "
                    "llamacpp: block export/import rates of the llama.cpp engine for a --tokens session, beside memcpy")
     x.add_argument("--model", type=Path, help=GGUF_HELP + " (default: a generated one)")
+    x.add_argument("--block-size", type=int, help="with --engine llamacpp: tokens per KV block (default: from the model's context)")
     x.set_defaults(engine_default="sim")
     x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
     b.set_defaults(func=cmd_bench)

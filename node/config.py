@@ -156,9 +156,13 @@ class MeshConfig(_Strict):
     warm_fraction: float = Field(0.9, gt=0, le=1)
 
 
+REPLICATE_MIN_TOKENS = 8192
+
+
 class KVShareConfig(_Strict):
     listen: str = Field("127.0.0.1:0", pattern=r"^[^:\s]*:[0-9]{1,5}$", description="host:port of this node's kv_share listener")
-    replicate_min_tokens: int = Field(8192, ge=0)
+    replicate_min_tokens: int = Field(REPLICATE_MIN_TOKENS, ge=0, description="sessions shorter than this are not "
+                                      "replicated; unset: 8192, at most a quarter of the engine's context per slot")
     store_dir: str = Field("", description="replica store directory (default: a per-node temp dir)")
     store_budget_bytes: int = Field(8 << 30, gt=0)
     fsync: Literal["always", "never"] = "always"
@@ -170,6 +174,19 @@ class KVShareConfig(_Strict):
     io_timeout_s: float = Field(30.0, gt=0)
     supersede_stall_s: float = Field(2.0, gt=0, description="a transfer in flight gives way to a newer replica "
                                      "of its session once it has sent nothing for this long")
+
+    def for_context(self, context: int) -> KVShareConfig:
+        """This section for an engine of `context` tokens per slot: an unset replicate_min_tokens can fire there."""
+        if "replicate_min_tokens" in self.model_fields_set:
+            return self
+        return self.model_copy(update={"replicate_min_tokens": min(REPLICATE_MIN_TOKENS, context // 4)})
+
+    def never_replicates(self, context: int) -> str | None:
+        """Why no session can ever be replicated on an engine of `context` tokens per slot, or None."""
+        if self.replicate_min_tokens < context:
+            return None
+        return (f"kvshare.replicate_min_tokens = {self.replicate_min_tokens} is not below this engine's context of "
+                f"{context} tokens per slot: no session will ever be replicated")
 
 
 class NodeConfig(_Strict):

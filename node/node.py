@@ -74,7 +74,10 @@ class Node:
         self.hub.on_publish(self.metrics.on_event)
         self.loop_lag = LoopLagMonitor(observe=self.metrics.loop_lag.observe)
         kvshare_of = {p.name: p.kvshare for p in cfg.mesh.peers}
-        self.kvshare = KVShare(cfg.name, self.engine, cfg.kvshare, secrets=cfg.mesh.secrets(),
+        self.kv_cfg = kv_cfg = cfg.kvshare.for_context(self.engine.max_context)
+        if (never := kv_cfg.never_replicates(self.engine.max_context)) is not None:
+            log.warning("node %s: %s", cfg.name, never)
+        self.kvshare = KVShare(cfg.name, self.engine, kv_cfg, secrets=cfg.mesh.secrets(),
                                publish=self.hub.publish, peer_address=kvshare_of.get)
         self.mesh = Mesh(cfg.name, cfg.mesh, self.engine, self.kvshare, publish=self.hub.publish,
                          host_info=self.host_info, on_decision=self.metrics.decision.observe,
@@ -85,9 +88,10 @@ class Node:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.engine.on_evict = self._engine_evicted
         log.info(
-            "node %s: engine %s, %d slots, %d KV blocks of %d tokens (%.2f MiB each), fingerprint %s",
-            self.name, cfg.engine.kind, cfg.engine.slots, self.engine.pool.num_blocks, self.engine.block_size,
-            self.engine.block_bytes / 2**20, self.engine.fingerprint[:12],
+            "node %s: engine %s, %d slots of %d tokens, %d KV blocks of %d tokens (%.2f MiB each), fingerprint %s; "
+            "replicating sessions from %d tokens",
+            self.name, cfg.engine.kind, cfg.engine.slots, self.engine.max_context, self.engine.pool.num_blocks,
+            self.engine.block_size, self.engine.block_bytes / 2**20, self.engine.fingerprint[:12], kv_cfg.replicate_min_tokens,
         )
 
     def serving_at(self, url: str) -> None:
@@ -164,6 +168,8 @@ class Node:
                        "imported_blocks": self.engine.counters.imported_blocks,
                        "prefill_tps": round(self.engine.prefill_rate(), 1)},
             "kvshare": self.kvshare.stats(),
+            "replicate_min_tokens": self.kv_cfg.replicate_min_tokens, "max_context": self.engine.max_context,
+            "block_size": self.engine.block_size,
             "peer_wire": m.peers.wire_by_peer(),
         }
 

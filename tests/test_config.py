@@ -160,3 +160,21 @@ def test_unreadable_file_is_a_config_error(tmp_path: Path, kind: str) -> None:
     with pytest.raises(ConfigError) as ei:
         load_config(p)
     assert str(p) in str(ei.value)
+
+
+@pytest.mark.parametrize(("context", "fires_from"), [(8192, 2048), (16384, 4096), (32768, 8192), (131072, 8192)])
+def test_unset_replicate_min_tokens_fits_the_context(context: int, fires_from: int) -> None:
+    """Unset, kvshare.replicate_min_tokens is 8192 but at most a quarter of the context per slot, so it can fire."""
+    kv = NodeConfig().kvshare.for_context(context)
+    assert kv.replicate_min_tokens == fires_from
+    assert kv.never_replicates(context) is None
+
+
+def test_an_explicit_replicate_min_tokens_is_kept_and_a_dead_one_named(tmp_path: Path) -> None:
+    """A value set in the file is kept as given; one at or past the context is named as one that can never fire."""
+    cfg = load_config(_write(tmp_path, "[kvshare]\nreplicate_min_tokens = 8192\n"))
+    kv = cfg.kvshare.for_context(8192)
+    assert kv.replicate_min_tokens == 8192
+    why = kv.never_replicates(8192)
+    assert why is not None and "= 8192" in why and "no session will ever be replicated" in why
+    assert cfg.kvshare.for_context(65536).never_replicates(65536) is None

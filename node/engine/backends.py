@@ -39,6 +39,7 @@ class Backend:
     block_bytes: int
     kv_bytes_per_token: int
     fingerprint: str
+    block_size: int  # tokens per block: engine.block_size, or for llama.cpp one chosen from the context
     checkpoint: Checkpoint | None = None  # kind "torch": the checkpoint its weights load from
     llama: LlamaRunner | None = None  # kind "llamacpp": the runner, its model loaded
 
@@ -83,7 +84,7 @@ def _open_decoder(cfg: EngineConfig, model_cfg: ModelConfig | None) -> Backend:
     kv_bytes_per_token = m.kv_bytes_per_token(dtype)
     return Backend(tokenizer, m, dtype, device, (m.n_layers, 2, m.n_kv_heads, cfg.block_size, m.head_dim),
                    kv_bytes_per_token * cfg.block_size, kv_bytes_per_token, fingerprint(m, dtype, cfg.block_size),
-                   checkpoint=checkpoint)
+                   cfg.block_size, checkpoint=checkpoint)
 
 
 def _open_sim(cfg: EngineConfig, model_cfg: ModelConfig | None) -> Backend:
@@ -93,7 +94,7 @@ def _open_sim(cfg: EngineConfig, model_cfg: ModelConfig | None) -> Backend:
     block_bytes = kv_bytes_per_token * cfg.block_size
     return Backend(ByteTokenizer(), model_cfg or preset("tiny", max_context=cfg.sim.max_context), torch.uint8,
                    torch.device("cpu"), (block_bytes,), block_bytes, kv_bytes_per_token,
-                   fingerprint(fp_cfg, torch.uint8, cfg.block_size))
+                   fingerprint(fp_cfg, torch.uint8, cfg.block_size), cfg.block_size)
 
 
 def llama_context(cfg: EngineConfig, trained: int) -> int:
@@ -106,6 +107,19 @@ def llama_context(cfg: EngineConfig, trained: int) -> int:
     return cfg.max_context
 
 
+def llama_block_size(cfg: EngineConfig, context: int) -> int:
+    """engine.block_size as set, else a power of two from 32 to 256 that cuts the trained context into >= 128 blocks.
+
+    The partial last block never moves between hosts: on an 8k-context model a 256-token tail is
+    a large share of a short prompt (a 2k-token prompt would reuse 89% at best after a move)."""
+    if "block_size" in cfg.model_fields_set:
+        return cfg.block_size
+    size = 256
+    while size > 32 and context // size < 128:
+        size //= 2
+    return size
+
+
 def _open_llamacpp(cfg: EngineConfig) -> Backend:
     """Load the GGUF model and its context; its tokenizer comes with the model.
 
@@ -113,15 +127,15 @@ def _open_llamacpp(cfg: EngineConfig) -> Backend:
     the pool holds raw bytes, block_bytes is the state size of a full block."""
     model = LlamaModel.open(cfg.model, cfg.llamacpp)
     ctx = llama_context(cfg, model.n_ctx_train)
+    bs = llama_block_size(cfg, model.n_ctx_train)  # the file's, so every host of a mesh agrees
     try:
-        runner = LlamaRunner(model, cfg.llamacpp, slots=cfg.slots, max_context=ctx, block_size=cfg.block_size)
+        runner = LlamaRunner(model, cfg.llamacpp, slots=cfg.slots, max_context=ctx, block_size=bs)
     except BaseException:
         model.close()
         raise
     return Backend(model.tokenizer, ModelConfig(name=model.path.stem, vocab_size=model.n_vocab, max_context=ctx),
                    torch.uint8, torch.device("cpu"), (runner.block_bytes,), runner.block_bytes,
-                   -(-runner.block_bytes // cfg.block_size),
-                   llama_fingerprint(model, cfg.llamacpp, runner.layout, cfg.block_size), llama=runner)
+                   -(-runner.block_bytes // bs), llama_fingerprint(model, cfg.llamacpp, runner.layout, bs), bs, llama=runner)
 
 
 def make_runner(cfg: EngineConfig, backend: Backend, pool: BlockPool, seed_hash: bytes) -> Runner:

@@ -69,9 +69,9 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig, *, model_cfg: ModelConfig | None = None):
         self.cfg = cfg
-        self.block_size = cfg.block_size
         self.model_name = cfg.served_model
         backend = open_backend(cfg, model_cfg)
+        self.block_size = backend.block_size
         # kind "torch": a Hugging Face checkpoint directory; its config carries the
         # checkpoint digest, so the fingerprint names these exact weights.
         self.checkpoint: Checkpoint | None = backend.checkpoint

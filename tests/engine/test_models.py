@@ -13,6 +13,7 @@ import pytest
 from kvmesh.node.cli import _infer_engine, build_parser
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine import models
+from kvmesh.node.engine.backends import llama_block_size
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta
 from kvmesh.node.errors import ConfigError
 
@@ -107,9 +108,10 @@ def test_smollm2_serves_by_alias_at_its_trained_context() -> None:
     engine = Engine(EngineConfig(model="smollm2", slots=1, cache_tokens=2048, llamacpp=LlamaCppConfig(threads=2)))
     try:
         assert engine.max_context == 8192
+        assert engine.block_size == 64  # 8,192 / 128: a short prompt's unshipped tail stays small
         # 30 layers x 3 KV heads x 64 x (K + V) x f16 = 23,040, plus the state format's per-block headers
         assert 23040 <= engine.kv_bytes_per_token < 23040 * 1.01
-        assert engine.pool.num_blocks == 2048 // engine.block_size  # cache_tokens, in this model's own bytes
+        assert engine.pool.num_blocks == 2048 // 64  # cache_tokens, in this model's own bytes
         assert "Paris" in _answer(engine, "What is the capital of France? Answer in one word.")
     finally:
         engine.close()
@@ -125,3 +127,10 @@ def test_an_explicit_context_is_kept_past_the_trained_one(caplog: pytest.LogCapt
         assert any("9000" in r.message and "8192" in r.message for r in caplog.records)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(("trained", "size"), [(2048, 32), (8192, 64), (16384, 128), (32768, 256), (131072, 256)])
+def test_llama_block_size_follows_the_trained_context(trained: int, size: int) -> None:
+    """Unset, a llama.cpp block is the power of two (32-256) that cuts the trained context into >= 128 blocks; set, it is kept."""
+    assert llama_block_size(EngineConfig(model="m.gguf"), trained) == size
+    assert llama_block_size(EngineConfig(model="m.gguf", block_size=256), trained) == 256

@@ -59,13 +59,14 @@ def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cac
     return list(write_mesh(work, names, engine=engine, extra=base).start(peers_timeout=None).nodes.values())
 
 
-def llamacpp_engine(args: argparse.Namespace, max_context: int) -> dict[str, Any] | None:
+def llamacpp_engine(args: argparse.Namespace, max_context: int | None) -> dict[str, Any] | None:
     """`--engine llamacpp`: the engine config every node of a local mesh runs, serving --model or the
-    generated tiny GGUF (node.engine.gguf_gen); None for the sim."""
+    generated tiny GGUF (node.engine.gguf_gen); None for the sim. max_context None: the model's own."""
     if getattr(args, "engine", "sim") != "llamacpp":
         return None
     from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
 
     model = getattr(args, "model", None) or ensure_model(spec_for("tiny"))
     # The nodes share the box's cores: one thread each.
-    return {"kind": "llamacpp", "model": str(model), "max_context": max_context, "llamacpp": {"threads": 1}}
+    context = {} if max_context is None else {"max_context": max_context}
+    return {"kind": "llamacpp", "model": str(model), **context, "llamacpp": {"threads": 1}}

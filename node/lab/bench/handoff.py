@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -16,30 +17,59 @@ from typing import Any
 
 import httpx
 
+from kvmesh.node.config import LlamaCppConfig
+from kvmesh.node.engine.llamacpp import LlamaModel
 from kvmesh.node.lab.bench.common import emit, llamacpp_engine, start_mesh
 from kvmesh.node.lab.launcher import wait_peers
 from kvmesh.node.lab.load import LoadRunner, LoadShape
+from kvmesh.node.lab.workload import text
+
+# With llama.cpp the context is the model's trained one, capped here: 4 slots of a long-context
+# model on a CPU would take GBs of KV per node for turns a bench never reaches.
+LLAMA_CONTEXT_CAP = 16384
 
 
-def _llama_shape(args: argparse.Namespace) -> dict[str, Any]:
-    """With llama.cpp on a CPU, conversations open long and grow in small steps: a turn's new tokens
-    stay under a tenth of its prompt (a move is warm only from 90% reuse), and prefill (real compute
-    here, not a cost model) stays a fraction of a second per turn. The sim keeps LoadShape's shape."""
-    if getattr(args, "engine", "sim") != "llamacpp":
-        return {}
-    return {"system_tokens": (8500, 10000), "tool_tokens": (50, 300)}
+def _llama_shape(args: argparse.Namespace, engine: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """LoadShape's overrides for llama.cpp, sized to the model's context, and the shape as the JSON states it.
+
+    Conversations open long (35-45% of the context) and grow in small steps (1-4% a turn), so a
+    turn's new tokens stay under a tenth of its prompt (a move is warm only from 90% reuse), and
+    end at 80% of it, so no prompt passes the context. The workload counts characters; the model's
+    own tokenizer gives characters per token on the workload's text. The sim keeps LoadShape's shape."""
+    model = LlamaModel.open(engine["model"], LlamaCppConfig())
+    try:
+        sample = text(random.Random(0), 20_000)
+        per_token = len(sample) / len(model.tokenizer.encode(sample))
+        context = min(model.n_ctx_train, LLAMA_CONTEXT_CAP)
+    finally:
+        model.close()
+
+    def chars(share: float) -> int:
+        return int(share * context * per_token)
+
+    shape = {"system_tokens": (chars(0.35), chars(0.45)), "tool_tokens": (chars(0.01), chars(0.04)), "target_tokens": chars(0.8)}
+    said = {"context": context, "chars_per_token": round(per_token, 2), "opening_tokens": [int(0.35 * context), int(0.45 * context)],
+            "tool_tokens": [int(0.01 * context), int(0.04 * context)], "end_tokens": int(0.8 * context)}
+    return shape, said
 
 
 def run_handoff(args: argparse.Namespace) -> int:
+    engine = llamacpp_engine(args, max_context=None)
+    overrides: dict[str, Any] = {}
+    said: dict[str, Any] = {"target_tokens": args.target_tokens}
+    if engine is not None:
+        overrides, said = _llama_shape(args, engine)
+        engine["max_context"] = said["context"]
+    kvshare = {} if args.replicate_min_tokens is None else {"replicate_min_tokens": args.replicate_min_tokens}
     with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
         nodes = start_mesh(Path(tmp), ["node-a", "node-b"], slots=args.slots, kv_scale=args.kv_scale,
-                           cache_bytes=args.cache_bytes, engine=llamacpp_engine(args, max_context=args.target_tokens + 16384),
-                           extra={"mesh": {"cold_move_after_s": args.cold_move_after},
-                                  "kvshare": {"replicate_min_tokens": args.replicate_min_tokens}})
+                           cache_bytes=args.cache_bytes, engine=engine,
+                           extra={"mesh": {"cold_move_after_s": args.cold_move_after}, "kvshare": kvshare})
         try:
             wait_peers(nodes)
-            shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, seed=args.seed,
-                              max_tokens=args.max_tokens, **_llama_shape(args))
+            replicate_from = httpx.get(f"{nodes[0].api}/v1/stats", timeout=10).json().get("replicate_min_tokens")
+            shape = LoadShape(sessions=args.sessions, seed=args.seed, max_tokens=args.max_tokens,
+                              **{"target_tokens": args.target_tokens, **overrides})
             runner = LoadRunner([n.api for n in nodes], shape, time_scale=args.time_scale)
             t0 = time.monotonic()
             stats = asyncio.run(runner.run(args.duration))
@@ -70,7 +100,7 @@ def run_handoff(args: argparse.Namespace) -> int:
         "status": load["status"], "duration_s": round(elapsed, 1),
         "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
         "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
-        "cold_move_after_s": args.cold_move_after, "replicate_min_tokens": args.replicate_min_tokens,
-        "engine": getattr(args, "engine", "sim"),
+        "cold_move_after_s": args.cold_move_after, "replicate_min_tokens": replicate_from,
+        "engine": getattr(args, "engine", "sim"), "shape": said,
     }
     return emit(result, args)  # non-zero when a turn failed: its counters describe a run that lost turns

@@ -105,7 +105,8 @@ def _measure(engine: Engine, r: LlamaRunner, repeat: int) -> dict[str, float]:
 def run_llama_transfer(args: argparse.Namespace) -> int:
     tokens = int(getattr(args, "tokens", 16384))
     model = getattr(args, "model", None) or ensure_model(spec_for("bench"))
-    cfg = EngineConfig(kind="llamacpp", model=str(Path(model)), slots=1, max_context=tokens + 1024,
+    block = {"block_size": args.block_size} if getattr(args, "block_size", None) else {}  # unset: from the model's context
+    cfg = EngineConfig(kind="llamacpp", model=str(Path(model)), slots=1, max_context=tokens + 1024, **block,
                        cache_tokens=tokens + 2048, llamacpp=LlamaCppConfig())
     engine = Engine(cfg)
     try:

@@ -46,12 +46,13 @@ async def _ttft(engine: Engine, prompt: list[int], max_tokens: int = 1) -> tuple
     return ttft, "".join(out)
 
 
-def _engine_cfg(kind: str, tokens: int, model: Path | None = None) -> EngineConfig:
+def _engine_cfg(kind: str, tokens: int, model: Path | None = None, block_size: int | None = None) -> EngineConfig:
     ctx = max(4096, tokens + 2048)
     if kind == "llamacpp":
         # --model: a GGUF file; without it, the generated GGUF with a real model's proportions.
         gguf = model if model is not None else ensure_model(spec_for("bench"))
-        return EngineConfig(kind="llamacpp", model=str(gguf), slots=1, max_context=ctx, cache_tokens=ctx + 1024)
+        block = {"block_size": block_size} if block_size else {}  # unset: chosen from the model's context
+        return EngineConfig(kind="llamacpp", model=str(gguf), slots=1, max_context=ctx, cache_tokens=ctx + 1024, **block)
     if model is not None:
         # KV bytes per token at fp32 bound the bf16 a GPU would use; the context is capped
         # by the checkpoint's max_position_embeddings.
@@ -82,7 +83,7 @@ def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict
 def run_ttft(args: argparse.Namespace) -> int:
     model = getattr(args, "model", None)
     msgs, rng = _conversation(args.tokens, model, args.engine)
-    cfg = _engine_cfg(args.engine, args.tokens, model)
+    cfg = _engine_cfg(args.engine, args.tokens, model, getattr(args, "block_size", None))
     with tempfile.TemporaryDirectory(prefix="kvmesh-ttft-") as tmp:
         root = Path(args.store_dir or tmp)
         store = ReplicaStore(root, budget_bytes=1 << 40)
@@ -126,6 +127,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 "warm_prompt_tokens": len(prompt2),
                 "warm_cached_tokens": cached,
                 "engine": cfg.kind,
+                "block_size": away.block_size,
                 "errors": len(errors), "error_samples": errors,
                 **({"model": cfg.served_model, "device": str(away.device), "dtype": str(away.dtype).removeprefix("torch.")}
                    if model is not None or cfg.kind == "llamacpp" else {}),
