@@ -23,7 +23,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from kvmesh.node.config import HOST_NAME_PATTERN, NodeConfig, describe
+from kvmesh.node.config import HOST_NAME_PATTERN, REPLICATE_MIN_TOKENS, NodeConfig, describe
+from kvmesh.node.engine.ggufmeta import GGUFFacts, read_facts
+from kvmesh.node.engine.models import resolve as resolve_model
 from kvmesh.node.errors import ConfigError
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
@@ -49,6 +51,41 @@ class MeshPlan:
     api_port: int = 8000
     kvshare_port: int = 9000
     store_dir: str = "/var/lib/kvmesh/store"
+    facts: GGUFFacts | None = None  # read from the GGUF when it is on this machine
+
+
+def gguf_facts(engine: str, model: str) -> GGUFFacts | None:
+    """The served GGUF's facts, when it is here to read (an alias, or a path present on this machine)."""
+    if engine != "llamacpp" or not model:
+        return None
+    path = resolve_model(model)
+    if not path.is_file():
+        return None
+    try:
+        return read_facts(path)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"--model {model}: {path} is not a GGUF kvmesh can read ({e})") from None
+
+
+def _sized(plan: MeshPlan) -> tuple[str, str]:
+    """The [engine] sizing lines and the [kvshare] replication line: derived from the GGUF when it was read."""
+    f = plan.facts
+    if f is None:
+        note = "" if plan.engine != "llamacpp" else (f"# {plan.model} is not on this machine: sizes are defaults; "
+                                                       "max_context is the model's trained context when unset.\n")
+        return (f"{note}# KV pool: the byte budget for resident session caches (LRU beyond it).\ncache_bytes = {1 << 30}\n",
+                "# Sessions shorter than this are not replicated (recomputing them is cheap).\n"
+                f"replicate_min_tokens = {REPLICATE_MIN_TOKENS}\n")
+    pool = 2 * plan.slots * f.context * f.kv_bytes_per_token
+    window = f", sliding window {f.sliding_window}" if f.sliding_window else ""
+    replicate = min(REPLICATE_MIN_TOKENS, f.context // 4)
+    return (f"# From {f.name} ({f.arch}{window}): trained for {f.context} tokens, {f.kv_bytes_per_token} bytes of f16 KV\n"
+            f"# per token ({f.context * f.kv_bytes_per_token / 2**20:.0f} MiB per full context).\n"
+            f"# Context per slot: the model's trained context.\nmax_context = {f.context}\n"
+            f"# KV pool: two full contexts per slot ({pool / 2**30:.2f} GiB), so idle sessions stay resident.\n"
+            f"cache_bytes = {pool}\n",
+            f"# Sessions shorter than this are not replicated (recomputing them is cheap): 8192, at most a\n"
+            f"# quarter of the model's {f.context}-token context, so sessions do replicate.\nreplicate_min_tokens = {replicate}\n")
 
 
 def _check_addr(addr: str, spec: str) -> str:
@@ -91,6 +128,7 @@ def render_host(plan: MeshPlan, me: HostSpec, *, secret: str, admin_token: str) 
     peers = "\n".join(f"[[mesh.peers]]\nname = {_q(p.name)}\napi = {_q(f'http://{p.api_addr}:{plan.api_port}')}\n"
                       f"kvshare = {_q(f'{p.kvshare_addr}:{plan.kvshare_port}')}\n" for p in plan.hosts if p != me)
     model = f"model = {_q(plan.model)}\n" if plan.model else ""
+    engine_sizes, replication = _sized(plan)
     return f"""\
 # kvmesh node config for host {me.name!r}, written by `kvmesh init`.
 # Start it on that host with:  kvmesh node --config {me.name}.toml
@@ -109,21 +147,18 @@ port = {plan.api_port}
 [engine]
 # sim: a cost model with real KV bytes (try the mesh without a GPU); tiny: a small torch
 # decoder; torch: a local Hugging Face checkpoint directory in `model`; llamacpp: a GGUF
-# file in `model` (the same file on every host), served by llama.cpp ([engine.llamacpp]).
+# file in `model` (the same file on every host) or a packaged model's alias (smollm2,
+# gemma3-270m), served by llama.cpp ([engine.llamacpp]).
 kind = {_q(plan.engine)}
 {model}slots = {plan.slots}
-# KV pool: the byte budget for resident session caches (LRU beyond it).
-cache_bytes = {1 << 30}
-
+{engine_sizes}
 [kvshare]
 # The replica data plane: its own listener, so it can bind an interface that bypasses a VPN.
 listen = {_q(f'{me.kvshare_addr}:{plan.kvshare_port}')}
 # Replicas on disk (and this host's own long sessions), so a restart or eviction restores them.
 store_dir = {_q(plan.store_dir)}
 store_budget_bytes = {8 << 30}
-# Sessions shorter than this are not replicated (recomputing them is cheap).
-replicate_min_tokens = 8192
-
+{replication}
 [mesh]
 # Shared by every host of this mesh: signs peer calls and kv_share streams. Keep it secret;
 # KVMESH_MESH_SECRET in the environment overrides it.
@@ -199,7 +234,8 @@ def write_files(files: dict[Path, str], *, force: bool) -> None:
 
 def cmd_init(args: argparse.Namespace) -> int:
     plan = MeshPlan([parse_host(s) for s in args.host], engine=args.engine, model=args.model, slots=args.slots,
-                    api_port=args.api_port, kvshare_port=args.kvshare_port, store_dir=args.store_dir)
+                    api_port=args.api_port, kvshare_port=args.kvshare_port, store_dir=args.store_dir,
+                    facts=gguf_facts(args.engine, args.model))
     files = plan_files(plan, args.out)
     write_files(files, force=args.force)
     for path in files:

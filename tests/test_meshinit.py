@@ -115,3 +115,30 @@ def test_two_hosts_from_init_form_a_mesh(tmp_path: Path) -> None:
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_init_sizes_a_gguf_host_from_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model smollm2` (llama.cpp implied) writes the model's trained context, a pool sized from its KV bytes per
+    token and a replication threshold that can fire on it, each commented; the file loads as it was written."""
+    for var in SECRET_ENV:
+        monkeypatch.delenv(var, raising=False)
+    r = _init("--host", "a=10.0.0.1", "--host", "b=10.0.0.2", "--model", "smollm2", "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "m" / "a.toml").read_text()
+    assert "trained for 8192 tokens, 23040 bytes of f16 KV" in text
+    cfg = load_config(tmp_path / "m" / "a.toml")
+    assert (cfg.engine.kind, cfg.engine.model, cfg.engine.max_context) == ("llamacpp", "smollm2", 8192)
+    assert cfg.engine.cache_bytes == 2 * 4 * 8192 * 23040
+    assert cfg.kvshare.replicate_min_tokens == 2048
+    assert cfg.kvshare.never_replicates(cfg.engine.max_context) is None
+
+
+def test_init_with_a_gguf_not_on_this_machine_says_its_sizes_are_defaults(tmp_path: Path) -> None:
+    """A GGUF path that only the hosts hold is written as given, with the default sizes and a comment saying so."""
+    r = _init("--host", "a=10.0.0.1", "--model", "/models/qwen3-8b-q4_k_m.gguf", "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "m" / "a.toml").read_text()
+    assert "/models/qwen3-8b-q4_k_m.gguf is not on this machine: sizes are defaults" in text
+    cfg = load_config(tmp_path / "m" / "a.toml")
+    assert (cfg.engine.kind, cfg.engine.model) == ("llamacpp", "/models/qwen3-8b-q4_k_m.gguf")
+    assert "max_context" not in cfg.engine.model_fields_set  # the node takes the model's own
