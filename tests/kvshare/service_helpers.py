@@ -3,7 +3,7 @@
 (conversations and the /v1/events reader are tests/support's).
 
 - `start_pair(workdir, ...)`: two `kvmesh node` processes (`a`, `b`, sim engine, blocks of 64 tokens), a
-  `node.launcher.LocalMesh` whose link a -> b is routed through the proxy: a's peer entry for b names the
+  `node.lab.launcher.LocalMesh` whose link a -> b is routed through the proxy: a's peer entry for b names the
   proxy's address as b's kv_share listener, so every replica a sends to b crosses the proxy; b reaches a
   directly. Both nodes share a mesh secret; b also accepts a previous secret (rotation).
 - Turns are pinned to a node with the peer-forwarding headers (`X-Kvmesh-Forwarded` + the mesh secret's

@@ -25,7 +25,7 @@ import pytest
 from kvmesh.node.config import EngineConfig, KVShareConfig, NodeConfig
 from kvmesh.node.engine.hashing import block_hashes, chain_seed, payload_digest
 from kvmesh.node.engine.simkv import fill_block
-from kvmesh.node.kvshare import service, wire
+from kvmesh.node.kvshare import common, service, wire
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.server import ThreadedServer, serve_in_thread
 
@@ -224,7 +224,7 @@ def test_await_worker_releases_only_after_the_worker_returns() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(None, work)
-        task = asyncio.ensure_future(service._await_worker(fut, stop=lambda: stopped.append(True),
+        task = asyncio.ensure_future(common._await_worker(fut, stop=lambda: stopped.append(True),
                                                            release=lambda: released.append(time.monotonic())))
         while not started.is_set():
             await asyncio.sleep(0.001)

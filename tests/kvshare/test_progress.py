@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.node.kvshare.service import _Progress
+from kvmesh.node.kvshare.links import _Progress
 
 
 class _Clocks:

@@ -23,7 +23,8 @@ from support.conversation import Conversation, Turn
 from support.events import EventStream
 
 from kvmesh.node.lab.chaos.proxy import Fault, LinkProxy
-from kvmesh.node.kvshare.service import _Inbound, keep_waiting
+from kvmesh.node.kvshare.imports import keep_waiting
+from kvmesh.node.kvshare.landing import _Inbound
 from kvmesh.node.lab.launcher import free_port, wait_for, write_mesh
 from kvmesh.node.protocol import Handoff, ReplicaRefused
 

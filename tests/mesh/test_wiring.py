@@ -16,7 +16,7 @@ import pytest
 import kvmesh.node
 from kvmesh.node.config import EngineConfig, MeshConfig, PeerConfig, SimConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnDone
-from kvmesh.node.kvshare.service import ReuseExplained
+from kvmesh.node.kvshare.explain import ReuseExplained
 from kvmesh.node.mesh.actions import RelayFailed, relay_action
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.turn import TurnPath

@@ -17,7 +17,7 @@ from typing import Any
 # Findings that are not durations or cross-host orderings, or that only display a wall-clock
 # age; each with the reason. Any other finding is a violation of "monotonic for every duration".
 WALL_CLOCK_ALLOWED: dict[tuple[str, str, str], str] = {
-    ("node/kvshare/service.py", "explain", "time.time() - m.updated"):
+    ("node/kvshare/explain.py", "explain", "time.time() - m.updated"):
         "display: replica age in Handoff events; the manifest's stamp must survive restarts",
     ("node/kvshare/index.py", "_scan", "sorted(found, key=lambda e: e.manifest.updated)"):
         "persisted: LRU order rebuilt at start from stamps that must survive restarts; a jump only reorders evictions",
