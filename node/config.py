@@ -160,6 +160,8 @@ REPLICATE_MIN_TOKENS = 8192
 
 
 class KVShareConfig(_Strict):
+    enabled: bool = Field(True, description="false: no replica is pushed or accepted (no listener); the store still "
+                          "keeps this host's own sessions when persist_own")
     listen: str = Field("127.0.0.1:0", pattern=r"^[^:\s]*:[0-9]{1,5}$", description="host:port of this node's kv_share listener")
     replicate_min_tokens: int = Field(REPLICATE_MIN_TOKENS, ge=0, description="sessions shorter than this are not "
                                       "replicated; unset: 8192, at most a quarter of the engine's context per slot")

@@ -100,7 +100,8 @@ class KVShare:
         self._sender.start(loop)
         self._imports.start(loop)
         self._writes.start(loop)
-        self.address = self._receiver.start(loop)
+        if self.cfg.enabled:  # off: no listener, so no peer's replica is accepted here
+            self.address = self._receiver.start(loop)
 
     async def stop(self) -> None:
         self._receiver.stop()
@@ -194,7 +195,7 @@ class KVShare:
         self._think.note_turn(session, turn_s)
         if not self.worth_replicating(session):
             return
-        if target is not None and target != self.name:
+        if target is not None and target != self.name and self.cfg.enabled:
             self.submit(session, target)
         if self.cfg.persist_own:
             self._writes.persist_own(session)
@@ -208,4 +209,6 @@ class KVShare:
         return self._sender.submit(session, target)
 
     async def push(self, session: str, target: str) -> PushResult:
+        if not self.cfg.enabled:
+            return PushResult(ok=False, reason="disabled", message=f"kv_share is off on {self.name} (kvshare.enabled = false)")
         return await self.submit(session, target)

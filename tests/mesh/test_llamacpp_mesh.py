@@ -14,37 +14,54 @@ from typing import Any
 import httpx
 import pytest
 
-from kvmesh.node.lab.workload import text
 from kvmesh.node.engine import gguf_gen
 from kvmesh.node.lab.launcher import write_mesh
+from kvmesh.node.lab.workload import text
 
 from .helpers import Mesh
 
 BLOCK = 256
+SMOL = "SmolLM2-135M-Instruct.Q4_1"  # the GGUF's name, served whatever alias chose the file
+
+
+def _start(workdir: Path, engine: dict[str, Any], kvshare: dict[str, Any]) -> Mesh:
+    admin, secret = "adm-" + secrets.token_hex(12), "msk-" + secrets.token_hex(16)
+    extra = {"kvshare": {"fsync": "never", **kvshare}, "admin_token": admin,
+             "mesh": {"poll_interval_s": 0.2, "stale_after_s": 3.0, "secret": secret}}
+    base = write_mesh(workdir, ("a", "b"), engine=engine, extra=extra)
+    m = Mesh(base.workdir, base.nodes, base.configs, admin, secret)
+    m.start()
+    return m
 
 
 @pytest.fixture
 def llama_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     gguf = gguf_gen.write_gguf(tmp_path / "tiny.gguf", gguf_gen.spec_for("tiny"))
-    admin, secret = "adm-" + secrets.token_hex(12), "msk-" + secrets.token_hex(16)
     engine = {"kind": "llamacpp", "model": str(gguf), "slots": 2, "cache_bytes": 64 << 20, "max_context": 8192,
-              "llamacpp": {"threads": 1}}
-    extra = {"kvshare": {"replicate_min_tokens": 512, "fsync": "never"}, "admin_token": admin,
-             "mesh": {"poll_interval_s": 0.2, "stale_after_s": 3.0, "secret": secret}}
-    base = write_mesh(tmp_path / "mesh", ("a", "b"), engine=engine, extra=extra)
-    m = Mesh(base.workdir, base.nodes, base.configs, admin, secret)
-    m.start()
+              "block_size": BLOCK, "llamacpp": {"threads": 1}}
+    m = _start(tmp_path / "mesh", engine, {"replicate_min_tokens": 512})
     yield m
     if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
         print(m.logs())
     m.stop()
 
 
-def pinned_turn(m: Mesh, host: str, session: str, messages: list[dict[str, str]], max_tokens: int = 12) -> tuple[str, int]:
+@pytest.fixture
+def smollm2_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Two nodes serving the real SmolLM2 by its alias, every size the model's own (context, blocks, threshold)."""
+    m = _start(tmp_path / "mesh", {"model": "smollm2", "slots": 1, "cache_tokens": 16384, "llamacpp": {"threads": 1}}, {})
+    yield m
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        print(m.logs())
+    m.stop()
+
+
+def pinned_turn(m: Mesh, host: str, session: str, messages: list[dict[str, str]], max_tokens: int = 12,
+                model: str = "tiny") -> tuple[str, int]:
     """One greedy turn computed on `host` itself; returns (reply, cached_tokens)."""
     headers = {"X-Session-Id": session, "X-Kvmesh-Forwarded": "1", **m.peer_headers()}
     r = m.http.post(m.api(host) + "/v1/chat/completions", headers=headers, timeout=120,
-                    json={"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+                    json={"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
     assert r.status_code == 200, r.text
     body: dict[str, Any] = r.json()
     details = body["usage"].get("prompt_tokens_details") or {}
@@ -79,3 +96,30 @@ def test_conversation_continues_on_second_node_with_same_greedy_text_and_survive
     assert after == ref
     with httpx.Client() as c:  # the node serves the GGUF's name as its model
         assert c.get(m.api("b") + "/v1/models", timeout=10).json()["data"][0]["id"] == "tiny"
+
+
+def test_smollm2_session_moves_warm_and_answers_as_if_it_never_moved(smollm2_mesh: Mesh) -> None:
+    """On two real SmolLM2 nodes (alias, 64-token blocks, threshold from its 8k context), a conversation begun on a
+    continues on b from the replica, reusing >= 90% of the prompt (warm), with the greedy reply of a session that never moved."""
+    import random
+
+    m, s = smollm2_mesh, "smol-conv"
+    stats = m.http.get(m.api("a") + "/v1/stats", timeout=10).json()
+    assert (stats["max_context"], stats["block_size"], stats["replicate_min_tokens"]) == (8192, 64, 2048)
+    rng = random.Random(12)
+    msgs = [{"role": "system", "content": "You are a coding agent.\n" + text(rng, 11000)},
+            {"role": "user", "content": "Summarise the spec above in one sentence."}]
+    r1, cached1 = pinned_turn(m, "a", s, msgs, max_tokens=16, model=SMOL)
+    assert cached1 == 0 and r1
+    m.wait_replica(s, "a", 2048)
+    follow = [*msgs, {"role": "assistant", "content": r1}, {"role": "user", "content": "Now name the first step."}]
+    r = m.http.post(m.api("b") + "/v1/chat/completions", timeout=300,
+                    headers={"X-Session-Id": s, "X-Kvmesh-Forwarded": "1", **m.peer_headers()},
+                    json={"model": SMOL, "messages": follow, "max_tokens": 24, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    prompt_tokens, cached_b = body["usage"]["prompt_tokens"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached_b >= 0.9 * prompt_tokens, (cached_b, prompt_tokens)  # warm, though the partial tail never moved
+    never_moved, _ = pinned_turn(m, "a", s, follow, max_tokens=24, model=SMOL)  # the same turn where the session began
+    assert body["choices"][0]["message"]["content"] == never_moved
+    assert body["model"] == SMOL

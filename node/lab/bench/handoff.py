@@ -32,9 +32,10 @@ LLAMA_CONTEXT_CAP = 16384
 def _llama_shape(args: argparse.Namespace, engine: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """LoadShape's overrides for llama.cpp, sized to the model's context, and the shape as the JSON states it.
 
-    Conversations open long (35-45% of the context) and grow in small steps (1-4% a turn), so a
+    Conversations open at 25-30% of the context and grow in small steps (0.5-2% a turn), so a
     turn's new tokens stay under a tenth of its prompt (a move is warm only from 90% reuse), and
-    end at 80% of it, so no prompt passes the context. The workload counts characters; the model's
+    end at 80% of it, so no prompt passes the context. Openings are real prefill here (2-3k
+    tokens on an 8k model: 10-30 s on a shared CPU core), so they are kept as short as that allows. The workload counts characters; the model's
     own tokenizer gives characters per token on the workload's text. The sim keeps LoadShape's shape."""
     model = LlamaModel.open(engine["model"], LlamaCppConfig())
     try:
@@ -47,9 +48,11 @@ def _llama_shape(args: argparse.Namespace, engine: dict[str, Any]) -> tuple[dict
     def chars(share: float) -> int:
         return int(share * context * per_token)
 
-    shape = {"system_tokens": (chars(0.35), chars(0.45)), "tool_tokens": (chars(0.01), chars(0.04)), "target_tokens": chars(0.8)}
-    said = {"context": context, "chars_per_token": round(per_token, 2), "opening_tokens": [int(0.35 * context), int(0.45 * context)],
-            "tool_tokens": [int(0.01 * context), int(0.04 * context)], "end_tokens": int(0.8 * context)}
+    opening, tool, end = (0.25, 0.30), (0.005, 0.02), 0.8
+    shape = {"system_tokens": (chars(opening[0]), chars(opening[1])), "tool_tokens": (chars(tool[0]), chars(tool[1])),
+             "target_tokens": chars(end)}
+    said = {"context": context, "chars_per_token": round(per_token, 2), "opening_tokens": [int(x * context) for x in opening],
+            "tool_tokens": [int(x * context) for x in tool], "end_tokens": int(end * context)}
     return shape, said
 
 

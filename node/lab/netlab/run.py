@@ -160,7 +160,7 @@ def node_config(plan: Plan, cache_mib: int) -> tuple[dict[str, Any], dict[str, A
               "sim": {"kv_scale": plan.kv_scale, "prefill_tps": prefill, "decode_tps": decode}}
     kvshare: dict[str, Any] = {"fsync": "never", "store_budget_bytes": 4 * (cache_mib << 20), "concurrency": 2}
     if not plan.kvshare:
-        kvshare.update(replicate_min_tokens=10**12, persist_own=False)  # kv_share off: nothing is pushed
+        kvshare.update(enabled=False, persist_own=False)  # kv_share off: nothing is pushed or accepted
     k = plan.compress.k
     mesh = {"poll_interval_s": max(0.05, min(1.0, 1.0 / k)), "cold_move_after_s": 30.0 / k}
     return engine, {"kvshare": kvshare, "mesh": mesh}
