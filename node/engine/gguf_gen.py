@@ -55,6 +55,8 @@ class GGUFSpec:
     seed: int = 0
     logit_scale: float = 4.0  # spread of the output logits: greedy choices are far from ties
     name: str = "kvmesh-tiny"
+    n_expert: int = 0  # > 0: a mixture of experts (Mixtral's layout under arch llama), n_expert_used routed a token
+    n_expert_used: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -66,6 +68,8 @@ PRESETS: dict[str, GGUFSpec] = {
     # Llama-3-8B's proportions, scaled down: 32 query heads over 8 KV heads becomes 8 over 2,
     # head_dim 128 becomes 64, FFN 3.5x n_embd; 4 layers. ~2 KiB of f16 KV per token.
     "bench": GGUFSpec(n_layers=4, n_embd=512, n_head=8, n_head_kv=2, n_ff=1792, name="kvmesh-bench"),
+    # tiny's attention (so the same KV per token) with 4 experts, 2 routed per token.
+    "moe-tiny": GGUFSpec(n_expert=4, n_expert_used=2, name="kvmesh-moe-tiny"),
 }
 
 
@@ -150,10 +154,22 @@ def _weights(spec: GGUFSpec, arch: str, n_vocab: int) -> dict[str, np.ndarray]:
             for n, size in (("q", spec.n_head * hd), ("k", kv), ("v", kv)):
                 t[p + f"attn_{n}.bias"] = (rng.standard_normal(size, dtype=np.float32) * 0.1).astype(np.float32)
         t[p + "ffn_norm.weight"] = np.ones(d, dtype=np.float32)
+        if spec.n_expert:
+            t.update(_experts(p, spec, mat))
+            continue
         t[p + "ffn_gate.weight"] = mat(spec.n_ff, d)
         t[p + "ffn_up.weight"] = mat(spec.n_ff, d)
         t[p + "ffn_down.weight"] = mat(d, spec.n_ff)
     return t
+
+
+def _experts(p: str, spec: GGUFSpec, mat: Any) -> dict[str, np.ndarray]:
+    """One layer's router and stacked experts (ggml's [n_expert, rows, cols] tensors)."""
+    d, ff, n = spec.n_embd, spec.n_ff, spec.n_expert
+    return {p + "ffn_gate_inp.weight": mat(n, d, 4.0).astype(np.float32),  # a router far from ties
+            p + "ffn_gate_exps.weight": np.stack([mat(ff, d) for _ in range(n)]),
+            p + "ffn_up_exps.weight": np.stack([mat(ff, d) for _ in range(n)]),
+            p + "ffn_down_exps.weight": np.stack([mat(d, ff) for _ in range(n)])}
 
 
 def write_gguf(path: str | Path, spec: GGUFSpec) -> Path:
@@ -204,6 +220,9 @@ def _write_hparams(w: Any, spec: GGUFSpec, n_vocab: int) -> None:
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
+    if spec.n_expert:
+        w.add_expert_count(spec.n_expert)
+        w.add_expert_used_count(spec.n_expert_used)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
 
 
@@ -219,12 +238,17 @@ def cache_dir() -> Path:
     return base
 
 
+def model_path(spec: GGUFSpec, folder: str | Path | None = None) -> Path:
+    """Where `ensure_model` keeps the model for `spec`: the name carries a digest of the spec."""
+    key = hashlib.blake2b(repr(dataclasses.astuple(spec)).encode(), digest_size=6).hexdigest()
+    return Path(folder or cache_dir()) / f"{spec.name}-{spec.vocab}-{key}.gguf"
+
+
 def ensure_model(spec: GGUFSpec, folder: str | Path | None = None) -> Path:
     """The generated model for `spec` in `folder` (default `cache_dir()`), written once.
 
     The file name carries a digest of the spec, so a changed spec never reuses a stale file."""
-    key = hashlib.blake2b(repr(dataclasses.astuple(spec)).encode(), digest_size=6).hexdigest()
-    path = Path(folder or cache_dir()) / f"{spec.name}-{spec.vocab}-{key}.gguf"
+    path = model_path(spec, folder)
     if not path.is_file():
         write_gguf(path, spec)
     return path

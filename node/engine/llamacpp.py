@@ -45,7 +45,7 @@ from kvmesh.node.config import LlamaCppConfig
 from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.llamatok import LlamaTokenizer
-from kvmesh.node.engine.models import PACKAGED
+from kvmesh.node.engine.models import GENERATED, PACKAGED
 from kvmesh.node.engine.models import resolve as resolve_model
 from kvmesh.node.engine.runner import DecodeBatcher, DecodeStep
 from kvmesh.node.errors import CheckpointError, ConfigError
@@ -166,7 +166,7 @@ class LlamaModel:
         p = resolve_model(path)
         if not p.is_file():
             raise CheckpointError(f"{p} does not exist: engine.model must be a GGUF file or one of "
-                                  f"{', '.join(PACKAGED)}", path=str(p))
+                                  f"{', '.join([*PACKAGED, *GENERATED])}", path=str(p))
         lib = _lib()
         _install_logging(lib)
         lib.llama_backend_init()

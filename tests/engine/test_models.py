@@ -134,3 +134,12 @@ def test_llama_block_size_follows_the_trained_context(trained: int, size: int) -
     """Unset, a llama.cpp block is the power of two (32-256) that cuts the trained context into >= 128 blocks; set, it is kept."""
     assert llama_block_size(EngineConfig(model="m.gguf"), trained) == size
     assert llama_block_size(EngineConfig(model="m.gguf", block_size=256), trained) == 256
+
+
+def test_a_generated_alias_names_its_preset_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`moe-tiny` is llama.cpp's, served as its generated file's name, written once into the GGUF cache."""
+    monkeypatch.setenv("KVMESH_GGUF_CACHE", str(tmp_path))
+    assert models.is_gguf("moe-tiny") and EngineConfig(model="moe-tiny").kind == "llamacpp"
+    path = models.resolve("moe-tiny")
+    assert path.parent == tmp_path and path.is_file()
+    assert EngineConfig(model="moe-tiny").served_model == path.stem == models.gguf_name("moe-tiny")
