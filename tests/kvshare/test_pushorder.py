@@ -105,6 +105,8 @@ def test_queued_pushes_start_by_value_not_arrival(serial_pair: Pair) -> None:
         for _ in range(4):  # back-to-back turns: its own think time is learned as ~0
             p.turn("a", soon, grow=300)
         wait_for(lambda: len(ev_a.live(ReplicaSent, session=soon.session)) >= 1, "soon's first replica to land")
+        # late's first push too, so only the pushes queued below wait behind the big one (a loaded box is slow)
+        wait_for(lambda: len(ev_a.live(ReplicaSent, session=late.session)) >= 1, "late's first replica to land")
         p.proxy.reset_counts()  # count only the big push's connection below
         p.proxy.pause()
         try:

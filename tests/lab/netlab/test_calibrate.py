@@ -73,7 +73,7 @@ def test_netlab_plan_applies_compression_to_nodes_link_and_load() -> None:
     assert engine["slots"] == cal.SLOTS and extra["mesh"]["cold_move_after_s"] == pytest.approx(7.5)
     assert extra["kvshare"].get("replicate_min_tokens") is None
     off = node_config(plan_of(_args(kvshare="off")), 1024)[1]["kvshare"]
-    assert off["replicate_min_tokens"] > cal.CONVERSATION_TOKENS * 100 and off["persist_own"] is False
+    assert off["enabled"] is False and off["persist_own"] is False and "replicate_min_tokens" not in off  # the real switch
     twice = plan_of(_args(demand=2.0))
     assert twice.demand == pytest.approx(2.0) and twice.think == pytest.approx(cal.think_scale_for(2.0) / 4)
     with pytest.raises(SystemExit, match="not both"):
