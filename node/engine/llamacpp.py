@@ -142,9 +142,7 @@ def inexact_reason(lib: ModuleType, model: Any) -> str | None:
         return "it has recurrent layers (a recurrent state is not per position)"
     if hasattr(lib, "llama_model_is_hybrid") and lib.llama_model_is_hybrid(model):
         return "it has hybrid attention/recurrent layers"
-    if lib.llama_model_n_swa(model) > 0:
-        return f"it has sliding-window attention layers (window {lib.llama_model_n_swa(model)})"
-    return None
+    return None  # sliding-window layers are exact with swa_full (LlamaRunner), at a full cache's memory
 
 
 @dataclass
@@ -160,6 +158,7 @@ class LlamaModel:
     digest: str
     tokenizer: LlamaTokenizer
     n_ctx_train: int  # the context the model was trained for (GGUF `context_length`)
+    n_swa: int = 0  # the sliding window of its SWA layers (0: none)
 
     @classmethod
     def open(cls, path: str | Path, cfg: LlamaCppConfig) -> LlamaModel:
@@ -183,10 +182,12 @@ class LlamaModel:
                                   "cache block by block exactly and replicas would be wrong", path=str(p))
         vocab = lib.llama_model_get_vocab(handle)
         template = lib.llama_model_chat_template(handle, None)
+        if not template:  # a base model (Gemma 3 270M): chats still render, in a plain role-tag form
+            log.warning("%s has no chat template; chats render with kvmesh's fallback (<|role|> lines)", p.name)
         tok = LlamaTokenizer(lib, vocab, chat_template=template.decode("utf-8") if template else None,
                              allowed=_allowed_tokens(p))
         return cls(p, lib, handle, vocab, int(lib.llama_model_n_layer(handle)), int(lib.llama_vocab_n_tokens(vocab)),
-                   gguf_digest(p), tok, int(lib.llama_model_n_ctx_train(handle)))
+                   gguf_digest(p), tok, int(lib.llama_model_n_ctx_train(handle)), int(lib.llama_model_n_swa(handle)))
 
     def close(self) -> None:
         if self.handle:
@@ -211,7 +212,9 @@ def fingerprint(model: LlamaModel, cfg: LlamaCppConfig, layout: llamastate.Layou
     the state format (ours and the binding's version), the block size."""
     blob = json.dumps({"arch": "llamacpp/v1", "gguf": model.digest, "type_k": cfg.type_k, "type_v": cfg.type_v,
                        "flash_attn": cfg.flash_attn, "v_trans": layout.v_trans, "cell_ext": layout.ext,
-                       "state": STATE_FORMAT, "binding": getattr(model.lib, "__version__", "?"), "block": block_size},
+                       "state": STATE_FORMAT, "binding": getattr(model.lib, "__version__", "?"), "block": block_size,
+                       # a sliding-window model's blocks hold its two caches, every position of both (swa_full)
+                       **({"swa_full": True, "caches": len(layout.sections)} if model.n_swa else {})},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
@@ -275,6 +278,9 @@ class LlamaRunner:
         cp.type_k = _GGML_TYPES[cfg.type_k]
         cp.type_v = _GGML_TYPES[cfg.type_v]
         cp.kv_unified = True  # one cell pool: seq_cp shares cells between sequences instead of copying
+        # Sliding-window layers keep every position, not the last window: a block then restores exactly,
+        # at the memory of a full-attention cache for those layers (llama-server's --swa-full).
+        cp.swa_full = self.model.n_swa > 0
         cp.no_perf = True
         ctx = lib.llama_init_from_model(self.model.handle, cp)
         if not ctx:

@@ -11,6 +11,11 @@
     V, row-wise (v_trans 0): per layer  i32 v_type | u64 v_row_bytes | cell_count rows of V
     V, transposed (v_trans 1): per layer  i32 v_type | u32 v_elem_bytes | u32 n_embd_v | n_embd_v x cell_count elements
 
+A model with sliding-window layers (iSWA) has two caches, and its blob holds two such sections
+after the magic and seq id, each from `n_stream` on: the full-attention layers', then the
+window layers'. With `swa_full` both hold every position, so a block's blob has the same cells
+in both sections; `Layout.extra` describes the sections after the first.
+
 It is layer-major and in cell order, so a 256-position block is not a byte range of a
 sequence's blob. A kvmesh block is the blob of a sequence holding exactly that block's
 positions (cut with `llama_memory_seq_cp` to a scratch sequence, see `node.engine.llamacpp`):
@@ -23,6 +28,7 @@ the transfer bench).
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass
 
@@ -42,14 +48,19 @@ class Layout:
     v_trans: bool
     k: tuple[tuple[int, int], ...]  # per layer (ggml type, row bytes)
     v: tuple[tuple[int, int, int], ...]  # per layer (ggml type, row bytes or element bytes, n_embd_v (trans) else 0)
+    extra: tuple[Layout, ...] = ()  # the caches after the first (iSWA: the window layers'), the same cells
 
     @property
     def cell_meta(self) -> int:
         return 12 + (EXT_BYTES if self.ext else 0)
 
-    def size(self, cells: int) -> int:
-        """Bytes of a blob of `cells` cells."""
-        n = _H + cells * self.cell_meta + 8
+    @property
+    def sections(self) -> tuple[Layout, ...]:
+        return (self, *self.extra)
+
+    def section_size(self, cells: int) -> int:
+        """Bytes of this cache's section (n_stream, cell count, cell meta, layers) for `cells` cells."""
+        n = 8 + cells * self.cell_meta + 8
         n += sum(12 + cells * row for _, row in self.k)
         if self.v_trans:
             n += sum(12 + cells * el * emb for _, el, emb in self.v)
@@ -57,31 +68,45 @@ class Layout:
             n += sum(12 + cells * row for _, row, _ in self.v)
         return n
 
+    def size(self, cells: int) -> int:
+        """Bytes of a blob of `cells` cells."""
+        return _H - 8 + sum(sec.section_size(cells) for sec in self.sections)
+
     @property
     def bytes_per_cell(self) -> int:
         return self.size(1) - self.size(0)
 
 
 def learn(blob: bytes | memoryview, n_layer: int) -> Layout:
-    """Read a layout from a real blob of a non-empty sequence (tries both cell-meta sizes)."""
+    """Read a layout from a real blob of a non-empty sequence (tries both cell-meta sizes); its
+    sections' layers add up to the model's `n_layer`."""
     mv = memoryview(blob).cast("B")
     magic, _, n_stream, cells = struct.unpack_from("<IiII", mv, 0)
     if magic != MAGIC or n_stream != 1 or cells == 0:
         raise ValueError(f"a probe blob (magic {magic:#x}) of {n_stream} streams and {cells} cells: "
                          "kvmesh needs llama.cpp's sequence state of one stream (kv_unified)")
     for ext in (False, True):
-        off = _H + cells * (12 + (EXT_BYTES if ext else 0))
-        if off + 8 > len(mv):
-            continue
-        v_trans, nl = struct.unpack_from("<II", mv, off)
-        if nl == n_layer and v_trans in (0, 1):
-            try:
-                lay = _read_layers(mv, off + 8, cells, nl, bool(v_trans), ext)
-            except (struct.error, ValueError):
-                continue
-            if lay.size(cells) == len(mv):
-                return lay
+        sections: list[Layout] = []
+        off = _H - 8
+        while off < len(mv) and (sec := _read_section(mv, off, cells, ext)) is not None:
+            sections.append(sec)
+            off += sec.section_size(cells)
+        if sections and off == len(mv) and sum(sec.n_layer for sec in sections) == n_layer:
+            return dataclasses.replace(sections[0], extra=tuple(sections[1:]))
     raise ValueError("the probe blob does not parse as llama.cpp's per-sequence state")
+
+
+def _read_section(mv: memoryview, off: int, cells: int, ext: bool) -> Layout | None:
+    """One cache's section at `off` (from its n_stream), or None where it does not parse as one."""
+    try:
+        n_stream, n = struct.unpack_from("<II", mv, off)
+        meta_end = off + 8 + cells * (12 + (EXT_BYTES if ext else 0))
+        v_trans, nl = struct.unpack_from("<II", mv, meta_end)
+        if n_stream != 1 or n != cells or v_trans not in (0, 1) or nl == 0:
+            return None
+        return _read_layers(mv, meta_end + 8, cells, nl, bool(v_trans), ext)
+    except (struct.error, ValueError):
+        return None
 
 
 def _read_layers(mv: memoryview, off: int, cells: int, nl: int, v_trans: bool, ext: bool) -> Layout:
@@ -105,8 +130,8 @@ def _read_layers(mv: memoryview, off: int, cells: int, nl: int, v_trans: bool, e
     return Layout(nl, ext, v_trans, tuple(k), tuple(v))
 
 
-def _positions(mv: memoryview, cells: int, lay: Layout) -> np.ndarray:
-    meta = np.frombuffer(mv, dtype=np.uint8, count=cells * lay.cell_meta, offset=_H).reshape(cells, lay.cell_meta)
+def _positions(mv: memoryview, cells: int, lay: Layout, at: int = _H) -> np.ndarray:
+    meta = np.frombuffer(mv, dtype=np.uint8, count=cells * lay.cell_meta, offset=at).reshape(cells, lay.cell_meta)
     return meta[:, :4].copy().view("<i4").reshape(-1)
 
 
@@ -114,27 +139,41 @@ def check(blob: bytes | memoryview, lay: Layout, first_pos: int, cells: int) -> 
     """Why `set_data` of this block blob would fail or restore the wrong thing; None if it is sound.
 
     Checks the header, the per-layer types and row sizes against this context's, that the cells
-    hold exactly positions first_pos..first_pos+cells-1, and the total size."""
+    of every cache section hold exactly positions first_pos..first_pos+cells-1, and the total size."""
     mv = memoryview(blob).cast("B")
     need = lay.size(cells)
     if len(mv) < need:
         return f"{len(mv)} bytes, a block of {cells} cells is {need}"
-    magic, _, n_stream, n = struct.unpack_from("<IiII", mv, 0)
-    if magic != MAGIC or n_stream != 1 or n != cells:
-        return f"magic {magic:#x}, {n_stream} streams of {n} cells; expected llama.cpp's, 1 stream of {cells}"
-    meta = np.frombuffer(mv, dtype=np.uint8, count=cells * lay.cell_meta, offset=_H).reshape(cells, lay.cell_meta)
+    (magic,) = struct.unpack_from("<I", mv, 0)
+    if magic != MAGIC:
+        return f"magic {magic:#x}; expected llama.cpp's"
+    off = _H - 8
+    for k, sec in enumerate(lay.sections):
+        why = _check_section(mv, off, sec, first_pos, cells)
+        if why is not None:
+            return why if k == 0 else f"cache section {k + 1}: {why}"
+        off += sec.section_size(cells)
+    return None
+
+
+def _check_section(mv: memoryview, off: int, sec: Layout, first_pos: int, cells: int) -> str | None:
+    n_stream, n = struct.unpack_from("<II", mv, off)
+    if n_stream != 1 or n != cells:
+        return f"{n_stream} streams of {n} cells; expected 1 stream of {cells}"
+    meta = np.frombuffer(mv, dtype=np.uint8, count=cells * sec.cell_meta, offset=off + 8).reshape(cells, sec.cell_meta)
     n_seq = meta[:, 4:8].copy().view("<u4").reshape(-1)
     if (n_seq != 1).any():
         return "a cell belongs to more than one sequence"
-    pos = _positions(mv, cells, lay)
+    pos = _positions(mv, cells, sec, off + 8)
     if not np.array_equal(np.sort(pos), np.arange(first_pos, first_pos + cells, dtype=np.int32)):
         return f"cells hold positions {int(pos.min())}..{int(pos.max())}, not {first_pos}..{first_pos + cells - 1}"
+    meta_end = off + 8 + cells * sec.cell_meta
     try:
-        got = _read_layers(mv, _H + cells * lay.cell_meta + 8, cells, lay.n_layer, lay.v_trans, lay.ext)
+        got = _read_layers(mv, meta_end + 8, cells, sec.n_layer, sec.v_trans, sec.ext)
     except (struct.error, ValueError):
         return "the per-layer headers are truncated"
-    v_trans, nl = struct.unpack_from("<II", mv, _H + cells * lay.cell_meta)
-    if (bool(v_trans), nl) != (lay.v_trans, lay.n_layer) or got != lay:
+    v_trans, nl = struct.unpack_from("<II", mv, meta_end)
+    if (bool(v_trans), nl) != (sec.v_trans, sec.n_layer) or got != dataclasses.replace(sec, extra=()):
         return "its K/V types, row sizes or V layout are not this context's"
     return None
 
@@ -183,10 +222,16 @@ def _write(out: np.ndarray, lay: Layout, meta: np.ndarray, ks: list[np.ndarray],
     return off
 
 
+def _one_cache(lay: Layout) -> None:
+    if lay.extra:
+        raise ValueError("re-cutting by parsing handles one cache section (not a sliding-window model's two)")
+
+
 def cut(blob: bytes | memoryview, lay: Layout, p0: int, p1: int, out: np.ndarray) -> int:
     """Write into `out` the blob of the cells of `blob` at positions [p0, p1), in position order.
 
     The parse-and-re-cut alternative to a scratch sequence: one gather per layer."""
+    _one_cache(lay)
     mv = memoryview(blob).cast("B")
     (cells,) = struct.unpack_from("<I", mv, 12)
     pos = _positions(mv, cells, lay)
@@ -198,6 +243,7 @@ def cut(blob: bytes | memoryview, lay: Layout, p0: int, p1: int, out: np.ndarray
 
 def join(blobs: list[memoryview], lay: Layout, cells: list[int], out: np.ndarray) -> int:
     """Write into `out` one blob holding the cells of every blob in order (re-composed import)."""
+    _one_cache(lay)
     parts = [_sections(memoryview(b).cast("B"), c, lay) for b, c in zip(blobs, cells)]
     meta = np.concatenate([p[0] for p in parts])
     ks = [np.concatenate([p[1][i] for p in parts]) for i in range(lay.n_layer)]

@@ -25,7 +25,7 @@ from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDo
 from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.engine.hf import open_checkpoint
-from kvmesh.node.engine.llamacpp import LlamaModel
+from kvmesh.node.engine.llamacpp import LlamaModel, LlamaRunner
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.lab.bench.common import emit
@@ -61,6 +61,17 @@ def _engine_cfg(kind: str, tokens: int, model: Path | None = None, block_size: i
                             cache_tokens=m.max_context + 1024)
     return EngineConfig(kind=kind, slots=1, max_context=ctx, cache_tokens=ctx + 1024,  # type: ignore[arg-type]
                         sim=SimConfig(max_context=ctx))
+
+
+def _swa_facts(engine: Engine, tokens: int) -> dict[str, object]:
+    """A sliding-window model's mode and what its replica costs against the windowed cache llama.cpp would keep."""
+    runner = engine.runner
+    if not isinstance(runner, LlamaRunner) or not runner.model.n_swa:
+        return {"swa_mode": None}
+    full, *window = runner.layout.sections
+    per_cell = [sec.section_size(1) - sec.section_size(0) for sec in (full, *window)]
+    windowed = tokens * per_cell[0] + min(tokens, runner.model.n_swa) * sum(per_cell[1:])
+    return {"swa_mode": "full", "swa_window": runner.model.n_swa, "windowed_kv_bytes": windowed}
 
 
 def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict[str, str]], random.Random]:
@@ -104,6 +115,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                     for b in blocks:
                         w.write_block(b.index, b.data, payload_digest(b.data))
                     w.commit()
+            swa = _swa_facts(home, n * home.block_size)
             home.close()
             del home
             follow = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": text(rng, 256)}]
@@ -127,7 +139,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 "warm_prompt_tokens": len(prompt2),
                 "warm_cached_tokens": cached,
                 "engine": cfg.kind,
-                "block_size": away.block_size,
+                "block_size": away.block_size, "replica_bytes": n * away.block_bytes, **swa,
                 "errors": len(errors), "error_samples": errors,
                 **({"model": cfg.served_model, "device": str(away.device), "dtype": str(away.dtype).removeprefix("torch.")}
                    if model is not None or cfg.kind == "llamacpp" else {}),
