@@ -20,7 +20,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmesh.node.engine import gguf_gen
 from kvmesh.node.errors import ConfigError
 
 
@@ -95,6 +94,8 @@ def gguf_name(model: str | Path) -> str:
     """The GGUF file's stem, without locating it: the served model id, whatever alias chose the file."""
     m = PACKAGED.get(str(model))
     if str(model) in GENERATED:
+        from kvmesh.node.engine import gguf_gen  # numpy: not needed for `kvmesh --help` or a config check
+
         return gguf_gen.model_path(gguf_gen.spec_for(GENERATED[str(model)])).stem
     return Path(m.file_name if m is not None else model).stem
 
@@ -103,5 +104,7 @@ def resolve(model: str | Path) -> Path:
     """The file an alias names (located, assembled or generated once), else the path as given."""
     m = PACKAGED.get(str(model))
     if str(model) in GENERATED:
+        from kvmesh.node.engine import gguf_gen
+
         return gguf_gen.ensure_model(gguf_gen.spec_for(GENERATED[str(model)]))
     return m.locate() if m is not None else Path(model)
