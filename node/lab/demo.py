@@ -21,10 +21,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from kvmesh.node.lab.bench.common import llamacpp_engine, start_mesh
+from kvmesh.node.lab.bench.common import llama_shape, llamacpp_engine, start_mesh
 from kvmesh.node.lab.launcher import NodeProcess, wait_peers
 from kvmesh.node.lab.load import LoadRunner, LoadShape
 
@@ -32,8 +33,8 @@ from kvmesh.node.lab.load import LoadRunner, LoadShape
 class _Workload:
     """The load generator on a thread of its own, stoppable."""
 
-    def __init__(self, apis: list[str], sessions: int):
-        shape = LoadShape(sessions=sessions, target_tokens=40_000, max_tokens=48, think_s=(0.3, 1.5))
+    def __init__(self, apis: list[str], sessions: int, sized: dict[str, Any]):
+        shape = LoadShape(sessions=sessions, max_tokens=48, think_s=(0.3, 1.5), **{"target_tokens": 40_000, **sized})
         self.runner = LoadRunner(apis, shape)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="demo-load", daemon=True)
@@ -88,7 +89,11 @@ def run_demo(args: argparse.Namespace) -> int:
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp:
         work = Path(tmp)
-        engine = llamacpp_engine(args, max_context=65536)
+        engine = llamacpp_engine(args, max_context=None)
+        sized: dict[str, Any] = {}
+        if engine is not None:  # a GGUF: conversations sized to its context, in its own tokens
+            sized, said = llama_shape(engine["model"])
+            engine["max_context"] = said["context"]
         print(f"starting a two-node mesh ({engine['kind'] if engine else 'sim'} engine, 4 slots each) ...", flush=True)
         nodes: list[NodeProcess] = start_mesh(
             work, ["gpu-1", "gpu-2"], slots=4, kv_scale=0.05, cache_bytes=768 << 20,
@@ -99,7 +104,7 @@ def run_demo(args: argparse.Namespace) -> int:
             wait_peers(nodes)
             apis = [n.api for n in nodes]
             print("mesh up: " + ", ".join(f"{n.name} {n.api} pid {n.info['pid']}" for n in nodes), flush=True)
-            load = _Workload(apis, args.sessions)
+            load = _Workload(apis, args.sessions, sized)
             load.start()
             if args.headless:
                 _print_counters(apis[0], args.seconds)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvmesh.node.lab.launcher import NodeProcess, merge_config, write_mesh
+from kvmesh.node.lab.workload import text
 
 
 def failures(result: dict[str, Any]) -> list[str]:
@@ -70,3 +72,39 @@ def llamacpp_engine(args: argparse.Namespace, max_context: int | None) -> dict[s
     # The nodes share the box's cores: one thread each.
     context = {} if max_context is None else {"max_context": max_context}
     return {"kind": "llamacpp", "model": str(model), **context, "llamacpp": {"threads": 1}}
+
+
+# With llama.cpp the context is the model's trained one, capped here: 4 slots of a long-context
+# model on a CPU would take GBs of KV per node for turns a bench or demo never reaches.
+LLAMA_CONTEXT_CAP = 16384
+
+
+def llama_shape(model: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """LoadShape's overrides for a GGUF model, sized to its context, and the shape as a JSON states it.
+
+    Conversations open at 25-30% of the context and grow in small steps (0.5-2% a turn), so a
+    turn's new tokens stay under a tenth of its prompt (a move is warm only from 90% reuse), and
+    end at 80% of it, so no prompt passes the context. Openings are real prefill here (2-3k
+    tokens on an 8k model: 10-30 s on a shared CPU core), so they are kept as short as that
+    allows. The workload counts characters; the model's own tokenizer gives characters per
+    token on the workload's text. The sim keeps LoadShape's shape."""
+    from kvmesh.node.config import LlamaCppConfig
+    from kvmesh.node.engine.llamacpp import LlamaModel
+
+    m = LlamaModel.open(model, LlamaCppConfig())
+    try:
+        sample = text(random.Random(0), 20_000)
+        per_token = len(sample) / len(m.tokenizer.encode(sample))
+        context = min(m.n_ctx_train, LLAMA_CONTEXT_CAP)
+    finally:
+        m.close()
+
+    def chars(share: float) -> int:
+        return int(share * context * per_token)
+
+    opening, tool, end = (0.25, 0.30), (0.005, 0.02), 0.8
+    shape = {"system_tokens": (chars(opening[0]), chars(opening[1])), "tool_tokens": (chars(tool[0]), chars(tool[1])),
+             "target_tokens": chars(end)}
+    said = {"context": context, "chars_per_token": round(per_token, 2), "opening_tokens": [int(x * context) for x in opening],
+            "tool_tokens": [int(x * context) for x in tool], "end_tokens": int(end * context)}
+    return shape, said

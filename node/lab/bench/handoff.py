@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import tempfile
 import time
 from pathlib import Path
@@ -17,43 +16,9 @@ from typing import Any
 
 import httpx
 
-from kvmesh.node.config import LlamaCppConfig
-from kvmesh.node.engine.llamacpp import LlamaModel
-from kvmesh.node.lab.bench.common import emit, llamacpp_engine, start_mesh
+from kvmesh.node.lab.bench.common import emit, llama_shape, llamacpp_engine, start_mesh
 from kvmesh.node.lab.launcher import wait_peers
 from kvmesh.node.lab.load import LoadRunner, LoadShape
-from kvmesh.node.lab.workload import text
-
-# With llama.cpp the context is the model's trained one, capped here: 4 slots of a long-context
-# model on a CPU would take GBs of KV per node for turns a bench never reaches.
-LLAMA_CONTEXT_CAP = 16384
-
-
-def _llama_shape(args: argparse.Namespace, engine: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """LoadShape's overrides for llama.cpp, sized to the model's context, and the shape as the JSON states it.
-
-    Conversations open at 25-30% of the context and grow in small steps (0.5-2% a turn), so a
-    turn's new tokens stay under a tenth of its prompt (a move is warm only from 90% reuse), and
-    end at 80% of it, so no prompt passes the context. Openings are real prefill here (2-3k
-    tokens on an 8k model: 10-30 s on a shared CPU core), so they are kept as short as that allows. The workload counts characters; the model's
-    own tokenizer gives characters per token on the workload's text. The sim keeps LoadShape's shape."""
-    model = LlamaModel.open(engine["model"], LlamaCppConfig())
-    try:
-        sample = text(random.Random(0), 20_000)
-        per_token = len(sample) / len(model.tokenizer.encode(sample))
-        context = min(model.n_ctx_train, LLAMA_CONTEXT_CAP)
-    finally:
-        model.close()
-
-    def chars(share: float) -> int:
-        return int(share * context * per_token)
-
-    opening, tool, end = (0.25, 0.30), (0.005, 0.02), 0.8
-    shape = {"system_tokens": (chars(opening[0]), chars(opening[1])), "tool_tokens": (chars(tool[0]), chars(tool[1])),
-             "target_tokens": chars(end)}
-    said = {"context": context, "chars_per_token": round(per_token, 2), "opening_tokens": [int(x * context) for x in opening],
-            "tool_tokens": [int(x * context) for x in tool], "end_tokens": int(end * context)}
-    return shape, said
 
 
 def run_handoff(args: argparse.Namespace) -> int:
@@ -61,7 +26,7 @@ def run_handoff(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     said: dict[str, Any] = {"target_tokens": args.target_tokens}
     if engine is not None:
-        overrides, said = _llama_shape(args, engine)
+        overrides, said = llama_shape(engine["model"])
         engine["max_context"] = said["context"]
     kvshare = {} if args.replicate_min_tokens is None else {"replicate_min_tokens": args.replicate_min_tokens}
     with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
