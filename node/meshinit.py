@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from kvmesh.node.config import HOST_NAME_PATTERN, REPLICATE_MIN_TOKENS, NodeConfig, describe
+from kvmesh.node.config import HOST_NAME_PATTERN, REPLICATE_MIN_TOKENS, KVShareConfig, NodeConfig, describe
 from kvmesh.node.engine.ggufmeta import GGUFFacts, read_facts
 from kvmesh.node.engine.models import resolve as resolve_model
 from kvmesh.node.errors import ConfigError
@@ -70,15 +70,20 @@ def gguf_facts(engine: str, model: str) -> GGUFFacts | None:
 def _sized(plan: MeshPlan) -> tuple[str, str]:
     """The [engine] sizing lines and the [kvshare] replication line: derived from the GGUF when it was read."""
     f = plan.facts
+    if f is None and plan.engine == "llamacpp":
+        # Unset, the node fits these to the model it loads; a fixed 8192 would never fire on an 8k model.
+        return (f"# {plan.model} is not on this machine: sizes are defaults; max_context is the model's trained\n"
+                f"# context when unset.\n# KV pool: the byte budget for resident session caches (LRU beyond it).\n"
+                f"cache_bytes = {1 << 30}\n",
+                "# Sessions shorter than this are not replicated (recomputing them is cheap). Unset: 8192, at most\n"
+                f"# a quarter of the model's context per slot.\n# replicate_min_tokens = {REPLICATE_MIN_TOKENS}\n")
     if f is None:
-        note = "" if plan.engine != "llamacpp" else (f"# {plan.model} is not on this machine: sizes are defaults; "
-                                                       "max_context is the model's trained context when unset.\n")
-        return (f"{note}# KV pool: the byte budget for resident session caches (LRU beyond it).\ncache_bytes = {1 << 30}\n",
+        return (f"# KV pool: the byte budget for resident session caches (LRU beyond it).\ncache_bytes = {1 << 30}\n",
                 "# Sessions shorter than this are not replicated (recomputing them is cheap).\n"
                 f"replicate_min_tokens = {REPLICATE_MIN_TOKENS}\n")
     pool = 2 * plan.slots * f.context * f.kv_bytes_per_token
     window = f", sliding window {f.sliding_window}" if f.sliding_window else ""
-    replicate = min(REPLICATE_MIN_TOKENS, f.context // 4)
+    replicate = KVShareConfig().for_context(f.context).replicate_min_tokens  # the node's own rule
     return (f"# From {f.name} ({f.arch}{window}): trained for {f.context} tokens, {f.kv_bytes_per_token} bytes of f16 KV\n"
             f"# per token ({f.context * f.kv_bytes_per_token / 2**20:.0f} MiB per full context).\n"
             f"# Context per slot: the model's trained context.\nmax_context = {f.context}\n"

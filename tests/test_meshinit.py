@@ -142,3 +142,4 @@ def test_init_with_a_gguf_not_on_this_machine_says_its_sizes_are_defaults(tmp_pa
     cfg = load_config(tmp_path / "m" / "a.toml")
     assert (cfg.engine.kind, cfg.engine.model) == ("llamacpp", "/models/qwen3-8b-q4_k_m.gguf")
     assert "max_context" not in cfg.engine.model_fields_set  # the node takes the model's own
+    assert "replicate_min_tokens" not in cfg.kvshare.model_fields_set  # and fits the threshold to it
