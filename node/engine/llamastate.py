@@ -36,7 +36,8 @@ import numpy as np
 
 EXT_BYTES = 12  # llama_kv_cell_ext: x, y, tok (i32 each)
 MAGIC = 0xAF143CD8  # llama-context.cpp io_magic
-_H = 16  # magic, source seq id, n_stream, cell_count: the cell meta starts here
+_SEQ_HEAD = 8  # magic, source seq id: then one section per cache, each from its n_stream
+_H = _SEQ_HEAD + 8  # ... n_stream, cell_count: the first section's cell meta starts here
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Layout:
 
     def size(self, cells: int) -> int:
         """Bytes of a blob of `cells` cells."""
-        return _H - 8 + sum(sec.section_size(cells) for sec in self.sections)
+        return _SEQ_HEAD + sum(sec.section_size(cells) for sec in self.sections)
 
     @property
     def bytes_per_cell(self) -> int:
@@ -87,7 +88,7 @@ def learn(blob: bytes | memoryview, n_layer: int) -> Layout:
                          "kvmesh needs llama.cpp's sequence state of one stream (kv_unified)")
     for ext in (False, True):
         sections: list[Layout] = []
-        off = _H - 8
+        off = _SEQ_HEAD
         while off < len(mv) and (sec := _read_section(mv, off, cells, ext)) is not None:
             sections.append(sec)
             off += sec.section_size(cells)
@@ -147,7 +148,7 @@ def check(blob: bytes | memoryview, lay: Layout, first_pos: int, cells: int) -> 
     (magic,) = struct.unpack_from("<I", mv, 0)
     if magic != MAGIC:
         return f"magic {magic:#x}; expected llama.cpp's"
-    off = _H - 8
+    off = _SEQ_HEAD
     for k, sec in enumerate(lay.sections):
         why = _check_section(mv, off, sec, first_pos, cells)
         if why is not None:
