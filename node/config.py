@@ -6,6 +6,7 @@ Command-line flags override the common fields (see `node.cli`).
 
 from __future__ import annotations
 
+import fnmatch
 import ipaddress
 import os
 import tomllib
@@ -72,6 +73,10 @@ class EngineConfig(_Strict):
     model: str = Field("", description="kind 'torch': a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3); "
                        "kind 'llamacpp': a GGUF file, or a packaged model's alias (smollm2, gemma3-270m)")
     model_name: str = Field("", description="served model id; defaults to the checkpoint directory's name, else kvmesh-<kind>")
+    # Other names clients may ask for (exact, or globs such as "claude-*", "gpt-*"): coding agents
+    # send their vendor's model names unless told otherwise. accept_any_model takes every name.
+    served_names: list[str] = Field(default_factory=list, max_length=64)
+    accept_any_model: bool = False
     slots: int = Field(4, ge=1, le=256)
     queue_max: int = Field(64, ge=0)
     queue_timeout_s: float = Field(30.0, gt=0)
@@ -106,6 +111,11 @@ class EngineConfig(_Strict):
                              "checkpoint directory, or \"llamacpp\" to serve a GGUF file")
         return self
 
+    def accepts_model(self, name: str) -> bool:
+        """Whether a request naming `name` is for this model: its id, a served name or glob, or any name."""
+        return self.accept_any_model or name == self.served_model or any(
+            fnmatch.fnmatchcase(name, pattern) for pattern in self.served_names)
+
     @property
     def served_model(self) -> str:
         if self.model_name:
@@ -128,6 +138,24 @@ class ApiConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(8 << 20, gt=0)
     tls: TLSConfig | None = None
+    # Client API keys (also KVMESH_API_KEY, comma-separated): with any set, the client routes want
+    # `Authorization: Bearer <key>` or `x-api-key: <key>`. Health, readiness, metrics and the
+    # event stream stay open; admin and peer routes have their own tokens.
+    keys: list[SecretStr] = Field(default_factory=list)
+    cors_origins: list[str] = Field(default_factory=list, description="origins browsers may call the API from ('*': any)")
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, v: list[SecretStr]) -> list[SecretStr]:
+        for k in v:
+            if len(k.get_secret_value()) < 8 or any(c.isspace() or c == "," for c in k.get_secret_value()):
+                raise ValueError("an API key is at least 8 characters, with no whitespace or comma")
+        return v
+
+    def key_values(self) -> list[str]:
+        """The accepted client keys: the configured ones and KVMESH_API_KEY's."""
+        env = [k.strip() for k in os.environ.get("KVMESH_API_KEY", "").split(",") if k.strip()]
+        return [k.get_secret_value() for k in self.keys] + env
 
 
 class PeerConfig(_Strict):
@@ -211,13 +239,13 @@ class NodeConfig(_Strict):
         """Without a mesh secret, peers and kv_share are unauthenticated: loopback only."""
         if self.mesh.secret is None:
             for field_name, host in (("api.host", self.api.host), ("kvshare.listen", self.kvshare.listen.rsplit(":", 1)[0])):
-                if not _is_loopback(host):
+                if not is_loopback(host):
                     raise ValueError(f"{field_name} {host!r} is not a loopback address, and no mesh.secret is set: "
                                      "set mesh.secret (or KVMESH_MESH_SECRET) to listen beyond this machine")
         return self
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host in ("localhost", ""):
         return host == "localhost"
     try:

@@ -10,7 +10,6 @@ them sees the Node. The API is served from the Node (node.api).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from typing import Any
@@ -18,9 +17,8 @@ from typing import Any
 import psutil
 import torch
 
-from kvmesh.node.config import NodeConfig
+from kvmesh.node.config import NodeConfig, is_loopback
 from kvmesh.node.engine.engine import Engine
-from kvmesh.node.errors import InvalidRequest
 from kvmesh.node.events import EventHub
 from kvmesh.node.kvshare.service import KVShare
 from kvmesh.node.looplag import LoopLagMonitor
@@ -32,31 +30,10 @@ from kvmesh.node.protocol import (
     HostInfo,
     HostStatus,
     ReplicaEvicted,
-    session_from_header,
-    session_id_problem,
 )
 from kvmesh.node.tls import client_context
 
 log = logging.getLogger("kvmesh.node")
-
-
-def derive_session_id(header: str | None, user: str | None, messages: list[dict[str, Any]]) -> str:
-    """X-Session-Id header, else the request's `user`, else a hash of the first system+user message.
-
-    Any printable id is taken as sent (see `session_id_problem`); an empty, over-long or
-    control-character one is refused with a 400 naming the header or the field it came in.
-    An empty `user` counts as none (clients send "" for "no user")."""
-    for value, param in ((None if header is None else session_from_header(header), "X-Session-Id"), (user or None, "user")):
-        if value is None:
-            continue
-        problem = session_id_problem(value)
-        if problem is not None:
-            raise InvalidRequest(f"{param}: the session id {problem}", param=param)
-        return value
-    first = [m for m in messages if m.get("role") in ("system", "developer")][:1]
-    first += [m for m in messages if m.get("role") == "user"][:1]
-    blob = repr([(m.get("role"), m.get("content")) for m in first]).encode()
-    return "conv-" + hashlib.sha256(blob).hexdigest()[:20]
 
 
 class Node:
@@ -87,6 +64,10 @@ class Node:
         self.operator = Operator(cfg.name, self.engine, self.mesh, push=self.kvshare.push, publish=self.hub.publish)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.engine.on_evict = self._engine_evicted
+        self.client_keys = tuple(cfg.api.key_values())  # never logged
+        if not self.client_keys and not is_loopback(cfg.api.host):
+            log.warning("node %s: the API listens on %s with NO API KEY: anyone who can reach the port can run turns "
+                        "on this host. Set api.keys or KVMESH_API_KEY (kvmesh init writes one).", cfg.name, cfg.api.host)
         log.info(
             "node %s: engine %s, %d slots of %d tokens, %d KV blocks of %d tokens (%.2f MiB each), fingerprint %s; "
             "replicating sessions from %d tokens",

@@ -153,6 +153,7 @@ class SessionInfo(_Model):
     moves: int = 0
     last_turn_at: float = 0.0
     home_seq: int = 0  # turn sequence that made `home` the home (the mesh's order, not a clock)
+    id_source: str = ""  # what named the session: a header, a body field or "digest" (node.api.sessionid)
 
 
 class LinkInfo(_Model):
@@ -210,6 +211,7 @@ class SessionHolding(_Model):
     turns: int = 0
     moves: int = 0
     last_handoff: HandoffClass | None = None
+    id_source: str = ""  # what named the session in its last turn here
     inflight_to: str | None = None  # a replica of it being sent from here
     inbound_tokens: int = 0  # a replica of it being received here...
     inbound_eta_s: float | None = None  # ...expected to land in this many seconds

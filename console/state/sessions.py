@@ -52,6 +52,7 @@ class SessionRow:
     inflight_at: float = 0.0  # ...since then,
     inflight_tokens: int = 0  # ...covering this many tokens,
     inflight_eta_s: float | None = None  # ...expected to take this long (the link's last measured rate)
+    id_source: str = ""  # what the client sent that named it (a header, a body field, or "digest")
 
     @classmethod
     def from_info(cls, info: SessionInfo, snap_ts: float) -> SessionRow:
@@ -63,7 +64,7 @@ class SessionRow:
             replica_host=info.replica_host, replica_tokens=info.replica_tokens,
             replica_behind_tokens=info.replica_behind_tokens, replica_at=replica_at,
             last_handoff=info.last_handoff, turns=info.turns, moves=info.moves,
-            last_turn_at=info.last_turn_at, home_seq=info.home_seq,
+            last_turn_at=info.last_turn_at, home_seq=info.home_seq, id_source=info.id_source,
         )
 
     def missing_tokens(self, block_size: int) -> int:

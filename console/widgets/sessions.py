@@ -101,6 +101,7 @@ class SessionsTable(KeyedTable):
             or (s.home is not None and f in s.home.lower())
             or (s.replica_host is not None and f in s.replica_host.lower())
             or (s.last_handoff is not None and f in CLASS_WORDS[s.last_handoff].lower())
+            or f in s.id_source.lower()
         )
 
     def sort_key_fn(self, state: ConsoleState) -> Callable[[str], object]:
@@ -171,6 +172,7 @@ class SessionsTable(KeyedTable):
             self.sort_rows(self.sort_key_fn(state), reverse=self.sort_reverse)
             self._resort = False
         self.restore_cursor(cursor)
+        self._patch_subtitle(state)
         # Ages move with the clock alone; paused means frozen, so they wait too.
         for sid in [] if state.paused else self.visible_keys():
             s = state.sessions.get(sid)
@@ -183,6 +185,13 @@ class SessionsTable(KeyedTable):
         """'3 running · 21 idle · 57 ended': the sessions in each lifecycle state."""
         n = state.lifecycle_counts
         return f" {glyphs.dot} ".join(f"{n[k]} {k}" for k in ("running", "idle", "ended"))
+
+    def _patch_subtitle(self, state: ConsoleState) -> None:
+        """Under the table: what named the session under the cursor (which client header or field)."""
+        s = state.sessions.get(self.cursor_key or "")
+        subtitle = f"{s.sid} named by {s.id_source}" if s is not None and s.id_source else ""
+        if self.border_subtitle != subtitle:
+            self.border_subtitle = subtitle
 
     def _patch_title(self, state: ConsoleState, glyphs: Glyphs) -> None:
         dot = glyphs.dot

@@ -1,4 +1,5 @@
-"""The node's HTTP app: OpenAI-compatible API, health, cluster view, events, peer and admin actions, metrics."""
+"""The node's HTTP app: the client APIs (OpenAI chat, completions and Responses; Anthropic Messages),
+health, cluster view, events, peer and admin actions, metrics."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
+from kvmesh.node.api.anthropic_routes import router as anthropic_router
+from kvmesh.node.api.completions_routes import router as completions_router
 from kvmesh.node.api.errors import BodyLimit, install_error_handlers
 from kvmesh.node.api.mesh_routes import router as mesh_router
 from kvmesh.node.api.openai_routes import router as openai_router
+from kvmesh.node.api.responses_routes import router as responses_router
 from kvmesh.node.node import Node
 
 
@@ -24,8 +29,14 @@ def create_app(node: Node) -> FastAPI:
 
     app = FastAPI(title="kvmesh node", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=node.cfg.api.max_body_bytes)
+    if node.cfg.api.cors_origins:
+        # Preflight (OPTIONS) and CORS headers for the configured origins only; added last, so it
+        # answers a preflight before the body limit or the key check sees it.
+        app.add_middleware(CORSMiddleware, allow_origins=list(node.cfg.api.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Kvmesh-Host", "X-Kvmesh-Handoff",
+                                                                "X-Kvmesh-Cached-Tokens", "X-Session-Id"])
     install_error_handlers(app)
     app.state.node = node  # what the routes' node_of dependency hands them
-    app.include_router(openai_router)
-    app.include_router(mesh_router)
+    for router in (openai_router, completions_router, anthropic_router, responses_router, mesh_router):
+        app.include_router(router)
     return app

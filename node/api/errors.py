@@ -1,7 +1,9 @@
-"""OpenAI-shaped error bodies for every failure, and the request-size limit.
+"""Error bodies for every failure, in the shape of the dialect the client spoke, and the request-size limit.
 
-No response ever carries a traceback: known errors say what was wrong; anything
-unexpected is logged here and answered with a plain 500 message.
+Routes under /v1/messages answer in Anthropic's shape (`{"type": "error", "error": {"type",
+"message"}}`, its error types by status); every other route in OpenAI's (`{"error": {"message",
+"type", "param", "code"}}`). No response ever carries a traceback: known errors say what was
+wrong; anything unexpected is logged here and answered with a plain 500 message.
 """
 
 from __future__ import annotations
@@ -21,17 +23,34 @@ from kvmesh.node.errors import KVMeshError, Overloaded
 log = logging.getLogger("kvmesh.api")
 
 
+# Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith(("/v1/messages", "/messages"))
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error object (also the payload of a stream's `error` event)."""
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
 def error_json(status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
-               headers: dict[str, str] | None = None) -> JSONResponse:
+               headers: dict[str, str] | None = None, *, path: str = "") -> JSONResponse:
+    """The error in the shape of the route's dialect (`path`: the request's)."""
+    if is_anthropic(path):
+        return JSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
     body = ErrorBody(error=ErrorDetail(message=message, type=type_, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
-def kvmesh_error_response(exc: KVMeshError) -> JSONResponse:
+def kvmesh_error_response(exc: KVMeshError, path: str = "") -> JSONResponse:
     headers = None
     if isinstance(exc, Overloaded):
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-    return error_json(exc.status, str(exc), exc.type, exc.code, getattr(exc, "param", None), headers)
+    return error_json(exc.status, str(exc), exc.type, exc.code, getattr(exc, "param", None), headers, path=path)
 
 
 def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -50,13 +69,13 @@ def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(KVMeshError)
-    async def _kvmesh(_: Request, exc: KVMeshError) -> JSONResponse:
-        return kvmesh_error_response(exc)
+    async def _kvmesh(request: Request, exc: KVMeshError) -> JSONResponse:
+        return kvmesh_error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation(list(exc.errors()))
-        return error_json(400, message, "invalid_request_error", "invalid_value", param)
+        return error_json(400, message, "invalid_request_error", "invalid_value", param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -70,12 +89,13 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail)
         code = {400: "invalid_value", 413: "request_too_large"}.get(exc.status_code, str(exc.status_code))
         return error_json(exc.status_code, message, "invalid_request_error", code,
-                          headers=dict(exc.headers or {}))
+                          headers=dict(exc.headers or {}), path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error serving %s %s", request.method, request.url.path)
-        return error_json(500, "internal error; the node logged the details", "server_error", "internal_error")
+        return error_json(500, "internal error; the node logged the details", "server_error", "internal_error",
+                          path=request.url.path)
 
 
 class BodyLimit:
@@ -111,5 +131,5 @@ class BodyLimit:
         return f"request body larger than {self.max_bytes} bytes"
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        resp = error_json(413, self._message(), "invalid_request_error", "request_too_large")
+        resp = error_json(413, self._message(), "invalid_request_error", "request_too_large", path=scope.get("path", ""))
         await resp(scope, receive, send)

@@ -1,20 +1,38 @@
-"""OpenAI-compatible request and response models for /v1/chat/completions."""
+"""OpenAI-compatible request and response models for /v1/chat/completions.
+
+`ChatCompletionRequest` is also the one internal request: the Anthropic and Responses adapters
+build one, and it is what a turn forwarded to a peer carries. Fields with an effect kvmesh cannot
+give (structured output, logprobs, penalties, logit bias, audio) are refused with a 400 naming
+the field when set, never accepted and ignored; other unknown fields are tolerated, as clients
+add them over time.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvmesh.node.errors import InvalidRequest
 
 TOOL_CHOICES = ("none", "auto", "required")
 
 
+NOT_TEXT = "image input is not supported: kvmesh serves text-only models"
+MAX_STOPS = 16  # OpenAI takes 4; Anthropic clients may send more
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("type") in ("image_url", "image", "input_image", "input_audio", "file"):
+            raise InvalidRequest(f"{NOT_TEXT} (a content part of type {v['type']!r})", param="messages")
+        return v
 
 
 class CalledFunction(BaseModel):
@@ -79,9 +97,58 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+_NO_CONSTRAINT = "kvmesh does not constrain decoding; leave it unset (or {\"type\": \"text\"}) and ask for JSON in the prompt"
+_REFUSED = {
+    "response_format": _NO_CONSTRAINT,
+    "logprobs": "kvmesh does not return log probabilities",
+    "top_logprobs": "kvmesh does not return log probabilities",
+    "logit_bias": "kvmesh does not bias logits",
+    "frequency_penalty": "kvmesh does not apply repetition penalties",
+    "presence_penalty": "kvmesh does not apply repetition penalties",
+    "functions": "the legacy functions field is not supported; send tools",
+    "function_call": "the legacy function_call field is not supported; send tool_choice",
+    "audio": "kvmesh serves text only",
+    "prediction": "predicted outputs are not supported",
+}
+
+
+def _is_set(name: str, value: Any) -> bool:
+    """Whether a refused field asks for something (its default or an explicit no-op is fine)."""
+    if value is None or value is False or value == 0 or value == {} or value == []:
+        return False
+    if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+        return False
+    return True
+
+
+def check_role_order(messages: list[ChatMessage]) -> None:
+    """A 400 for sequences no chat template renders faithfully: a tool result that follows no
+    assistant message, or names a call the assistant did not make; two assistant messages in a
+    row; an assistant message with no content (null) and no calls."""
+    calls: set[str] = set()
+    prev = ""
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if m.role == "assistant":
+            if prev == "assistant":
+                raise InvalidRequest(f"{where}: two assistant messages in a row; merge them into one", param="messages")
+            if m.content is None and not m.tool_calls:  # an empty reply ("") is still a reply
+                raise InvalidRequest(f"{where}: an assistant message needs content or tool_calls", param="messages")
+            calls = {c.id for c in m.tool_calls or [] if c.id}
+        elif m.role == "tool":
+            # A tool output after a plain assistant message is tolerated (agents paste outputs so).
+            if prev not in ("assistant", "tool"):
+                raise InvalidRequest(f"{where}: a tool message must follow an assistant message (or another tool "
+                                     "message)", param="messages")
+            if calls and m.tool_call_id is not None and m.tool_call_id not in calls:
+                raise InvalidRequest(f"{where}: tool_call_id {m.tool_call_id!r} names no call of the assistant "
+                                     "message before it", param="messages")
+        prev = m.role
+
+
 class ChatCompletionRequest(BaseModel):
-    # Unknown OpenAI fields (logprobs, ...) are accepted and ignored, as
-    # most OpenAI-compatible servers do; the ones we honour are validated.
+    # Unknown fields are tolerated (clients add them over time); the ones with an effect
+    # kvmesh cannot give are refused by name (_REFUSED), the ones we honour validated.
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1, max_length=256)
@@ -94,6 +161,7 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    top_k: int = Field(0, ge=0, le=1_000_000)  # llama.cpp's and vLLM's extension; 0: off
     n: int = Field(1, ge=1, le=1)
     user: str | None = Field(None, max_length=512)
     tools: list[ToolDef] | None = Field(None, max_length=512)
@@ -111,11 +179,27 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
         items = [v] if isinstance(v, str) else (v or [])
-        if len(items) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(items) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
         if any(not s or len(s) > 256 for s in items):
             raise ValueError("stop sequences must be 1-256 characters")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, v: Any) -> Any:
+        """Fields whose effect kvmesh cannot give, refused when set (the message names the field)."""
+        if not isinstance(v, dict):
+            return v
+        for name, why in _REFUSED.items():
+            if _is_set(name, v.get(name)):
+                raise InvalidRequest(f"{name}: {why}", param=name, code="unsupported_parameter")
+        return v
+
+    @model_validator(mode="after")
+    def _role_order(self) -> ChatCompletionRequest:
+        check_role_order(self.messages)
+        return self
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -297,7 +297,7 @@ class Engine:
         text, emitted = "", 0
         hold = max((len(s) for s in req.stop), default=1) - 1
         while True:
-            tok = sample(logits, req.temperature, req.top_p, gen, self._allowed)
+            tok = sample(logits, req.temperature, req.top_p, gen, self._allowed, req.top_k)
             if not out_ids:
                 stats.ttft_s = time.monotonic() - t0
             if tok in self._stop_ids:
@@ -305,8 +305,9 @@ class Engine:
                 break
             out_ids.append(tok)
             text += decoder.decode(self.tokenizer.token_bytes(tok))
-            cut = min((i for i in (text.find(s, max(0, emitted - len(s))) for s in req.stop) if i >= 0), default=-1)
-            if cut >= 0:
+            hits = [(i, s) for s in req.stop if (i := text.find(s, max(0, emitted - len(s)))) >= 0]
+            if hits:
+                cut, stats.stop_sequence = min(hits)
                 text = text[:cut]
                 stats.finish_reason = "stop"
                 break

@@ -34,6 +34,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int  # the end-of-turn id (-1: none)
     eos_ids: tuple[int, ...]  # every id that ends a turn
+    bos_id: int | None  # what a raw prompt starts with (legacy completions); None: nothing
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Iterable[int]) -> str: ...
@@ -52,6 +53,7 @@ class ByteTokenizer:
     vocab_size = VOCAB_SIZE
     eos_id = END
     eos_ids: tuple[int, ...] = (END,)
+    bos_id: int | None = BOS
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -21,6 +21,7 @@ class GenerateRequest:
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
     stop: tuple[str, ...] = ()
     # Awaited once the slot and the session are held, just before the cache is matched:
@@ -35,6 +36,7 @@ class TurnStats:
     cached_tokens: int
     completion_tokens: int = 0
     finish_reason: str = "length"
+    stop_sequence: str | None = None  # the stop string that ended the answer, if one did
     queue_s: float = 0.0
     load_s: float = 0.0
     prefill_s: float = 0.0

@@ -41,14 +41,14 @@ class PeerSilent(Exception):
     """The peer serving a stream has not been heard from for longer than `stale_after_s`."""
 
 
-async def open_turn(client: httpx.AsyncClient, peer: str, api: str, body: bytes, headers: dict[str, str],
+async def open_turn(client: httpx.AsyncClient, peer: str, url: str, body: bytes, headers: dict[str, str],
                     *, timeout_s: float) -> httpx.Response:
-    """POST the body to the peer; the answer's status is known, its body not yet read.
+    """POST the body to the peer's turn route `url`; the answer's status is known, its body not yet read.
 
     Header values go out as latin-1 bytes, as they came in (httpx would send a str as ASCII
     only; a UTF-8 session id arrives as latin-1 text, see `protocol.session_header`)."""
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-    req = client.build_request("POST", f"{api}/v1/chat/completions", content=body, headers=raw,
+    req = client.build_request("POST", url, content=body, headers=raw,
                                timeout=httpx.Timeout(timeout_s, connect=1.0))
     try:
         resp = await client.send(req, stream=True)
@@ -118,6 +118,8 @@ def _pieces(delta: dict[str, Any]) -> list[Piece]:
     out: list[Piece] = []
     if isinstance(delta.get("content"), str) and delta["content"]:
         out.append(("c", delta["content"]))
+    if isinstance(delta.get("text"), str) and delta["text"]:  # a legacy completions choice
+        out.append(("c", delta["text"]))
     for tc in delta.get("tool_calls") or []:
         i, fn = tc.get("index", 0), tc.get("function") or {}
         if fn.get("name"):
@@ -218,7 +220,9 @@ class StreamSplice:
         if not self._ident:
             self._ident = {k: obj.get(k) for k in ("id", "created", "model")}
         choices = obj.get("choices") or []
-        delta = choices[0].get("delta", {}) if choices else {}
+        # A legacy completions choice carries its text itself, not in a delta.
+        legacy = bool(choices) and "delta" not in choices[0]
+        delta = (choices[0] if legacy else choices[0].get("delta", {})) if choices else {}
         pieces = _pieces(delta)
         finish = bool(choices and choices[0].get("finish_reason"))
         self.finished = self.finished or finish
@@ -235,7 +239,9 @@ class StreamSplice:
             return []
         for p in kept:
             _add(self.sent, p)
-        if choices:
+        if legacy:
+            choices[0]["text"] = "".join(t for _, t in kept)
+        elif choices:
             choices[0]["delta"] = _rebuilt(delta, kept)
         obj.update(self._ident)
         return [b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"]

@@ -127,6 +127,7 @@ class Mesh:
             store_updated=updated, home_seq=rec.home_seq if rec else 0, turn_seq=rec.turn_seq if rec else 0,
             last_turn_at=rec.last_turn_at if rec else 0.0, turns=rec.turns if rec else 0,
             moves=rec.moves if rec else 0, last_handoff=rec.last_handoff if rec else None,
+            id_source=rec.id_source if rec else "",
             inflight_to=r.inflight_to(session), inbound_tokens=inbound, inbound_eta_s=eta,
             inbound_landed=landed,
         )
@@ -273,4 +274,5 @@ def _session_info(session: str, held: dict[str, SessionHolding], now: float) -> 
         turns=sum(sh.turns for sh in held.values()), moves=sum(sh.moves for sh in held.values()),
         last_turn_at=max((sh.last_turn_at for sh in held.values()), default=0.0),
         home_seq=held[home].home_seq if home else 0,
+        id_source=last.id_source if last and last.id_source else next((sh.id_source for sh in held.values() if sh.id_source), ""),
     )

@@ -23,6 +23,7 @@ class SessionRecord:
     moves: int = 0
     last_handoff: HandoffClass | None = None
     last_prompt_tokens: int = 0
+    id_source: str = ""  # what named the session in its last turn here (node.api.sessionid)
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,11 @@ class SessionBook:
             self.records.move_to_end(session)
         return rec
 
-    def turn_served(self, session: str, prompt_tokens: int, handoff: HandoffRecord | None, seq: int) -> SessionRecord:
+    def turn_served(self, session: str, prompt_tokens: int, handoff: HandoffRecord | None, seq: int,
+                    source: str = "") -> SessionRecord:
         """Record a turn that ran here; `handoff` when it moved here."""
         rec = self.get(session)
+        rec.id_source = source or rec.id_source
         rec.turns += 1
         rec.turn_seq = max(seq, rec.turn_seq + 1)
         rec.home_seq = max(rec.home_seq, rec.turn_seq)

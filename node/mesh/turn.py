@@ -61,9 +61,13 @@ from kvmesh.node.protocol import (
 
 log = logging.getLogger("kvmesh.mesh.turn")
 
+CHAT_PATH = "/v1/chat/completions"
+CLIENT_KEY_HEADERS = ("authorization", "x-api-key")  # a client's API key (node.api.clientauth)
+
 # What an entry node tells the peer it forwards a turn to (trusted only with the mesh secret).
-FORWARDED, PREV_HOST, PREDICTED, TURN_SEQ, SEED = (
-    "X-Kvmesh-Forwarded", "X-Kvmesh-Prev-Host", "X-Kvmesh-Predicted-Reuse", "X-Kvmesh-Turn-Seq", "X-Kvmesh-Seed")
+FORWARDED, PREV_HOST, PREDICTED, TURN_SEQ, SEED, SOURCE = (
+    "X-Kvmesh-Forwarded", "X-Kvmesh-Prev-Host", "X-Kvmesh-Predicted-Reuse", "X-Kvmesh-Turn-Seq", "X-Kvmesh-Seed",
+    "X-Kvmesh-Session-Source")
 
 
 class TurnReplicas(Protocol):
@@ -107,13 +111,19 @@ class TurnPath:
         self.publish, self.forward_timeout_s, self.on_resumed = publish, forward_timeout_s, on_resumed
 
     async def serve(self, req: GenerateRequest, headers: Mapping[str, str], raw_body: bytes, *, stream: bool,
-                    render: Render) -> HostTurn | PeerAnswer | PeerStream:
-        """Run the client's turn where it belongs: a HostTurn when it runs here, else the peer's answer."""
+                    render: Render, source: str = "digest", path: str = CHAT_PATH) -> HostTurn | PeerAnswer | PeerStream:
+        """Run the client's turn where it belongs: a HostTurn when it runs here, else the peer's answer.
+
+        raw_body is what a peer would run, POSTed to its `path`: chat completions (the mesh's hop
+        format, whatever chat dialect the client spoke) or legacy completions (a raw prompt);
+        `source` is what named the session (node.api.sessionid)."""
         forwarded = self._forwarded(req, headers)
         if forwarded is not None:
             prev_host, predicted, seq = forwarded
-            return await self.run_here(req, prev_host, predicted, seq)
-        return await EntryTurn(self, req, raw_body, stream, render).start()
+            return await self.run_here(req, prev_host, predicted, seq, headers.get(SOURCE, "")[:64] or source)
+        # Without a mesh secret peers cannot vouch for the client: its API key goes along.
+        keys = {k: headers[k] for k in CLIENT_KEY_HEADERS if k in headers}
+        return await EntryTurn(self, req, raw_body, stream, render, source, keys, path).start()
 
     def _forwarded(self, req: GenerateRequest, headers: Mapping[str, str]) -> tuple[str | None, int | None, int] | None:
         """(previous host, predicted reuse, turn sequence) of a turn a peer placed here, or None.
@@ -128,13 +138,13 @@ class TurnPath:
         return prev_host, predicted, seq
 
     async def run_here(self, req: GenerateRequest, prev_host: str | None, predicted: int | None,
-                       seq: int) -> HostTurn:
+                       seq: int, source: str = "digest") -> HostTurn:
         """Start the turn here; once it holds its slot, the engine is brought up to the best cache
         this host has (a stored replica imported), so no eviction can slip in between."""
         self.engine.validate(req)
         prompt = np.asarray(req.prompt, dtype=np.int32)
         req.prepare = lambda: self.replicas.ensure_imported(req.session, prompt)
-        run = HostTurn(self, req, prev_host, predicted, seq)
+        run = HostTurn(self, req, prev_host, predicted, seq, source)
         await run.start()
         self.mesh.note_routed(req.session, self.name, seq)
         return run
@@ -143,8 +153,10 @@ class TurnPath:
 class HostTurn:
     """A turn running on this host: the engine's event stream plus the bookkeeping around it."""
 
-    def __init__(self, path: TurnPath, req: GenerateRequest, prev_host: str | None, predicted: int | None, seq: int):
+    def __init__(self, path: TurnPath, req: GenerateRequest, prev_host: str | None, predicted: int | None, seq: int,
+                 source: str = "digest"):
         self.path, self.req, self.prev_host, self.predicted, self.seq = path, req, prev_host, predicted, seq
+        self.source = source
         self.events = cast(AsyncGenerator[TurnBegin | TextDelta | TurnDone, None], path.engine.generate(req))
         self.begin: TurnStats | None = None
         self.handoff_class: HandoffClass | None = None
@@ -188,7 +200,7 @@ class HostTurn:
                                cached_tokens=stats.cached_tokens, completion_tokens=stats.completion_tokens,
                                ttft_s=round(stats.ttft_s, 4), total_s=round(stats.total_s, 4), turn_seq=self.seq))
         handoff = self._handoff(stats)
-        p.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, self.seq)
+        p.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, self.seq, self.source)
         self._replicate(stats.total_s)
 
     def _handoff(self, stats: TurnStats) -> HandoffRecord | None:
@@ -247,19 +259,21 @@ class _There:
 class EntryTurn:
     """What the entry node knows of one client turn: enough to place it, and to place it again."""
 
-    def __init__(self, path: TurnPath, req: GenerateRequest, raw_body: bytes, stream: bool, render: Render):
+    def __init__(self, path: TurnPath, req: GenerateRequest, raw_body: bytes, stream: bool, render: Render,
+                 source: str, client_keys: dict[str, str], hop_path: str):
         if req.seed is None and req.temperature >= MIN_TEMPERATURE:
             # The entry picks the seed, so a turn run again elsewhere samples the same answer.
             req.seed = secrets.randbits(63)
         self.path, self.req, self.session = path, req, req.session
-        self.raw_body, self.stream, self.render = raw_body, stream, render
+        self.raw_body, self.stream, self.render, self.source = raw_body, stream, render, source
+        self.client_keys, self.hop_path = client_keys, hop_path
         self.seq = path.mesh.next_seq(req.session)
         self.unavailable: set[str] = set()
 
     async def start(self) -> HostTurn | PeerAnswer | PeerStream:
         placed = await self.place()
         if isinstance(placed, _Here):
-            return await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq)
+            return await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source)
         if isinstance(placed, _There):
             return PeerStream(passed_headers(placed.resp), self.relay(placed))
         return placed
@@ -288,7 +302,8 @@ class EntryTurn:
         mesh = self.path.mesh
         peer = mesh.peers.peers[d.host]
         headers = {"content-type": "application/json", "X-Session-Id": session_header(self.session), FORWARDED: "1",
-                   PREDICTED: str(d.predicted_reused), TURN_SEQ: str(self.seq)}
+                   PREDICTED: str(d.predicted_reused), TURN_SEQ: str(self.seq), SOURCE: self.source}
+        headers |= self.client_keys
         if self.req.seed is not None:
             headers[SEED] = str(self.req.seed)
         if d.prev_host:
@@ -297,7 +312,7 @@ class EntryTurn:
             headers[PEER_HEADER] = mesh.peer_token
         peer.pending += 1
         try:
-            resp = await open_turn(mesh.peers.client, d.host, peer.cfg.api, self.raw_body, headers,
+            resp = await open_turn(mesh.peers.client, d.host, peer.cfg.api + self.hop_path, self.raw_body, headers,
                                    timeout_s=self.path.forward_timeout_s)
             whole = None
             if not self.stream or resp.status_code != 200:
@@ -336,7 +351,7 @@ class EntryTurn:
                     yield sse_error(f"the turn could not be run again elsewhere: {msg}", "server_error", "peer_lost")
                     break
                 if isinstance(placed, _Here):
-                    run = await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq)
+                    run = await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source)
                     async for chunk in self.render(run):
                         for ev in splice.feed(chunk):
                             yield ev

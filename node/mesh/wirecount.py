@@ -19,7 +19,7 @@ FORWARDED_TURN, PEER_STATUS, PEER_ACTION = "forwarded_turn", "peer_status", "pee
 
 
 def kind_of(path: str) -> str:
-    if path.endswith("/v1/chat/completions"):
+    if path.endswith(("/v1/chat/completions", "/v1/completions")):
         return FORWARDED_TURN
     if path.startswith("/v1/peer/status") or path.startswith("/v1/peer/sessions/"):
         return PEER_STATUS

@@ -63,7 +63,7 @@ BAD_PARAMS = [
     ("n", 2),
     ("seed", 2**64),
     ("stop", ""),
-    ("stop", ["a", "b", "c", "d", "e"]),
+    ("stop", [f"s{i}" for i in range(17)]),  # kvmesh takes 16 (OpenAI 4, Anthropic clients more)
     ("messages", "hi"),
     ("messages", [{"role": "wizard", "content": "hi"}]),
     ("model", ""),
@@ -81,13 +81,17 @@ def test_bad_parameter_is_400_naming_it(check_error, sim, sim_client, http_sim, 
     check_error(http_sim.post(CHAT, json=body), 400, param=param, says=param)
 
 
-def test_unknown_openai_fields_are_ignored(sim, sim_client):
-    """OpenAI fields the node does not implement (logprobs, penalties, vendor fields) are accepted and ignored."""
-    r = sim_client.chat.completions.create(
-        model=sim.model, messages=HI, max_tokens=4, logprobs=True, presence_penalty=0.5, frequency_penalty=0.1,
-        extra_body={"some_vendor_field": {"x": 1}},
-    )
+def test_unknown_fields_are_tolerated_but_unhonoured_ones_are_refused(check_error, sim, sim_client, http_sim):
+    """A vendor field kvmesh knows nothing of is tolerated; a field whose effect it cannot give is a 400 naming it."""
+    r = sim_client.chat.completions.create(model=sim.model, messages=HI, max_tokens=4, presence_penalty=0,
+                                           response_format={"type": "text"}, extra_body={"some_vendor_field": {"x": 1}})
     assert r.choices[0].message.content is not None
+    for field, value in (("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5), ("frequency_penalty", 0.1),
+                         ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}),
+                         ("response_format", {"type": "sound"}),
+                         ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})):
+        err = check_error(http_sim.post(CHAT, json={**_ok(sim.model), field: value}), 400, param=field)
+        assert field in err["message"]
 
 
 def test_malformed_json_is_400_saying_json(check_error, sim, http_sim):
@@ -210,7 +214,7 @@ def test_session_id_limits_are_accepted(sim, http_sim):
 
 def test_unknown_route_is_404_json(check_error, sim, http_sim):
     """An unknown route is a 404 OpenAI-shaped JSON error."""
-    for method, path in (("GET", "/v2/nothing"), ("POST", "/v1/completions"), ("GET", "/v1/chat")):
+    for method, path in (("GET", "/v2/nothing"), ("POST", "/v1/embeddings"), ("GET", "/v1/chat")):
         err = check_error(http_sim.request(method, path), 404)
         assert path in err["message"]
 

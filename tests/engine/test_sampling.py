@@ -1,4 +1,4 @@
-"""Token sampling: greedy, seeded temperature sampling, top-p, the allowed-ids mask."""
+"""Token sampling: greedy, seeded temperature sampling, top-k, top-p, the allowed-ids mask."""
 
 from __future__ import annotations
 
@@ -87,3 +87,20 @@ def test_top_p_zero_is_greedy() -> None:
     """top_p 0 (allowed by OpenAI's range [0, 1]) behaves like the smallest set: the argmax."""
     lg = _logits()
     assert sample(lg, 1.0, 0.0, _gen(0)) == int(lg.argmax())
+
+
+def test_top_k_samples_only_the_k_most_likely() -> None:
+    """top_k 3 at a high temperature only ever samples the three highest logits; top_k 0 keeps every id."""
+    lg = _logits(7)
+    top3 = set(torch.topk(lg, 3).indices.tolist())
+    g = _gen(3)
+    assert {sample(lg, 5.0, 1.0, g, top_k=3) for _ in range(400)} == top3
+    assert len({sample(lg, 5.0, 1.0, g, top_k=0) for _ in range(400)}) > 3
+
+
+def test_top_k_one_is_greedy() -> None:
+    """top_k 1 samples the argmax whatever the temperature."""
+    g = _gen(4)
+    for seed in range(5):
+        lg = _logits(seed)
+        assert all(sample(lg, 2.0, 1.0, g, top_k=1) == int(lg.argmax()) for _ in range(20))

@@ -251,8 +251,9 @@ FROZEN_MESH = {"poll_interval_s": 3600.0, "stale_after_s": 7200.0}
 
 def start_mesh(workdir: Path, *, slots: int = 2, cache_bytes: int = 64 << 20, secret: bool = True,
                mesh: dict[str, Any] | None = None, kvshare: dict[str, Any] | None = None,
-               sim: dict[str, Any] | None = None, frozen: str | None = None) -> Mesh:
-    """The mesh tests' three nodes, started: `mesh`, `kvshare` and `sim` settings override the defaults here;
+               sim: dict[str, Any] | None = None, frozen: str | None = None,
+               engine: dict[str, Any] | None = None) -> Mesh:
+    """The mesh tests' three nodes, started: `mesh`, `kvshare`, `sim` and `engine` settings override the defaults here;
     a `frozen` node starts last and polls its peers only then (FROZEN_MESH)."""
     admin_token = "adm-" + secrets.token_hex(12)
     mesh_secret = "msk-" + secrets.token_hex(16) if secret else None
@@ -260,10 +261,11 @@ def start_mesh(workdir: Path, *, slots: int = 2, cache_bytes: int = 64 << 20, se
     if mesh_secret:
         mesh_cfg["secret"] = mesh_secret
     mesh_cfg.update(mesh or {})
-    engine = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_max": 8, "sim": {**SIM, **(sim or {})}}
+    engine_cfg = {"kind": "sim", "slots": slots, "cache_bytes": cache_bytes, "queue_max": 8, "sim": {**SIM, **(sim or {})},
+                  **(engine or {})}
     extra = {"kvshare": {"replicate_min_tokens": 1024, "fsync": "never", **(kvshare or {})},
              "mesh": mesh_cfg, "admin_token": admin_token}
-    base = write_mesh(workdir, NAMES, engine=engine, extra=extra,
+    base = write_mesh(workdir, NAMES, engine=engine_cfg, extra=extra,
                       overrides={frozen: {"mesh": FROZEN_MESH}} if frozen else None)
     m = Mesh(base.workdir, base.nodes, base.configs, admin_token, mesh_secret, poll_s=float(mesh_cfg["poll_interval_s"]),
              stale_s=float(mesh_cfg["stale_after_s"]))

@@ -148,3 +148,17 @@ def start_mesh(workdir: Path, names: tuple[str, ...] = ("a", "b"), *, kvshare: d
                "kvshare": {"replicate_min_tokens": 0, "fsync": "never", **(kvshare or {})},
                "mesh": {"secret": secret, "previous_secret": previous, "poll_interval_s": 0.2, "stale_after_s": 2.0}})
     return Mesh(base.workdir, base.nodes, base.configs, secret, previous, admin).start(ready_timeout=90.0)
+
+
+def anthropic_error(resp: httpx.Response, status: int | None = None) -> dict[str, Any]:
+    """An Anthropic-shaped error: JSON {"type": "error", "error": {"type", "message"}}, a non-empty message, no traceback."""
+    if status is not None:
+        assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    assert resp.headers.get("content-type", "").startswith("application/json"), (resp.status_code, resp.text[:300])
+    assert "Traceback" not in resp.text, resp.text[:500]
+    body = resp.json()
+    assert isinstance(body, dict) and body.get("type") == "error" and set(body) == {"type", "error"}, body
+    err = body["error"]
+    assert isinstance(err, dict) and isinstance(err.get("type"), str) and err["type"], body
+    assert isinstance(err.get("message"), str) and err["message"].strip(), body
+    return err

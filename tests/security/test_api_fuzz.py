@@ -23,21 +23,22 @@ from schemathesis.core.result import Ok
 from kvmesh.node.server import ThreadedServer
 
 from .conftest import FUZZ_ADMIN_TOKEN
-from .helpers import MODEL, openai_error
+from .helpers import MODEL, anthropic_error, openai_error
 
 EXAMPLES_PER_MODE = 20
 
 
-def _check(resp: Any, what: str) -> None:
+def _check(resp: Any, what: str, path: str) -> None:
     status = resp.status_code
     assert status < 500, f"{what}: HTTP {status}: {resp.text[:500]}"
     if 400 <= status < 500:
         headers = [(k, v) for k, vs in resp.headers.items() for v in (vs if isinstance(vs, list) else [vs])]
         r = httpx.Response(status, headers=headers, content=resp.content)
+        shape, check = ("Anthropic", anthropic_error) if path.startswith("/v1/messages") else ("OpenAI", openai_error)
         try:
-            openai_error(r)
+            check(r)
         except AssertionError as e:
-            raise AssertionError(f"{what}: HTTP {status} body is not an OpenAI error: {resp.text[:300]!r}") from e
+            raise AssertionError(f"{what}: HTTP {status} body is not an {shape} error: {resp.text[:300]!r}") from e
 
 
 def _operations(srv: ThreadedServer) -> list[Any]:
@@ -63,7 +64,9 @@ def test_every_operation_answers_without_5xx_and_with_openai_shaped_errors(fuzz_
             continue
         label = f"{op.method.upper()} {op.path}"
         is_admin = op.path.startswith("/v1/admin/")
-        is_chat = op.path == "/v1/chat/completions"
+        # The turn routes (with and without /v1): sent again with the served model, to reach the engine.
+        is_turn = op.method.upper() == "POST" and op.path.removeprefix("/v1") in (
+            "/chat/completions", "/completions", "/messages", "/messages/count_tokens", "/responses")
         has_inputs = any(len(part) for part in (op.path_parameters, op.headers, op.query, op.body))
         # An operation without inputs cannot be sent a schema-violating request.
         modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_inputs else (GenerationMode.POSITIVE,)
@@ -75,18 +78,18 @@ def test_every_operation_answers_without_5xx_and_with_openai_shaped_errors(fuzz_
             def run(case: Any) -> None:
                 resp = case.call(timeout=30)
                 statuses[(label, resp.status_code)] += 1
-                _check(resp, f"{label} [{mode}] {case.as_curl_command()}")
-                if is_chat and isinstance(case.body, dict):
+                _check(resp, f"{label} [{mode}] {case.as_curl_command()}", op.path)
+                if is_turn and isinstance(case.body, dict):
                     # Again with the served model and no session header, so the turn reaches the engine.
                     case.body = {**case.body, "model": MODEL}
                     case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "x-session-id"}
                     resp = case.call(timeout=30)
                     statuses[(label + " +model", resp.status_code)] += 1
-                    _check(resp, f"{label} [{mode}, served model] {case.as_curl_command()}")
+                    _check(resp, f"{label} [{mode}, served model] {case.as_curl_command()}", op.path)
                 if is_admin:
                     resp = case.call(timeout=30, headers=admin)
                     statuses[(label + " +admin", resp.status_code)] += 1
-                    _check(resp, f"{label} [{mode}, admin token] {case.as_curl_command(headers=admin)}")
+                    _check(resp, f"{label} [{mode}, admin token] {case.as_curl_command(headers=admin)}", op.path)
 
             try:
                 run()

@@ -1,0 +1,87 @@
+"""OpenAI chat-completion answers: a turn's events as SSE chunks, or as one JSON completion.
+
+Chat SSE is also the mesh's own hop format: a peer that runs a forwarded turn answers in it,
+whatever dialect the client spoke at the entry, and `StreamSplice` splices it when a host dies.
+Tool calls come back as `message.tool_calls` (content null when there is no other text), or in a
+stream as OpenAI tool-call deltas (the id, type and name first, then argument fragments), with
+finish_reason "tool_calls" when the model stopped after calling. A stop string that ended the
+answer is named in the choice's `stop_reason` (vLLM's extension; Anthropic's stop_sequence needs it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvmesh.node.api.answer import Failed, Finish, ParserFactory, local_events
+from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallStart, ToolEvent, assemble
+from kvmesh.node.mesh.forward import sse_error
+from kvmesh.node.mesh.turn import HostTurn
+
+Ident = tuple[str, int, str]  # the completion's id, created time and model, on every chunk
+
+
+def usage(fin: Finish) -> dict[str, Any]:
+    return {
+        "prompt_tokens": fin.prompt_tokens,
+        "completion_tokens": fin.completion_tokens,
+        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": fin.cached_tokens},
+    }
+
+
+def _chunk(ident: Ident, delta: dict[str, Any], finish: Finish | None = None,
+           with_usage: dict[str, Any] | None = None) -> bytes:
+    cid, created, model = ident
+    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish.finish_reason if finish else None,
+                              "logprobs": None}
+    if finish is not None and finish.stop_sequence is not None:
+        choice["stop_reason"] = finish.stop_sequence
+    obj: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": [choice] if with_usage is None else []}
+    if with_usage is not None:
+        obj["usage"] = with_usage
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _delta(ev: ToolEvent) -> dict[str, Any] | None:
+    """A parser event as an OpenAI stream delta (a call's end says nothing by itself)."""
+    if isinstance(ev, ContentDelta):
+        return {"content": ev.text}
+    if isinstance(ev, ToolCallStart):
+        return {"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                "function": {"name": ev.name, "arguments": ""}}]}
+    if isinstance(ev, ToolCallArgs):
+        return {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}
+    return None
+
+
+async def chat_sse(run: HostTurn, ident: Ident, include_usage: bool, new_parser: ParserFactory) -> AsyncIterator[bytes]:
+    """A turn running here, as OpenAI stream chunks ending in [DONE] (an error after the first byte goes in-band)."""
+    yield _chunk(ident, {"role": "assistant", "content": ""})
+    async for ev in local_events(run, new_parser):
+        if isinstance(ev, Finish):
+            yield _chunk(ident, {}, ev)
+            if include_usage:
+                yield _chunk(ident, {}, with_usage=usage(ev))
+        elif isinstance(ev, (ContentDelta, ToolCallStart, ToolCallArgs)):
+            if (delta := _delta(ev)) is not None:
+                yield _chunk(ident, delta)
+        elif isinstance(ev, Failed):
+            yield sse_error(ev.message, ev.type, ev.code)
+    yield b"data: [DONE]\n\n"
+
+
+def chat_completion(ident: Ident, events: list[ToolEvent], fin: Finish) -> dict[str, Any]:
+    """A whole answer as one chat.completion object."""
+    reply = assemble(events)
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.calls:
+        message = {"role": "assistant", "content": reply.content or None, "tool_calls": [c.openai() for c in reply.calls]}
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": fin.finish_reason, "logprobs": None}
+    if fin.stop_sequence is not None:
+        choice["stop_reason"] = fin.stop_sequence
+    cid, created, model = ident
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage(fin)}

@@ -1,0 +1,159 @@
+"""Legacy OpenAI completions: `POST /v1/completions` (and `/completions`), a raw prompt in, text out.
+
+The prompt is one string or one list of token ids (a batch of several is refused), tokenized as
+given with the model's BOS in front (as llama.cpp does) unless it is already there. Streaming
+sends `text_completion` chunks, then [DONE]. There is no chat template, so no tool calls. A
+forwarded turn travels as legacy completions too (the splice reads `choices[0].text`).
+Refused with a 400 naming the field: `echo`, `logprobs`, `suffix`, `best_of` > 1, `n` > 1.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvmesh.node.api.answer import Failed, Finish, collect, local_events
+from kvmesh.node.api.chat_format import usage
+from kvmesh.node.api.clientauth import ClientKey
+from kvmesh.node.api.deps import NodeDep
+from kvmesh.node.api.schema import MAX_STOPS, StreamOptions
+from kvmesh.node.api.serving import check_model, turn_headers
+from kvmesh.node.api.sessionid import Named, name_session
+from kvmesh.node.api.toolevents import ContentDelta
+from kvmesh.node.engine.engine import GenerateRequest
+from kvmesh.node.errors import InvalidRequest
+from kvmesh.node.mesh.forward import sse_error
+from kvmesh.node.mesh.turn import HostTurn, PeerAnswer, PeerStream
+from kvmesh.node.node import Node
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
+_REFUSED = {"echo": "echoing the prompt is not supported", "logprobs": "kvmesh does not return log probabilities",
+            "suffix": "insertion (suffix) is not supported", "logit_bias": "kvmesh does not bias logits",
+            "frequency_penalty": "kvmesh does not apply repetition penalties",
+            "presence_penalty": "kvmesh does not apply repetition penalties"}
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, ge=1, le=1_000_000)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1_000_000)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    best_of: int = Field(1, ge=1, le=1)
+    user: str | None = Field(None, max_length=512)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            for name, why in _REFUSED.items():
+                if v.get(name) not in (None, False, 0, {}, ""):
+                    raise InvalidRequest(f"{name}: {why}", param=name, code="unsupported_parameter")
+        return v
+
+    def one_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            if len(p) != 1:
+                raise InvalidRequest("prompt: one prompt per request (a batch of several is not supported)",
+                                     param="prompt")
+            return p[0]  # type: ignore[return-value]
+        if not p:
+            raise InvalidRequest("prompt: the prompt is empty", param="prompt")
+        return p  # type: ignore[return-value]
+
+    def stop_list(self) -> tuple[str, ...]:
+        items = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(items) > MAX_STOPS or any(not s or len(s) > 256 for s in items):
+            raise InvalidRequest(f"stop: at most {MAX_STOPS} stop sequences of 1-256 characters", param="stop")
+        return tuple(items)
+
+
+def _request(node: Node, body: CompletionRequest, request: Request) -> tuple[GenerateRequest, str]:
+    check_model(node.cfg.engine, body.model)
+    prompt = body.one_prompt()
+    tok = node.engine.tokenizer
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt)
+        opening = prompt[:1024]
+    else:
+        if any(not 0 <= t < tok.vocab_size for t in prompt):
+            raise InvalidRequest(f"prompt: token ids must be in 0..{tok.vocab_size - 1}", param="prompt")
+        ids, opening = list(prompt), repr(prompt[:256])
+    if tok.bos_id is not None and ids[:1] != [tok.bos_id]:
+        ids = [tok.bos_id, *ids]
+    session = name_session(request.headers, Named(user=body.user), [{"role": "user", "content": opening}])
+    greq = GenerateRequest(session=session.id, prompt=ids, max_tokens=body.max_tokens, temperature=body.temperature,
+                           top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_list())
+    node.engine.validate(greq)
+    return greq, session.source
+
+
+def _chunk(ident: tuple[str, int, str], text: str, fin: Finish | None = None, *, with_usage: bool = False) -> bytes:
+    cid, created, model = ident
+    obj: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model}
+    if with_usage and fin is not None:
+        obj |= {"choices": [], "usage": usage(fin)}
+    else:
+        obj["choices"] = [{"index": 0, "text": text, "logprobs": None,
+                           "finish_reason": fin.finish_reason if fin else None}]
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sse(run: HostTurn, ident: tuple[str, int, str], include_usage: bool) -> AsyncIterator[bytes]:
+    async for ev in local_events(run, lambda: None):
+        if isinstance(ev, ContentDelta):
+            yield _chunk(ident, ev.text)
+        elif isinstance(ev, Finish):
+            yield _chunk(ident, "", ev)
+            if include_usage:
+                yield _chunk(ident, "", ev, with_usage=True)
+        elif isinstance(ev, Failed):
+            yield sse_error(ev.message, ev.type, ev.code)
+    yield b"data: [DONE]\n\n"
+
+
+async def completions(body: CompletionRequest, request: Request, node: NodeDep) -> Response:
+    greq, source = _request(node, body, request)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def render(run: HostTurn) -> AsyncIterator[bytes]:
+        return _sse(run, ("cmpl-resumed", int(time.time()), body.model), include_usage)
+
+    served = await node.turns.serve(greq, request.headers, await request.body(), stream=body.stream, render=render,
+                                    source=source, path="/v1/completions")
+    if isinstance(served, PeerAnswer):
+        return served.response
+    if isinstance(served, PeerStream):
+        return StreamingResponse(served.chunks, status_code=200, headers=served.headers)
+    ident = ("cmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.model)
+    headers = turn_headers(served)
+    if body.stream:
+        return StreamingResponse(_sse(served, ident, include_usage), media_type="text/event-stream",
+                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    events, fin = await collect(local_events(served, lambda: None))
+    text = "".join(ev.text for ev in events if isinstance(ev, ContentDelta))
+    cid, created, model = ident
+    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fin.finish_reason}],
+                         "usage": usage(fin)}, headers=headers)
+
+
+router = APIRouter()
+for _path in ("/v1/completions", "/completions"):
+    router.add_api_route(_path, completions, methods=["POST"], response_model=None, dependencies=[ClientKey])

@@ -1,0 +1,178 @@
+"""OpenAI Responses: `POST /v1/responses` (and `/responses`), what Codex CLI speaks.
+
+The request becomes the internal one (node.api.responses_schema), runs on the one turn path
+(node.api.serving), and its answer events are rendered here: one `response` object, or the
+Responses event stream: response.created, response.in_progress, then per output item
+output_item.added, (content_part.added, output_text.delta..., output_text.done,
+content_part.done) or (function_call_arguments.delta..., .done), output_item.done; and at the
+end response.completed (response.incomplete when max_output_tokens cut it, response.failed
+when the turn broke off). Usage has input_tokens_details.cached_tokens: the reused prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, collect
+from kvmesh.node.api.clientauth import ClientKey
+from kvmesh.node.api.deps import NodeDep
+from kvmesh.node.api.responses_schema import ResponsesRequest
+from kvmesh.node.api.serving import open_answer, prompt_request
+from kvmesh.node.api.sessionid import Named, name_session
+from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+from kvmesh.node.errors import NotFound
+
+router = APIRouter()
+
+
+def _id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+class ResponseBuilder:
+    """Answer events in, Responses stream events out (sans-I/O); `response()` is the object so far."""
+
+    def __init__(self, body: ResponsesRequest) -> None:
+        self.body = body
+        self.rid, self.created = _id("resp_"), int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None
+        self.seq = 0
+        self.status = "in_progress"
+        self.usage: dict[str, Any] | None = None
+        self.incomplete: dict[str, str] | None = None
+        self.error: dict[str, str] | None = None
+
+    def response(self) -> dict[str, Any]:
+        b = self.body
+        return {"id": self.rid, "object": "response", "created_at": self.created, "status": self.status,
+                "model": b.model, "output": self.output, "usage": self.usage, "error": self.error,
+                "incomplete_details": self.incomplete, "instructions": b.instructions,
+                "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
+                "tool_choice": b.tool_choice or "auto", "parallel_tool_calls": b.parallel_tool_calls,
+                "temperature": b.temperature, "top_p": b.top_p, "max_output_tokens": b.max_output_tokens,
+                "previous_response_id": None, "store": b.store, "metadata": {}, "text": {"format": {"type": "text"}},
+                "truncation": "disabled", "reasoning": None}
+
+    def _ev(self, kind: str, data: dict[str, Any]) -> bytes:
+        obj = {"type": kind, "sequence_number": self.seq, **data}
+        self.seq += 1
+        return f"event: {kind}\ndata: ".encode() + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+    def start(self) -> list[bytes]:
+        r = self.response()
+        return [self._ev("response.created", {"response": r}), self._ev("response.in_progress", {"response": r})]
+
+    def feed(self, ev: AnswerEvent) -> list[bytes]:
+        if isinstance(ev, ContentDelta):
+            out = [] if self.open is not None and self.open["type"] == "message" else self._open_message()
+            self.open["content"][0]["text"] += ev.text  # type: ignore[index]
+            return out + [self._ev("response.output_text.delta", {**self._at(), "content_index": 0, "delta": ev.text,
+                                                                   "logprobs": []})]
+        if isinstance(ev, ToolCallStart):
+            item = {"type": "function_call", "id": _id("fc_"), "call_id": ev.id, "name": ev.name, "arguments": "",
+                    "status": "in_progress"}
+            return self._close() + self._add(item)
+        if isinstance(ev, ToolCallArgs) and self.open is not None:
+            self.open["arguments"] += ev.text
+            return [self._ev("response.function_call_arguments.delta", {**self._at(), "delta": ev.text})]
+        if isinstance(ev, ToolCallEnd):
+            return self._close()
+        if isinstance(ev, Finish):
+            out = self.finish(ev)
+            kind = "response.completed" if self.status == "completed" else "response.incomplete"
+            return [*out, self._ev(kind, {"response": self.response()})]
+        if isinstance(ev, Failed):
+            out = self._close()
+            self.status, self.error = "failed", {"code": ev.code or "server_error", "message": ev.message}
+            return out + [self._ev("response.failed", {"response": self.response()})]
+        return []
+
+    def finish(self, fin: Finish) -> list[bytes]:
+        """The answer's end: the open item closed (its events returned), the status and usage set."""
+        out = self._close()
+        self.status = "incomplete" if fin.finish_reason == "length" else "completed"
+        self.incomplete = {"reason": "max_output_tokens"} if self.status == "incomplete" else None
+        self.usage = {"input_tokens": fin.prompt_tokens, "input_tokens_details": {"cached_tokens": fin.cached_tokens},
+                      "output_tokens": fin.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": fin.prompt_tokens + fin.completion_tokens}
+        return out
+
+    def _at(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
+
+    def _open_message(self) -> list[bytes]:
+        item: dict[str, Any] = {"type": "message", "id": _id("msg_"), "status": "in_progress", "role": "assistant",
+                                "content": []}
+        out = self._close() + self._add(item)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        item["content"] = [part]
+        return out + [self._ev("response.content_part.added", {**self._at(), "content_index": 0, "part": dict(part)})]
+
+    def _add(self, item: dict[str, Any]) -> list[bytes]:
+        self.output.append(item)
+        self.open = item
+        return [self._ev("response.output_item.added", {"output_index": len(self.output) - 1, "item": dict(item)})]
+
+    def _close(self) -> list[bytes]:
+        item = self.open
+        if item is None:
+            return []
+        at = self._at()
+        self.open = None
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            out = [self._ev("response.output_text.done", {**at, "content_index": 0, "text": part["text"], "logprobs": []}),
+                   self._ev("response.content_part.done", {**at, "content_index": 0, "part": part})]
+        else:
+            out = [self._ev("response.function_call_arguments.done", {**at, "arguments": item["arguments"]})]
+        return out + [self._ev("response.output_item.done", {"output_index": at["output_index"], "item": item})]
+
+
+async def _stream(b: ResponseBuilder, events: AsyncIterator[AnswerEvent]) -> AsyncIterator[bytes]:
+    for chunk in b.start():
+        yield chunk
+    async for ev in events:
+        for chunk in b.feed(ev):
+            yield chunk
+
+
+async def responses(body: ResponsesRequest, request: Request, node: NodeDep) -> Response:
+    chat = body.chat()
+    session = name_session(request.headers, Named(prompt_cache_key=body.prompt_cache_key, user=body.user),
+                           chat.messages_as_dicts())
+    greq = prompt_request(node, chat, session)
+    opened = await open_answer(node, chat, greq, session, request.headers, stream=body.stream)
+    headers = dict(opened.headers)
+    if ignored := body.ignored():
+        headers["X-Kvmesh-Ignored"] = ",".join(ignored)
+    b = ResponseBuilder(body)
+    if body.stream:
+        return StreamingResponse(_stream(b, opened.events), media_type="text/event-stream",
+                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    events, fin = await collect(opened.events)
+    for ev in events:
+        b.feed(ev)
+    b.finish(fin)
+    return JSONResponse(b.response(), headers=headers)
+
+
+async def stored_response(response_id: str) -> None:
+    raise NotFound(f"response {response_id!r} was not stored: kvmesh keeps no responses (send the whole input "
+                   "each turn, store=false)")
+
+
+for _prefix in ("/v1", ""):
+    router.add_api_route(_prefix + "/responses", responses, methods=["POST"], response_model=None,
+                         dependencies=[ClientKey])
+    router.add_api_route(_prefix + "/responses/{response_id}", stored_response, methods=["GET"],
+                         response_model=None, dependencies=[ClientKey])

@@ -1,0 +1,165 @@
+"""OpenAI Responses requests, and their translation into the one internal (chat) request.
+
+The path Codex CLI uses is the one served: `store=false` and the whole conversation in `input`
+every turn (a string, or items: `message` with input_text / output_text parts, `function_call`,
+`function_call_output`; `reasoning` items of earlier turns are dropped, as thinking is).
+`instructions` becomes the system message; function `tools`, `tool_choice`,
+`parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p` map to their chat fields.
+`prompt_cache_key` (and Codex's `session_id` header) names the session.
+
+Decided: responses are not stored. `previous_response_id` is a 400 saying to send the whole
+input (Codex never sends it); `store=true` is accepted, but GET /v1/responses/{id} finds nothing.
+`reasoning` and `include` are accepted and have no effect (no served template reasons); the
+answer says so in `X-Kvmesh-Ignored`. Refused with a 400 naming the field: non-function tools
+(web_search, file_search, local_shell, custom), `text.format` other than text, image and file
+input, `background`, `conversation`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvmesh.node.api.anthropic_schema import validated_chat
+from kvmesh.node.api.schema import NOT_TEXT, ChatCompletionRequest
+from kvmesh.node.errors import InvalidRequest
+
+_REFUSED = {
+    "previous_response_id": "responses are not stored here; send the whole conversation in input (store=false)",
+    "background": "background responses are not supported",
+    "conversation": "conversations are not stored here; send the whole conversation in input",
+}
+
+
+class Part(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["input_text", "output_text", "text", "refusal"]
+    text: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("type") in ("input_image", "input_file", "input_audio"):
+            raise InvalidRequest(f"{NOT_TEXT} (an {v['type']!r} part)", param="input")
+        if isinstance(v, dict) and v.get("type") == "refusal":
+            return {"type": "refusal", "text": v.get("refusal", "")}
+        return v
+
+
+class Item(BaseModel):
+    """One input item; which fields matter depends on its type."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[Part] | None = None
+    call_id: str | None = Field(None, max_length=256)
+    name: str | None = Field(None, max_length=256)
+    arguments: str | None = None
+    output: str | list[Part] | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> Item:
+        need = {"message": ("role",), "function_call": ("call_id", "name"), "function_call_output": ("call_id",)}
+        missing = [f for f in need.get(self.type, ()) if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"a {self.type} item needs {', '.join(missing)}")
+        return self
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("type") != "function":
+            raise InvalidRequest(f"tools: the {v.get('type')!r} tool is not supported here; declare a function tool "
+                                 "and run it in the client", param="tools")
+        return v
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # metadata, service_tier, truncation, safety_identifier: no effect to give
+
+    model: str = Field(min_length=1, max_length=256)
+    input: str | list[Item] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = Field(None, max_length=512)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    user: str | None = Field(None, max_length=512)
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    text: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            for name, why in _REFUSED.items():
+                if v.get(name):
+                    raise InvalidRequest(f"{name}: {why}", param=name, code="unsupported_parameter")
+            fmt = (v.get("text") or {}).get("format") if isinstance(v.get("text"), dict) else None
+            if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
+                raise InvalidRequest("text.format: kvmesh does not constrain decoding; leave it unset or "
+                                     '{"type": "text"} and ask for JSON in the prompt', param="text",
+                                     code="unsupported_parameter")
+        return v
+
+    def ignored(self) -> list[str]:
+        """Fields accepted with no effect, to say so in X-Kvmesh-Ignored."""
+        return [n for n in ("reasoning", "include") if getattr(self, n)]
+
+    def chat(self) -> ChatCompletionRequest:
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        items = [Item(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for it in items:
+            _add(messages, it)
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
+                                "parallel_tool_calls": self.parallel_tool_calls, "user": self.user}
+        body |= {k: v for k, v in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature),
+                                   ("top_p", self.top_p)) if v is not None}
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+        if self.tool_choice is not None:
+            c = self.tool_choice
+            body["tool_choice"] = ({"type": "function", "function": {"name": c.get("name")}}
+                                   if isinstance(c, dict) else c)
+        return validated_chat(body)
+
+
+def _text(content: str | list[Part] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(p.text for p in content)
+
+
+def _add(messages: list[dict[str, Any]], it: Item) -> None:
+    """Append one item: a function call joins the assistant message before it (one turn's calls are one message)."""
+    last = messages[-1] if messages else None
+    if it.type == "message":
+        messages.append({"role": it.role, "content": _text(it.content)})
+    elif it.type == "function_call":
+        call = {"id": it.call_id, "type": "function", "function": {"name": it.name, "arguments": it.arguments or "{}"}}
+        if last is not None and last["role"] == "assistant":
+            last["tool_calls"] = [*(last.get("tool_calls") or []), call]
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif it.type == "function_call_output":
+        messages.append({"role": "tool", "tool_call_id": it.call_id, "content": _text(it.output)})
