@@ -3,7 +3,8 @@
 A newcomer names the hosts (`--host gpu-1=10.0.0.1 --host gpu-2=10.0.0.2`) and gets, in
 one folder: `<name>.toml` for each host (every other host as a peer, one fresh mesh
 secret shared by all), `admin-token` (the bearer token the console's drain/migrate keys
-send) and `console.toml` (the console pointed at every host). Every file is validated by
+send), `api-key` (the client API key every host accepts) and `console.toml` (the console
+pointed at every host). Every file is validated by
 the same loader the node uses before anything is written, and all of them land by
 rename, so a refused call leaves nothing behind and never overwrites without `--force`.
 """
@@ -128,7 +129,7 @@ def _q(value: str) -> str:
     return json.dumps(value)  # a TOML basic string is a JSON string for what we write
 
 
-def render_host(plan: MeshPlan, me: HostSpec, *, secret: str, admin_token: str) -> str:
+def render_host(plan: MeshPlan, me: HostSpec, *, secret: str, admin_token: str, api_key: str) -> str:
     """The commented TOML for one host."""
     peers = "\n".join(f"[[mesh.peers]]\nname = {_q(p.name)}\napi = {_q(f'http://{p.api_addr}:{plan.api_port}')}\n"
                       f"kvshare = {_q(f'{p.kvshare_addr}:{plan.kvshare_port}')}\n" for p in plan.hosts if p != me)
@@ -145,9 +146,14 @@ name = {_q(me.name)}
 admin_token = {_q(admin_token)}
 
 [api]
-# OpenAI-compatible API, peer routes and the console's event stream.
+# The client APIs (OpenAI chat, completions, Responses; Anthropic Messages), peer routes and
+# the console's event stream.
 host = {_q(me.api_addr)}
 port = {plan.api_port}
+# Clients send one of these as `Authorization: Bearer <key>` or `x-api-key: <key>` (the same key
+# on every host; it is also in the api-key file beside this one). KVMESH_API_KEY (comma-separated)
+# adds more. Health, metrics and the event stream stay open.
+keys = [{_q(api_key)}]
 
 [engine]
 # sim: a cost model with real KV bytes (try the mesh without a GPU); tiny: a small torch
@@ -197,10 +203,12 @@ def plan_files(plan: MeshPlan, out: Path) -> dict[Path, str]:
         raise ConfigError("name at least one host: --host NAME=ADDRESS")
     if len(set(names)) != len(names):
         raise ConfigError(f"host names must differ: {', '.join(sorted({n for n in names if names.count(n) > 1}))} given twice")
-    secret, token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
-    files = {out / f"{h.name}.toml": render_host(plan, h, secret=secret, admin_token=token) for h in plan.hosts}
+    secret, token, api_key = secrets.token_urlsafe(32), secrets.token_urlsafe(32), "sk-kvmesh-" + secrets.token_urlsafe(24)
+    files = {out / f"{h.name}.toml": render_host(plan, h, secret=secret, admin_token=token, api_key=api_key)
+             for h in plan.hosts}
     token_file = (out / "admin-token").resolve()
     files[out / "admin-token"] = token + "\n"
+    files[out / "api-key"] = api_key + "\n"
     files[out / "console.toml"] = render_console(plan, token_file)
     return files
 

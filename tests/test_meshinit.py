@@ -20,7 +20,7 @@ from kvmesh.node.errors import ConfigError
 from kvmesh.node.lab.launcher import NodeProcess, free_port
 from kvmesh.node.meshinit import MeshPlan, parse_host, plan_files, write_files
 
-SECRET_ENV = ("KVMESH_MESH_SECRET", "KVMESH_ADMIN_TOKEN")
+SECRET_ENV = ("KVMESH_MESH_SECRET", "KVMESH_ADMIN_TOKEN", "KVMESH_API_KEY")
 
 
 def _init(*args: str) -> subprocess.CompletedProcess[str]:
@@ -28,7 +28,7 @@ def _init(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_init_writes_a_valid_config_per_host_with_one_fresh_secret(tmp_path: Path) -> None:
-    """Each host's file loads as a node config, lists the others as peers, and shares one mesh secret."""
+    """Each host's file loads as a node config, lists the others as peers, and shares one mesh secret and API key."""
     r = _init("--host", "gpu-1=10.0.0.1", "--host", "gpu-2=10.0.0.2,192.168.7.2", "--host", "gpu-3=box3.lan",
               "--out", str(tmp_path / "mesh"))
     assert r.returncode == 0, r.stderr
@@ -43,6 +43,9 @@ def test_init_writes_a_valid_config_per_host_with_one_fresh_secret(tmp_path: Pat
     assert text.count("\n# ") >= 8, "the file explains its fields"
     token = (tmp_path / "mesh" / "admin-token").read_text().strip()
     assert all(c.admin_token and c.admin_token.get_secret_value() == token for c in cfgs.values())
+    key = (tmp_path / "mesh" / "api-key").read_text().strip()
+    assert key.startswith("sk-kvmesh-") and key != token
+    assert all(c.api.key_values() == [key] for c in cfgs.values()), "every host accepts the one client key"
     console = load_config_file(str(tmp_path / "mesh" / "console.toml"))
     assert console["nodes"] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://box3.lan:8000"]
     assert Path(console["admin_token_file"]) == (tmp_path / "mesh" / "admin-token").resolve()
@@ -101,7 +104,10 @@ def test_two_hosts_from_init_form_a_mesh(tmp_path: Path) -> None:
             n.start()
         for n in nodes:
             n.wait_ready(90)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):  # init wrote a client key: the API wants it
+            openai.OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key="unused", max_retries=0).models.list()
+        key = (out / "api-key").read_text().strip()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{api}/v1", api_key=key, max_retries=0)
         reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=8,
                                                messages=[{"role": "user", "content": "hello from init"}],
                                                extra_headers={"X-Session-Id": "init-test"})

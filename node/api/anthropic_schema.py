@@ -189,6 +189,12 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: Metadata | None = None
 
+    @model_validator(mode="after")
+    def _stops(self) -> MessagesRequest:
+        if any(not s or len(s) > 256 for s in self.stop_sequences or []):
+            raise InvalidRequest("stop_sequences: each is 1-256 characters", param="stop_sequences")
+        return self
+
     def chat(self) -> ChatCompletionRequest:
         return self.to_chat(max_tokens=self.max_tokens, stream=self.stream, temperature=self.temperature,
                             top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences or None)

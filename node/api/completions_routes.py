@@ -72,7 +72,7 @@ class CompletionRequest(BaseModel):
             if len(p) != 1:
                 raise InvalidRequest("prompt: one prompt per request (a batch of several is not supported)",
                                      param="prompt")
-            return p[0]  # type: ignore[return-value]
+            p = p[0]  # type: ignore[assignment]
         if not p:
             raise InvalidRequest("prompt: the prompt is empty", param="prompt")
         return p  # type: ignore[return-value]

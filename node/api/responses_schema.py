@@ -59,6 +59,14 @@ class Item(BaseModel):
     arguments: str | None = None
     output: str | list[Part] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_dropped(cls, v: Any) -> Any:
+        # An earlier turn's reasoning is dropped whole: its content parts (reasoning_text) are not read.
+        if isinstance(v, dict) and v.get("type") == "reasoning":
+            return {"type": "reasoning"}
+        return v
+
     @model_validator(mode="after")
     def _complete(self) -> Item:
         need = {"message": ("role",), "function_call": ("call_id", "name"), "function_call_output": ("call_id",)}

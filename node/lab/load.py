@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from collections import Counter
@@ -160,7 +161,10 @@ class LoadRunner:
     async def run(self, duration_s: float) -> LoadStats:
         self._t0 = time.monotonic()
         limits = httpx.Limits(max_connections=self.shape.sessions * 2 + 8)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits) as client:
+        # A mesh with client keys (kvmesh init writes one) wants it: KVMESH_API_KEY, as the node reads it.
+        key = next((k.strip() for k in os.environ.get("KVMESH_API_KEY", "").split(",") if k.strip()), None)
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits, headers=auth) as client:
             await self._discover_model(client)
             agents = [asyncio.create_task(self._agent(client, i)) for i in range(self.shape.sessions)]
             await self._sleep(duration_s)

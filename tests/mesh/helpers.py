@@ -169,7 +169,8 @@ class Mesh(LocalMesh):
     def transfers_in(self, host: str, src: str) -> int:
         return int(self.stats(host)["kvshare"]["in"].get(src, {}).get("transfers", 0))
 
-    def wait_replica(self, session: str, home: str, min_tokens: int, *, entries: list[str] | None = None) -> str:
+    def wait_replica(self, session: str, home: str, min_tokens: int, *, entries: list[str] | None = None,
+                     timeout: float = 15.0) -> str:
         """Wait until every entry (default: all) sees a replica of `session` of >= min_tokens on a host
         other than `home`; returns that host."""
         hosts = set()
@@ -180,7 +181,7 @@ class Mesh(LocalMesh):
                         and s["replica_tokens"] >= min_tokens:
                     return s["replica_host"]
                 return None
-            hosts.add(wait_for(ok, f"{e} to see a replica of {session} (>= {min_tokens} tokens) off {home}"))
+            hosts.add(wait_for(ok, f"{e} to see a replica of {session} (>= {min_tokens} tokens) off {home}", timeout))
         assert len(hosts) == 1, f"nodes disagree on the replica holder of {session}: {hosts}"
         return hosts.pop()
 

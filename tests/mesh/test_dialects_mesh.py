@@ -151,7 +151,8 @@ def test_each_dialect_runs_forwarded_and_moves_warm(make_mesh) -> None:  # type:
         second = agent.turn(m, entry, stream=True)  # forwarded to the home unless the entry is it
         assert second.call == CALL and second.call_id != first.call_id
         assert second.cached >= whole_blocks(first.prompt), (type(agent).__name__, second, first)
-        holder = m.wait_replica(agent.session, home, whole_blocks(second.prompt))
+        # The earlier agents' hog sessions (120k tokens each) are replicated too: on a loaded box that takes a while.
+        holder = m.wait_replica(agent.session, home, whole_blocks(second.prompt), timeout=60)
         with m.hold_slot(f"hog-{agent.session}", home):
             moved = agent.turn(m, entry, stream=False)
         assert moved.host == holder and moved.handoff == "warm", (type(agent).__name__, moved)

@@ -19,6 +19,10 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.node.lab.bench.handoff import run_handoff
 
         return run_handoff(args)
+    if args.bench == "agents":
+        from kvmesh.node.lab.bench.agents import run_agents
+
+        return run_agents(args)
     if args.bench == "transfer" and getattr(args, "engine", "sim") == "llamacpp":
         from kvmesh.node.lab.bench.llamaxfer import run_llama_transfer
 
