@@ -226,6 +226,8 @@ class NodeConfig(_Strict):
     mesh: MeshConfig = MeshConfig()
     kvshare: KVShareConfig = KVShareConfig()
     admin_token: SecretStr | None = Field(None, min_length=8, description="bearer token for /v1/admin (or KVMESH_ADMIN_TOKEN)")
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600, description="SIGTERM: how long the warm drain may take before "
+                                   "the node exits anyway (node.shutdown)")
 
     @field_validator("name")
     @classmethod

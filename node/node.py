@@ -45,6 +45,7 @@ class Node:
         self.started = time.time()  # wall time, reported as such
         self._started_mono = time.monotonic()
         self.api_url = ""  # known once the API listens (see serving_at)
+        self.stopping = False  # SIGTERM arrived: draining on the way out (node.shutdown)
         self.hub = EventHub(cfg.name)
         self.engine = Engine(cfg.engine)
         self.metrics = Metrics(cfg.name)
@@ -105,6 +106,24 @@ class Node:
             await asyncio.sleep(every_s)
             self.hub.publish(HostStatus(host=self.host_info()))
 
+    async def begin_drain(self) -> None:
+        """Stop taking turns and push every resident session to its next host (SIGTERM's warm drain)."""
+        result = await self.operator.host_action("drain")
+        log.warning("node %s: %s", self.name, result.message)
+
+    def drain_pending(self) -> str | None:
+        """What a draining node still waits for before it exits: running or queued turns, the drain's
+        pushes, replicas of turns that ended during the drain; None when nothing."""
+        s, task = self.engine.slots, self.operator.drain_task
+        waits = [f"{s.busy} running and {s.queued} queued turns" if s.busy or s.queued else "",
+                 "the drain's pushes" if task is not None and not task.done() else "",
+                 f"{n} replica pushes" if (n := self.kvshare.pushes_pending()) else ""]
+        return ", ".join(w for w in waits if w) or None
+
+    def ready(self) -> bool:
+        """Whether a load balancer should send clients here: started, and neither draining nor stopping."""
+        return not self.stopping and not self.mesh.draining
+
     async def stop(self) -> None:
         self.loop_lag.stop()
         for t in self._tasks:
@@ -160,5 +179,6 @@ class Node:
 
     def health(self) -> dict[str, object]:
         s = self.engine.slots
-        return {"status": "draining" if self.mesh.draining else "ok", "node": self.name, "model": self.engine.model_name,
+        status = "stopping" if self.stopping else "draining" if self.mesh.draining else "ok"
+        return {"status": status, "node": self.name, "model": self.engine.model_name,
                 "slots": s.slots, "busy": s.busy, "queued": s.queued, "uptime_s": round(time.monotonic() - self._started_mono, 1)}

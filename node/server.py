@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -10,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kvmesh.node.api.app import create_app
 from kvmesh.node.config import NodeConfig
 from kvmesh.node.node import Node
+from kvmesh.node.shutdown import WarmStop
 
 log = logging.getLogger("kvmesh.server")
 
@@ -141,6 +144,15 @@ def serve_in_thread(cfg: NodeConfig, *, port: int = 0, start_timeout_s: float = 
     return ThreadedServer(url, node, server, thread)
 
 
+class _WarmStopServer(uvicorn.Server):
+    """uvicorn's server without its own signal handlers: SIGTERM and SIGINT drain the node warm
+    first (node.shutdown.WarmStop), instead of uvicorn's stop within the second."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 async def serve(cfg: NodeConfig, *, ready_file: Path | None = None) -> None:
     """Serve until SIGINT/SIGTERM. Prints `kvmesh node NAME ready api=URL` once bound."""
     # The event loop answers placement and streams tokens while kv_share threads hash and copy:
@@ -150,7 +162,8 @@ async def serve(cfg: NodeConfig, *, ready_file: Path | None = None) -> None:
     sys.setswitchinterval(0.0002)
     node = Node(cfg)
     app = create_app(node)
-    server = uvicorn.Server(uvicorn_config(app, cfg))
+    server = _WarmStopServer(uvicorn_config(app, cfg))
+    WarmStop(node, server, cfg.drain_timeout_s).install(asyncio.get_running_loop())
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.02)

@@ -49,6 +49,14 @@ async def health(node: NodeDep) -> dict[str, object]:
     return node.health()
 
 
+@router.get("/ready", response_model=None)
+async def ready(node: NodeDep) -> Response:
+    """Readiness for load balancers and Kubernetes: 200 while this node takes clients, 503 once it
+    drains or stops (SIGTERM), so traffic leaves before the node does. /health stays 200 (alive)."""
+    ok = node.ready()
+    return JSONResponse({"ready": ok, "status": node.health()["status"], "node": node.name}, status_code=200 if ok else 503)
+
+
 async def chat_completions(body: ChatCompletionRequest, request: Request, node: NodeDep) -> Response:
     session = name_session(request.headers, Named(user=body.user), body.messages_as_dicts())
     greq = prompt_request(node, body, session)

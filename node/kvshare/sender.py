@@ -88,6 +88,10 @@ class PushSender:
                 return t
         return None
 
+    def pending(self) -> int:
+        """Pushes queued or moving (one per session and target)."""
+        return len(self._jobs.keys() | self._queued.keys())
+
     def moving(self) -> list[_Job]:
         """The pushes under way now (each pins the pool blocks it sends from)."""
         return [j for j in self._jobs.values() if j.started and not j.done.done()]

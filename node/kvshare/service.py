@@ -146,6 +146,10 @@ class KVShare:
     def inbound_sessions(self) -> list[str]:
         return list(self._landing.inbound)
 
+    def pushes_pending(self) -> int:
+        """Replica pushes queued or moving from here (a draining node waits for them)."""
+        return self._sender.pending()
+
     def inflight_to(self, session: str) -> str | None:
         return self._sender.inflight_to(session)
 

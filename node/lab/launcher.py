@@ -183,21 +183,33 @@ class NodeProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
 
-    def wait_stopped(self, timeout: float = 10.0) -> None:
-        """Wait for the process to exit; SIGKILL it if it has not within `timeout` seconds."""
+    def wait_stopped(self, timeout: float = 10.0, *, drain: bool = False) -> None:
+        """Wait for the process to exit; SIGKILL it if it has not within `timeout` seconds.
+
+        A node takes SIGTERM as a warm drain (node.shutdown); unless `drain`, a second SIGTERM after
+        a moment tells it to exit now (a test's teardown wants the process gone, not its sessions warm)."""
         p = self.proc
         if p is None or p.poll() is not None:
             return
+        try:
+            p.wait(timeout if drain else min(timeout, 0.5))
+            return
+        except subprocess.TimeoutExpired:
+            if drain:
+                p.kill()
+                p.wait(5)
+                return
+        self.terminate()
         try:
             p.wait(timeout)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(5)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL; only this process's own PID (and its session) is signalled."""
+    def stop(self, timeout: float = 10.0, *, drain: bool = False) -> None:
+        """SIGTERM (twice unless `drain`), then SIGKILL; only this process's own PID (and its session) is signalled."""
         self.terminate()
-        self.wait_stopped(timeout)
+        self.wait_stopped(timeout, drain=drain)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

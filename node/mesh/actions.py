@@ -68,7 +68,8 @@ class Operator:
         """`push(session, target)` sends the session's replica to target (kv_share)."""
         self.name, self.engine, self.mesh = name, engine, mesh
         self._push, self._publish = push, publish
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self.drain_task: asyncio.Future[None] | None = None  # the last drain's pushes, while they run
 
     def stop(self) -> None:
         for t in self._tasks:
@@ -86,13 +87,14 @@ class Operator:
         self.mesh.draining = True
         sessions = [s for s in list(self.engine.sessions) if self.mesh.home(s) in (self.name, None)]
         self._publish(DrainStarted(host=self.name, sessions=len(sessions)))
-        self._spawn(self._drain(sessions))
+        self.drain_task = self._spawn(self._drain(sessions))
         return ActionResult(ok=True, message=f"draining {self.name}: pushing {len(sessions)} sessions to their next hosts")
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+        return t
 
     async def _drain(self, sessions: list[str]) -> None:
         """Push each resident session to the host it would go to next, so the drain is warm."""

@@ -75,8 +75,10 @@ def test_official_sdks_authenticate_with_their_own_headers(keyed: ThreadedServer
 
 
 def test_probes_and_metrics_stay_open(keyed: ThreadedServer) -> None:
-    """/health and /metrics answer without a key (probes and scrapers have none)."""
+    """/health, /ready and /metrics answer without a key (probes and scrapers have none)."""
     assert httpx.get(keyed.url + "/health").status_code == 200
+    r = httpx.get(keyed.url + "/ready")
+    assert r.status_code == 200 and r.json()["ready"] is True
     assert httpx.get(keyed.url + "/metrics").status_code == 200
 
 

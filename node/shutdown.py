@@ -1,0 +1,85 @@
+"""SIGTERM is a warm drain, not a stop: what a node does between the signal and its exit.
+
+The first SIGTERM (or SIGINT) marks the node stopping: `GET /ready` answers 503 at once (a
+load balancer or Kubernetes stops sending clients here) and the node drains (peers see it
+draining at their next status poll and place no new turn here; every resident session is
+pushed to the host it would go to next, the operator's drain path). Turns already running
+finish; turns a client still sends here are placed on peers, as any drained host's are. The node
+exits once no turn runs or waits and the drain's pushes are done, or at `drain_timeout_s`,
+whichever comes first. A second signal, or the deadline, exits at once: nothing is lost then
+but warmth (a session whose push had not landed recomputes on its next host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import time
+from typing import Protocol
+
+log = logging.getLogger("kvmesh.shutdown")
+
+
+class Exitable(Protocol):
+    """What of uvicorn's Server the drain drives."""
+
+    should_exit: bool
+    force_exit: bool
+
+
+class Drainable(Protocol):
+    """What of the Node the drain asks (the Node satisfies it)."""
+
+    name: str
+    stopping: bool
+
+    async def begin_drain(self) -> None: ...
+
+    def drain_pending(self) -> str | None: ...
+
+
+class WarmStop:
+    """The signal handler's state: one drain, then the exit (or at once on a second signal)."""
+
+    def __init__(self, node: Drainable, server: Exitable, timeout_s: float, *, poll_s: float = 0.1) -> None:
+        self.node, self.server, self.timeout_s, self.poll_s = node, server, timeout_s, poll_s
+        self.task: asyncio.Task[None] | None = None
+        self.signals = 0
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.on_signal, sig)
+
+    def on_signal(self, sig: int = signal.SIGTERM) -> None:
+        self.signals += 1
+        if self.signals > 1:
+            log.warning("node %s: %s again: exiting now, without waiting for the drain", self.node.name,
+                        signal.Signals(sig).name)
+            self.server.force_exit = self.server.should_exit = True
+            return
+        log.warning("node %s: %s: draining (not ready, pushing sessions, finishing turns; at most %.0fs)",
+                    self.node.name, signal.Signals(sig).name, self.timeout_s)
+        self.node.stopping = True  # /ready says 503 from now on
+        self.task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        try:
+            await self.node.begin_drain()
+            while (pending := self.node.drain_pending()) is not None and time.monotonic() < deadline:
+                await asyncio.sleep(self.poll_s)
+            if pending is not None:
+                log.warning("node %s: drain timeout (%.0fs) with %s: exiting anyway", self.node.name, self.timeout_s,
+                            pending)
+            else:
+                log.warning("node %s: drained in %.1fs; exiting", self.node.name, time.monotonic() - t0)
+        except Exception:  # a drain that fails must still let the node exit
+            log.exception("node %s: the drain failed; exiting", self.node.name)
+        # Streams still open (a relay of a turn running elsewhere) get what is left of the deadline.
+        config = getattr(self.server, "config", None)
+        if config is not None:
+            config.timeout_graceful_shutdown = max(1, math.ceil(deadline - time.monotonic()))
+        self.server.should_exit = True

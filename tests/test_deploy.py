@@ -1,0 +1,93 @@
+"""deploy/: the systemd unit and Kubernetes manifests, checked offline (no cluster, no systemd here).
+
+Each manifest is checked against the shape of the Kubernetes objects it declares (the fields kvmesh
+relies on, with their types: a schema of our own, since no API server or OpenAPI document is here),
+and against the node's own contract: readiness on /ready, liveness on /health, a grace period and a
+stop timeout longer than the default drain (NodeConfig.drain_timeout_s), the ports init writes.
+"""
+
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvmesh.node.config import NodeConfig
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DRAIN_S = NodeConfig().drain_timeout_s
+
+# (path of keys, type) every object of the kind must have.
+SCHEMA: dict[str, list[tuple[tuple[str, ...], type]]] = {
+    "Service": [(("metadata", "name"), str), (("spec", "selector"), dict), (("spec", "ports"), list)],
+    "StatefulSet": [(("metadata", "name"), str), (("spec", "serviceName"), str), (("spec", "replicas"), int),
+                    (("spec", "selector", "matchLabels"), dict), (("spec", "template", "metadata", "labels"), dict),
+                    (("spec", "template", "spec", "containers"), list),
+                    (("spec", "template", "spec", "terminationGracePeriodSeconds"), int)],
+}
+API_VERSIONS = {"Service": "v1", "StatefulSet": "apps/v1"}
+
+
+def _get(obj: Any, path: tuple[str, ...]) -> Any:
+    for k in path:
+        assert isinstance(obj, dict) and k in obj, f"missing {'.'.join(path)}"
+        obj = obj[k]
+    return obj
+
+
+def _objects() -> list[dict[str, Any]]:
+    docs = []
+    for f in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(f.read_text()) if d]
+    return docs
+
+
+def test_manifests_match_the_kinds_they_declare() -> None:
+    """Every object has its kind's apiVersion and required fields with the right types; ports are named and numbered."""
+    objs = _objects()
+    assert {o["kind"] for o in objs} == {"Service", "StatefulSet"}
+    for o in objs:
+        assert o["apiVersion"] == API_VERSIONS[o["kind"]], o["metadata"]
+        for path, typ in SCHEMA[o["kind"]]:
+            assert isinstance(_get(o, path), typ), (o["metadata"]["name"], path)
+        if o["kind"] == "Service":
+            for p in o["spec"]["ports"]:
+                assert isinstance(p["name"], str) and isinstance(p["port"], int) and 0 < p["port"] < 65536, p
+
+
+def test_statefulset_follows_the_nodes_contract() -> None:
+    """Readiness on /ready, liveness on /health, a grace period covering preStop + the drain, the pod's own config."""
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in _objects()}
+    sts = objs[("StatefulSet", "kvmesh")]
+    headless = objs[("Service", sts["spec"]["serviceName"])]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["selector"]["matchLabels"] == labels
+    for svc in (o for (k, _), o in objs.items() if k == "Service"):
+        assert svc["spec"]["selector"].items() <= labels.items(), svc["metadata"]["name"]
+    pod = sts["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"api": 8000, "kvshare": 9000}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "api"}
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + DRAIN_S + 10
+    assert c["command"][:2] == ["kvmesh", "node"] and "/etc/kvmesh/$(POD_NAME).toml" in c["command"]
+    assert any(e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" for e in c["env"])
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["config"] == "/etc/kvmesh"
+
+
+def test_systemd_unit_gives_the_drain_its_time() -> None:
+    """The unit runs the node with its config, stops it with SIGTERM and waits longer than the drain before SIGKILL."""
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(DEPLOY / "systemd" / "kvmesh-node.service")
+    svc = unit["Service"]
+    assert svc["ExecStart"].split()[1:3] == ["node", "--config"] and svc["ExecStart"].split()[0].endswith("/kvmesh")
+    assert svc["KillSignal"] == "SIGTERM" and svc["KillMode"] == "mixed"
+    assert int(svc["TimeoutStopSec"]) > DRAIN_S
+    assert unit["Install"]["WantedBy"] == "multi-user.target" and "network-online.target" in unit["Unit"]["After"]

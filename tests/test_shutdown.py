@@ -1,0 +1,67 @@
+"""WarmStop, the signal handler's logic: one drain, exit when nothing is pending or at the deadline; a second signal exits now."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from kvmesh.node.shutdown import WarmStop
+
+
+class FakeNode:
+    def __init__(self, pending_for: int) -> None:
+        self.name, self.stopping, self.drains, self.left = "n", False, 0, pending_for
+
+    async def begin_drain(self) -> None:
+        self.drains += 1
+
+    def drain_pending(self) -> str | None:
+        self.left -= 1
+        return "1 running turn" if self.left > 0 else None
+
+
+def _server() -> SimpleNamespace:
+    return SimpleNamespace(should_exit=False, force_exit=False, config=SimpleNamespace(timeout_graceful_shutdown=None))
+
+
+def test_exits_once_nothing_is_pending() -> None:
+    """The first signal marks the node stopping, drains once, and sets should_exit when the node has nothing pending."""
+    async def main() -> tuple[FakeNode, SimpleNamespace]:
+        node, server = FakeNode(pending_for=3), _server()
+        stop = WarmStop(node, server, timeout_s=10, poll_s=0.001)
+        stop.on_signal()
+        assert node.stopping and not server.should_exit
+        assert stop.task is not None
+        await stop.task
+        return node, server
+    node, server = asyncio.run(main())
+    assert node.drains == 1 and server.should_exit and not server.force_exit and node.left <= 0
+    assert 1 <= server.config.timeout_graceful_shutdown <= 10
+
+
+def test_the_deadline_ends_a_drain_that_never_finishes() -> None:
+    """A drain still pending at drain_timeout_s exits anyway (should_exit, not force)."""
+    async def main() -> SimpleNamespace:
+        server = _server()
+        stop = WarmStop(FakeNode(pending_for=10**9), server, timeout_s=0.05, poll_s=0.005)
+        stop.on_signal()
+        assert stop.task is not None
+        await asyncio.wait_for(stop.task, 5)
+        return server
+    server = asyncio.run(main())
+    assert server.should_exit and not server.force_exit
+
+
+def test_a_second_signal_forces_the_exit() -> None:
+    """A second signal during the drain sets force_exit at once."""
+    async def main() -> SimpleNamespace:
+        server = _server()
+        stop = WarmStop(FakeNode(pending_for=10**9), server, timeout_s=60, poll_s=0.005)
+        stop.on_signal()
+        await asyncio.sleep(0.02)
+        stop.on_signal()
+        assert server.force_exit and server.should_exit
+        assert stop.task is not None
+        stop.task.cancel()
+        return server
+    asyncio.run(main())
