@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from kvmesh.console.admin import TOKEN_ENV, AdminClient, TokenError, load_admin_token
 from kvmesh.console.config import ConsoleConfig, load_config_file
+from kvmesh.console.serve import guard_served, is_served
 from kvmesh.console.theme import THEME_NAMES
 
 
@@ -151,6 +152,8 @@ def run_console(cfg: ConsoleConfig) -> int:
 
         admin = AdminClient(node_urls, token.token if token else None)
         app.admin = admin
+    if is_served():
+        guard_served(app)
     app.run()
     return 0
 

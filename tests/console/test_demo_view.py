@@ -91,11 +91,11 @@ def test_browser_view_is_read_only_unless_admin() -> None:
     cfg = build_config(args)
     assert cfg.readonly
     child = shlex.split(console_command(argv, cfg))
-    assert child[1:] == ["-m", "kvmesh.console", "--demo", "--view=demo", "--readonly"]
+    assert child[0] == "exec" and child[2:] == ["-m", "kvmesh.console", "--demo", "--view=demo", "--readonly"]
     argv = ["--serve", "--host=0.0.0.0", "--demo", "--admin"]
     cfg = build_config(_run_parser().parse_args(argv))
     assert not cfg.readonly
-    assert shlex.split(console_command(argv, cfg))[1:] == ["-m", "kvmesh.console", "--demo", "--admin"]
+    assert shlex.split(console_command(argv, cfg))[2:] == ["-m", "kvmesh.console", "--demo", "--admin"]
     with pytest.raises(ValueError):
         build_config(_run_parser().parse_args(["--readonly", "--admin"]))
 
