@@ -168,6 +168,15 @@ class PeerConfig(_Strict):
 
 class MeshConfig(_Strict):
     peers: list[PeerConfig] = []
+    # Where peers come from beside `peers`: "dns" re-resolves `dns_name` every `dns_interval_s` (A/AAAA
+    # records at `dns_port`, as a Kubernetes headless Service gives; or SRV records, for a name starting
+    # with "_"), and admits each host found only after a hello signed with the mesh secret.
+    discovery: Literal["static", "dns"] = "static"
+    dns_name: str = Field("", max_length=253)
+    dns_port: int = Field(0, ge=0, le=65535, description="API port of hosts found by A/AAAA records (0: this node's)")
+    dns_interval_s: float = Field(5.0, gt=0)
+    dns_server: str = Field("", pattern=r"^$|^[^:\s]+:[0-9]{1,5}$", description="host:port of the DNS server to ask "
+                            "(default: the system's resolvers)")
     # Secrets are SecretStr: their repr, logs and validation errors never show them.
     secret: SecretStr | None = Field(None, min_length=16, description="mesh secret (HMAC key for peers and kv_share)")
     previous_secret: SecretStr | None = Field(None, min_length=16, description="still accepted, for rotation")
@@ -235,6 +244,15 @@ class NodeConfig(_Strict):
         if set(v) <= {"."}:
             raise ValueError("must contain a letter or digit")
         return v
+
+    @model_validator(mode="after")
+    def _discovery_needs_a_name_and_a_secret(self) -> NodeConfig:
+        if self.mesh.discovery == "dns" and not self.mesh.dns_name:
+            raise ValueError('mesh.discovery "dns" needs mesh.dns_name (the name whose records are the hosts)')
+        if self.mesh.discovery == "dns" and self.mesh.secret is None:
+            raise ValueError('mesh.discovery "dns" needs mesh.secret: a host found by DNS is admitted only after '
+                             "proving it holds the mesh secret")
+        return self
 
     @model_validator(mode="after")
     def _loopback_without_secret(self) -> NodeConfig:

@@ -23,6 +23,7 @@ from kvmesh.node.events import EventHub
 from kvmesh.node.kvshare.service import KVShare
 from kvmesh.node.looplag import LoopLagMonitor
 from kvmesh.node.mesh.actions import Operator
+from kvmesh.node.mesh.discovery import DnsDiscovery
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.turn import TurnPath
 from kvmesh.node.metrics import Metrics
@@ -51,18 +52,23 @@ class Node:
         self.metrics = Metrics(cfg.name)
         self.hub.on_publish(self.metrics.on_event)
         self.loop_lag = LoopLagMonitor(observe=self.metrics.loop_lag.observe)
-        kvshare_of = {p.name: p.kvshare for p in cfg.mesh.peers}
         self.kv_cfg = kv_cfg = cfg.kvshare.for_context(self.engine.max_context)
         if (never := kv_cfg.never_replicates(self.engine.max_context)) is not None:
             log.warning("node %s: %s", cfg.name, never)
         self.kvshare = KVShare(cfg.name, self.engine, kv_cfg, secrets=cfg.mesh.secrets(),
-                               publish=self.hub.publish, peer_address=kvshare_of.get)
+                               publish=self.hub.publish, peer_address=self._peer_kvshare)
         self.mesh = Mesh(cfg.name, cfg.mesh, self.engine, self.kvshare, publish=self.hub.publish,
                          host_info=self.host_info, on_decision=self.metrics.decision.observe,
                          verify=client_context(cfg.api.tls) if cfg.api.tls else True)
         self.turns = TurnPath(cfg.name, self.engine, self.mesh, self.kvshare, publish=self.hub.publish,
                               forward_timeout_s=cfg.mesh.forward_timeout_s, on_resumed=self.metrics.resumed.inc)
         self.operator = Operator(cfg.name, self.engine, self.mesh, push=self.kvshare.push, publish=self.hub.publish)
+        self.discovery: DnsDiscovery | None = None
+        if cfg.mesh.discovery == "dns":
+            peers = self.mesh.peers
+            self.discovery = DnsDiscovery(cfg.name, cfg.mesh, own_api_port=self.api_port, secrets_=cfg.mesh.secrets(),
+                                          client=lambda: peers.client, admit=peers.add, remove=peers.remove,
+                                          scheme="https" if cfg.api.tls else "http")
         self._tasks: set[asyncio.Task[Any]] = set()
         self.engine.on_evict = self._engine_evicted
         self.client_keys = tuple(cfg.api.key_values())  # never logged
@@ -75,6 +81,16 @@ class Node:
             self.name, cfg.engine.kind, cfg.engine.slots, self.engine.max_context, self.engine.pool.num_blocks,
             self.engine.block_size, self.engine.block_bytes / 2**20, self.engine.fingerprint[:12], kv_cfg.replicate_min_tokens,
         )
+
+    def _peer_kvshare(self, name: str) -> str | None:
+        """A peer's kv_share address: from the peer table, which DNS discovery may change at run time."""
+        p = self.mesh.peers.peers.get(name)
+        return p.cfg.kvshare if p is not None else None
+
+    def api_port(self) -> int:
+        """The port the API listens on (known once bound; the configured one before)."""
+        tail = self.api_url.rsplit(":", 1)[-1]
+        return int(tail) if tail.isdigit() else self.cfg.api.port
 
     def serving_at(self, url: str) -> None:
         """The API's address, once its listener is bound (the port may have been 0): what this
@@ -92,6 +108,8 @@ class Node:
 
         self.kvshare.store.on_evict = store_evicted
         await self.mesh.start()
+        if self.discovery is not None:
+            self.discovery.start()
         task = asyncio.ensure_future(self._status_loop())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -129,6 +147,8 @@ class Node:
         for t in self._tasks:
             t.cancel()
         self.operator.stop()
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.mesh.stop()
         await self.kvshare.stop()
         self.engine.close()

@@ -441,3 +441,15 @@ class SessionCommand(_Model):
 class ActionResult(_Model):
     ok: bool
     message: str
+
+
+class PeerHello(_Model):
+    """A host's answer to POST /v1/peer/hello: who it is, and a MAC over the caller's nonce and these
+    fields with the mesh secret (node.mesh.discovery), so a host found by DNS is admitted only if it
+    holds the secret. The caller reaches it at the address it resolved; the ports come from here."""
+
+    name: str
+    api_port: int
+    kvshare_port: int
+    scheme: str = "http"
+    mac: str

@@ -21,15 +21,18 @@ from fastapi import (
     WebSocketDisconnect,
 )
 from fastapi.responses import Response
+from pydantic import BaseModel, Field
 
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.errors import Conflict, InvalidRequest, NotFound, Unauthorized
 from kvmesh.node.mesh.actions import RelayFailed, relay_action
 from kvmesh.node.mesh.auth import PEER_HEADER, check_bearer, check_peer_token
+from kvmesh.node.mesh.discovery import hello
 from kvmesh.node.node import Node
 from kvmesh.node.protocol import (
     ActionResult,
     MigrateCommand,
+    PeerHello,
     SnapshotEvent,
     session_id_problem,
 )
@@ -126,6 +129,21 @@ async def events(ws: WebSocket, node: NodeDep) -> None:
 @router.get("/v1/peer/status")
 async def peer_status(node: PeerNode) -> Response:
     return _json(node.mesh.local_status().model_dump_json())
+
+
+class HelloRequest(BaseModel):
+    nonce: str = Field(min_length=16, max_length=128, pattern=r"^[0-9a-f]+$")
+
+
+@router.post("/v1/peer/hello")
+async def peer_hello(body: HelloRequest, node: PeerNode) -> PeerHello:
+    """Who this host is, signed over the caller's nonce (DNS discovery admits a host on it)."""
+    secrets = node.cfg.mesh.secrets()
+    if not secrets:
+        raise Conflict("this node has no mesh secret: it cannot prove membership")
+    kvshare_port = int(node.kvshare.address.rsplit(":", 1)[1])
+    return hello(node.name, node.api_port(), kvshare_port, "https" if node.cfg.api.tls else "http", secrets[0],
+                 body.nonce)
 
 
 @router.get("/v1/peer/sessions/{session:path}")

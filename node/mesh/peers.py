@@ -72,6 +72,20 @@ class PeerTable:
         if self._client:
             await self._client.aclose()
 
+    def add(self, cfg: PeerConfig) -> None:
+        """A peer joins (DNS discovery): polled from the next round on; an existing name is re-addressed."""
+        old = self.peers.get(cfg.name)
+        if old is not None and old.cfg == cfg:
+            return
+        self.peers[cfg.name] = Peer(cfg)
+        log.info("peer %s joins at %s", cfg.name, cfg.api)
+
+    def remove(self, name: str) -> None:
+        """A peer leaves (DNS discovery): no longer polled, placed on or forwarded to."""
+        if self.peers.pop(name, None) is not None:
+            log.warning("peer %s left the mesh", name)
+            self._publish(PeerDown(peer=name, reason="left the mesh (no longer in DNS)"))
+
     def wire_by_peer(self) -> dict[str, dict[str, dict[str, int]]]:
         """Peer HTTP bytes this node opened, by peer name, direction and kind."""
         return self.wire.by_peer({httpx.URL(p.cfg.api).netloc.decode("ascii"): name for name, p in self.peers.items()})
@@ -83,7 +97,7 @@ class PeerTable:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.gather(*(self.poll(p) for p in self.peers.values()))
+            await asyncio.gather(*(self.poll(p) for p in list(self.peers.values())))
             self._expire()
             await asyncio.sleep(self.poll_interval_s)
 
@@ -117,7 +131,7 @@ class PeerTable:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for p in self.peers.values():
+        for p in list(self.peers.values()):
             if p.reachable and now - p.heard_at > self.stale_after_s:
                 self.mark_down(p.name, p.error or f"not heard from for {self.stale_after_s:g}s")
 

@@ -1,0 +1,155 @@
+"""Peers from DNS (`mesh.discovery = "dns"`): the hosts a name's records list, admitted by a signed hello.
+
+Every `dns_interval_s` the name is resolved (dnspython, the system's resolvers or `dns_server`):
+SRV records (a name starting with "_", e.g. `_api._tcp.kvmesh.ns.svc`) give each host and port;
+A/AAAA records (a Kubernetes headless Service) give addresses at `dns_port`. A new address is sent
+`POST /v1/peer/hello` with a fresh nonce; only an answer whose MAC (HMAC-SHA256 with the mesh
+secret over the nonce and the answer's fields) checks out becomes a peer, under the name it gave,
+at the address resolved, with the ports it gave. An address absent from two resolutions in a row
+is removed (one lost answer is not a departure); a failed resolution changes nothing (a DNS outage
+must not empty the mesh). Static `mesh.peers` stay as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import logging
+import secrets
+from collections.abc import Callable
+
+import dns.asyncresolver
+import dns.exception
+import dns.resolver
+import httpx
+from pydantic import ValidationError
+
+from kvmesh.node.config import MeshConfig, PeerConfig
+from kvmesh.node.protocol import PeerHello
+
+log = logging.getLogger("kvmesh.mesh.discovery")
+
+Address = tuple[str, int]  # (host or IP, API port) as resolved
+
+
+def hello_mac(secret: bytes, nonce: str, name: str, api_port: int, kvshare_port: int, scheme: str) -> str:
+    msg = f"kvmesh/hello/v1|{nonce}|{name}|{api_port}|{kvshare_port}|{scheme}".encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def hello(name: str, api_port: int, kvshare_port: int, scheme: str, secret: bytes, nonce: str) -> PeerHello:
+    """This host's answer to a hello (the route's side)."""
+    return PeerHello(name=name, api_port=api_port, kvshare_port=kvshare_port, scheme=scheme,
+                     mac=hello_mac(secret, nonce, name, api_port, kvshare_port, scheme))
+
+
+def _url_host(host: str) -> str:
+    try:
+        return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:
+        return host
+
+
+class DnsDiscovery:
+    """Keeps the discovered part of the peer set in step with DNS (see the module docstring)."""
+
+    def __init__(self, me: str, cfg: MeshConfig, *, own_api_port: Callable[[], int], secrets_: list[bytes],
+                 client: Callable[[], httpx.AsyncClient], admit: Callable[[PeerConfig], None],
+                 remove: Callable[[str], None], scheme: str = "http") -> None:
+        self.me, self.cfg, self.own_api_port, self.secrets = me, cfg, own_api_port, secrets_
+        self.client, self.admit, self.remove, self.scheme = client, admit, remove, scheme
+        self.found: dict[Address, str] = {}  # address -> admitted peer name
+        self.missing: dict[Address, int] = {}  # address -> resolutions in a row it was absent from
+        self.resolver = dns.asyncresolver.Resolver(configure=not cfg.dns_server)
+        if cfg.dns_server:
+            host, port = cfg.dns_server.rsplit(":", 1)
+            self.resolver.nameservers, self.resolver.port = [host], int(port)
+        self.resolver.lifetime = 2.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="dns-discovery")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.round()
+            except Exception:  # noqa: BLE001 - discovery must keep running; the next round retries
+                log.exception("DNS discovery round failed")
+            await asyncio.sleep(self.cfg.dns_interval_s)
+
+    async def resolve(self) -> set[Address] | None:
+        """The addresses the name lists now; None when the lookup failed (not the same as none)."""
+        name = self.cfg.dns_name
+        try:
+            if name.startswith("_"):
+                ans = await self.resolver.resolve(name, "SRV")
+                return {(str(r.target).rstrip("."), int(r.port)) for r in ans}
+            port = self.cfg.dns_port or self.own_api_port()
+            out: set[Address] = set()
+            for rdtype in ("A", "AAAA"):
+                try:
+                    out |= {(r.to_text(), port) for r in await self.resolver.resolve(name, rdtype)}
+                except dns.resolver.NoAnswer:
+                    pass
+            return out
+        except dns.resolver.NXDOMAIN:
+            return set()
+        except dns.exception.DNSException as e:
+            log.warning("DNS discovery: resolving %s failed (%s); keeping the peers as they are", name, e)
+            return None
+
+    async def round(self) -> None:
+        """One resolution: admit what is new (after its hello), remove what has been gone twice."""
+        now = await self.resolve()
+        if now is None:
+            return
+        for addr in now - self.found.keys():
+            await self._greet(addr)
+        for addr in list(self.found):
+            if addr in now:
+                self.missing.pop(addr, None)
+                continue
+            self.missing[addr] = self.missing.get(addr, 0) + 1
+            if self.missing[addr] >= 2:
+                name = self.found.pop(addr)
+                self.missing.pop(addr, None)
+                if name != self.me:
+                    log.warning("DNS discovery: %s (%s:%d) left %s", name, *addr, self.cfg.dns_name)
+                    self.remove(name)
+
+    async def _greet(self, addr: Address) -> None:
+        host, port = addr
+        nonce = secrets.token_hex(16)
+        url = f"{self.scheme}://{_url_host(host)}:{port}/v1/peer/hello"
+        try:
+            r = await self.client().post(url, json={"nonce": nonce}, timeout=2.0)
+            r.raise_for_status()
+            h = PeerHello.model_validate_json(r.content)
+        except (httpx.HTTPError, ValidationError) as e:
+            log.info("DNS discovery: %s:%d did not answer a hello (%s)", host, port, type(e).__name__)
+            return
+        if not any(hmac.compare_digest(h.mac, hello_mac(s, nonce, h.name, h.api_port, h.kvshare_port, h.scheme))
+                   for s in self.secrets):
+            log.warning("DNS discovery: %s:%d answered a hello without the mesh secret; not admitted", host, port)
+            return
+        if h.name == self.me:
+            self.found[addr] = h.name  # this node's own record: known, never a peer
+            return
+        try:
+            peer = PeerConfig(name=h.name, api=f"{h.scheme}://{_url_host(host)}:{h.api_port}",
+                              kvshare=f"{host}:{h.kvshare_port}")
+        except ValidationError as e:
+            log.warning("DNS discovery: %s:%d gave an unusable hello: %s", host, port, e.errors()[0]["msg"])
+            return
+        self.found[addr] = h.name
+        log.info("DNS discovery: admitted %s at %s", h.name, peer.api)
+        self.admit(peer)
+
