@@ -12,9 +12,11 @@ import configparser
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
-from kvmesh.node.config import NodeConfig
+from kvmesh.node.config import NodeConfig, load_config
+from kvmesh.node.errors import ConfigError
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DRAIN_S = NodeConfig().drain_timeout_s
@@ -22,12 +24,13 @@ DRAIN_S = NodeConfig().drain_timeout_s
 # (path of keys, type) every object of the kind must have.
 SCHEMA: dict[str, list[tuple[tuple[str, ...], type]]] = {
     "Service": [(("metadata", "name"), str), (("spec", "selector"), dict), (("spec", "ports"), list)],
+    "ConfigMap": [(("metadata", "name"), str), (("data",), dict)],
     "StatefulSet": [(("metadata", "name"), str), (("spec", "serviceName"), str), (("spec", "replicas"), int),
                     (("spec", "selector", "matchLabels"), dict), (("spec", "template", "metadata", "labels"), dict),
                     (("spec", "template", "spec", "containers"), list),
                     (("spec", "template", "spec", "terminationGracePeriodSeconds"), int)],
 }
-API_VERSIONS = {"Service": "v1", "StatefulSet": "apps/v1"}
+API_VERSIONS = {"Service": "v1", "ConfigMap": "v1", "StatefulSet": "apps/v1"}
 
 
 def _get(obj: Any, path: tuple[str, ...]) -> Any:
@@ -47,7 +50,7 @@ def _objects() -> list[dict[str, Any]]:
 def test_manifests_match_the_kinds_they_declare() -> None:
     """Every object has its kind's apiVersion and required fields with the right types; ports are named and numbered."""
     objs = _objects()
-    assert {o["kind"] for o in objs} == {"Service", "StatefulSet"}
+    assert {o["kind"] for o in objs} == {"Service", "ConfigMap", "StatefulSet"}
     for o in objs:
         assert o["apiVersion"] == API_VERSIONS[o["kind"]], o["metadata"]
         for path, typ in SCHEMA[o["kind"]]:
@@ -75,10 +78,30 @@ def test_statefulset_follows_the_nodes_contract() -> None:
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] >= pre_stop + DRAIN_S + 10
-    assert c["command"][:2] == ["kvmesh", "node"] and "/etc/kvmesh/$(POD_NAME).toml" in c["command"]
+    assert c["command"] == ["kvmesh", "node", "--config", "/etc/kvmesh/node.toml", "--name", "$(POD_NAME)"]
     assert any(e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" for e in c["env"])
+    assert c["envFrom"] == [{"secretRef": {"name": "kvmesh-secrets"}}]
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["config"] == "/etc/kvmesh"
+    volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert ("ConfigMap", volume["configMap"]["name"]) in objs
+
+
+def test_the_shared_node_config_loads_as_each_pod_would(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ConfigMap's node.toml, with the Secret's mesh secret in the environment and the pod's --name, is a valid
+    node config: DNS discovery of the headless Service on the API port, listening on the ports the pod exposes."""
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in _objects()}
+    path = tmp_path / "node.toml"
+    path.write_text(objs[("ConfigMap", "kvmesh-config")]["data"]["node.toml"])
+    monkeypatch.setenv("KVMESH_MESH_SECRET", "s" * 32)
+    cfg = load_config(path, {"name": "kvmesh-0"})
+    headless = objs[("Service", "kvmesh")]
+    assert cfg.name == "kvmesh-0" and cfg.mesh.discovery == "dns"
+    assert cfg.mesh.dns_name.split(".")[0] == headless["metadata"]["name"] and cfg.mesh.dns_port == cfg.api.port == 8000
+    assert cfg.kvshare.listen.endswith(":9000") and cfg.drain_timeout_s == DRAIN_S
+    monkeypatch.delenv("KVMESH_MESH_SECRET")
+    with pytest.raises(ConfigError, match="mesh.secret"):
+        load_config(path, {"name": "kvmesh-0"})
 
 
 def test_systemd_unit_gives_the_drain_its_time() -> None:
