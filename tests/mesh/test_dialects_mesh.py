@@ -141,7 +141,9 @@ class ChatAgent:
 def test_each_dialect_runs_forwarded_and_moves_warm(make_mesh) -> None:  # type: ignore[no-untyped-def]
     """Per dialect: a first turn, a turn forwarded from another entry to the home that reuses the cache, then with the
     home busy a turn that moves to the replica holder warm; tool calls round-trip and usage counts the reuse."""
-    m: Mesh = make_mesh(slots=1, sim={"scripted_reply": SCRIPT}, engine={"served_names": ["claude-*", "gpt-*"]})
+    # A pool that holds every session and the hogs' 120k-token turns: no eviction decides what stays warm here.
+    m: Mesh = make_mesh(slots=1, cache_bytes=512 << 20, sim={"scripted_reply": SCRIPT},
+                        engine={"served_names": ["claude-*", "gpt-*"]})
     for agent in (AnthropicAgent(random.Random(1)), ResponsesAgent(random.Random(2)), ChatAgent(random.Random(3))):
         first = agent.turn(m, "a", stream=False)
         home = first.host
