@@ -168,13 +168,17 @@ class PeerConfig(_Strict):
 
 class MeshConfig(_Strict):
     peers: list[PeerConfig] = []
-    # Where peers come from beside `peers`: "dns" re-resolves `dns_name` every `dns_interval_s` (A/AAAA
-    # records at `dns_port`, as a Kubernetes headless Service gives; or SRV records, for a name starting
-    # with "_"), and admits each host found only after a hello signed with the mesh secret.
-    discovery: Literal["static", "dns"] = "static"
+    # Where peers come from beside `peers`, read every `discovery_interval_s`: "dns" resolves `dns_name`
+    # (A/AAAA records at `dns_port`, as a Kubernetes headless Service gives; or SRV records, for a name
+    # starting with "_"); "kubernetes" lists `k8s_service`'s EndpointSlices (ready, not terminating).
+    # Each host found is admitted only after a hello signed with the mesh secret (node.mesh.discovery).
+    discovery: Literal["static", "dns", "kubernetes"] = "static"
+    discovery_interval_s: float = Field(5.0, gt=0)
     dns_name: str = Field("", max_length=253)
     dns_port: int = Field(0, ge=0, le=65535, description="API port of hosts found by A/AAAA records (0: this node's)")
-    dns_interval_s: float = Field(5.0, gt=0)
+    k8s_service: str = Field("kvmesh", min_length=1, max_length=63)
+    k8s_namespace: str = Field("", max_length=63, description="default: the pod's own (its service account's)")
+    k8s_api: str = Field("", description="API server URL (default: in-cluster config, else the kubeconfig)")
     dns_server: str = Field("", pattern=r"^$|^[^:\s]+:[0-9]{1,5}$", description="host:port of the DNS server to ask "
                             "(default: the system's resolvers)")
     # Secrets are SecretStr: their repr, logs and validation errors never show them.
@@ -246,12 +250,12 @@ class NodeConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _discovery_needs_a_name_and_a_secret(self) -> NodeConfig:
+    def _discovery_needs_what_it_reads(self) -> NodeConfig:
         if self.mesh.discovery == "dns" and not self.mesh.dns_name:
             raise ValueError('mesh.discovery "dns" needs mesh.dns_name (the name whose records are the hosts)')
-        if self.mesh.discovery == "dns" and self.mesh.secret is None:
-            raise ValueError('mesh.discovery "dns" needs mesh.secret: a host found by DNS is admitted only after '
-                             "proving it holds the mesh secret")
+        if self.mesh.discovery != "static" and self.mesh.secret is None:
+            raise ValueError(f'mesh.discovery "{self.mesh.discovery}" needs mesh.secret: a discovered host is '
+                             "admitted only after proving it holds the mesh secret")
         return self
 
     @model_validator(mode="after")

@@ -23,7 +23,8 @@ from kvmesh.node.events import EventHub
 from kvmesh.node.kvshare.service import KVShare
 from kvmesh.node.looplag import LoopLagMonitor
 from kvmesh.node.mesh.actions import Operator
-from kvmesh.node.mesh.discovery import DnsDiscovery
+from kvmesh.node.mesh.discovery import Discovery, DnsSource
+from kvmesh.node.mesh.kubesource import KubeSource
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.turn import TurnPath
 from kvmesh.node.metrics import Metrics
@@ -63,12 +64,13 @@ class Node:
         self.turns = TurnPath(cfg.name, self.engine, self.mesh, self.kvshare, publish=self.hub.publish,
                               forward_timeout_s=cfg.mesh.forward_timeout_s, on_resumed=self.metrics.resumed.inc)
         self.operator = Operator(cfg.name, self.engine, self.mesh, push=self.kvshare.push, publish=self.hub.publish)
-        self.discovery: DnsDiscovery | None = None
-        if cfg.mesh.discovery == "dns":
+        self.discovery: Discovery | None = None
+        if cfg.mesh.discovery != "static":
             peers = self.mesh.peers
-            self.discovery = DnsDiscovery(cfg.name, cfg.mesh, own_api_port=self.api_port, secrets_=cfg.mesh.secrets(),
-                                          client=lambda: peers.client, admit=peers.add, remove=peers.remove,
-                                          scheme="https" if cfg.api.tls else "http")
+            source = DnsSource(cfg.mesh, self.api_port) if cfg.mesh.discovery == "dns" else KubeSource(cfg.mesh)
+            self.discovery = Discovery(cfg.name, source, interval_s=cfg.mesh.discovery_interval_s,
+                                       secrets_=cfg.mesh.secrets(), client=lambda: peers.client, admit=peers.add,
+                                       remove=peers.remove, scheme="https" if cfg.api.tls else "http")
         self._tasks: set[asyncio.Task[Any]] = set()
         self.engine.on_evict = self._engine_evicted
         self.client_keys = tuple(cfg.api.key_values())  # never logged

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from support.conversation import Conversation
 
 from kvmesh.node.config import MeshConfig
 from kvmesh.node.lab.launcher import LocalMesh, NodeProcess, free_port, mesh_configs, wait_for
-from kvmesh.node.mesh.discovery import DnsDiscovery
+from kvmesh.node.mesh.discovery import DnsSource
 
 NAME = "kvmesh.test."
 SECRET = "msk-" + "d1" * 16
@@ -97,7 +98,7 @@ def test_peers_come_and_go_with_dns(tmp_path: Path, dns: tuple[Zone, str]) -> No
     api_port = free_port()
     ports = {n: (api_port, free_port(h)) for n, h in HOSTS.items()}
     mesh_cfg = {"peers": [], "secret": SECRET, "discovery": "dns", "dns_name": NAME, "dns_server": server,
-                "dns_interval_s": 0.3, "poll_interval_s": 0.2, "stale_after_s": 1.5}
+                "discovery_interval_s": 0.3, "poll_interval_s": 0.2, "stale_after_s": 1.5}
     impostor = ThreadingHTTPServer((IMPOSTOR, api_port), _Impostor)
     threading.Thread(target=impostor.serve_forever, daemon=True).start()
     zone.set(NAME, _a("a", "b", IMPOSTOR))
@@ -108,7 +109,7 @@ def test_peers_come_and_go_with_dns(tmp_path: Path, dns: tuple[Zone, str]) -> No
     try:
         m.start(peers_timeout=None)
         wait_for(lambda: _peers(m, "a") == {"b"} and _peers(m, "b") == {"a"}, "a and b to find each other")
-        assert "evil" not in _peers(m, "c") and _peers(m, "c") == {"a", "b"}  # c reads DNS too; it is not listed
+        wait_for(lambda: _peers(m, "c") == {"a", "b"}, "c (not listed itself) to find a and b, and not the impostor")
         # A session homed on a, entered at c: forwarded to the discovered peer, and its cache reused there.
         conv = Conversation("dns-1", chars=3000)
         client = httpx.Client(timeout=60)
@@ -144,12 +145,56 @@ def test_srv_records_give_hosts_and_ports(dns: tuple[Zone, str]) -> None:
     zone.set("_api._tcp.kvmesh.test.", [("SRV", SRV(priority=0, weight=1, port=8101, target="n1.test.")),
                                          ("SRV", SRV(priority=0, weight=1, port=8102, target="n2.test."))])
     cfg = MeshConfig(discovery="dns", dns_name="_api._tcp.kvmesh.test.", dns_server=server, secret=SECRET)
-    d = DnsDiscovery("me", cfg, own_api_port=lambda: 8000, secrets_=cfg.secrets(), client=lambda: None,  # type: ignore[arg-type,return-value]
-                     admit=lambda p: None, remove=lambda n: None)
-    assert asyncio.run(d.resolve()) == {("n1.test", 8101), ("n2.test", 8102)}
+    assert asyncio.run(DnsSource(cfg, lambda: 8000).resolve()) == {("n1.test", 8101), ("n2.test", 8102)}
     gone = MeshConfig(discovery="dns", dns_name="_none._tcp.kvmesh.test.", dns_server=server, secret=SECRET)
-    assert asyncio.run(DnsDiscovery("me", gone, own_api_port=lambda: 8000, secrets_=[], client=lambda: None,  # type: ignore[arg-type,return-value]
-                                    admit=lambda p: None, remove=lambda n: None).resolve()) == set()
+    assert asyncio.run(DnsSource(gone, lambda: 8000).resolve()) == set()
     dead = MeshConfig(discovery="dns", dns_name=NAME, dns_server=f"127.0.0.1:{free_port()}", secret=SECRET)
-    assert asyncio.run(DnsDiscovery("me", dead, own_api_port=lambda: 8000, secrets_=[], client=lambda: None,  # type: ignore[arg-type,return-value]
-                                    admit=lambda p: None, remove=lambda n: None).resolve()) is None
+    assert asyncio.run(DnsSource(dead, lambda: 8000).resolve()) is None
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "endpointslices.json"
+
+
+class _FakeApi(BaseHTTPRequestHandler):
+    """A Kubernetes API server that answers the EndpointSlice list with a recorded response (or fails)."""
+
+    seen: list[str] = []
+    fail = False
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        type(self).seen.append(self.path)
+        if type(self).fail or not self.path.startswith("/apis/discovery.k8s.io/v1/namespaces/ns1/endpointslices"):
+            self.send_response(500 if type(self).fail else 404)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"kind":"Status","status":"Failure","code":500}')
+            return
+        body = FIXTURE.read_bytes()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_kubernetes_endpointslices_give_ready_pods_at_the_api_port() -> None:
+    """Against a recorded EndpointSlice list (no cluster here): ready, non-terminating endpoints of every slice of the
+    Service, IPv4 and IPv6, at the port named api; the list asks by the service-name label; a failed list is None."""
+    from kvmesh.node.mesh.kubesource import KubeSource
+
+    api = ThreadingHTTPServer(("127.0.0.1", 0), _FakeApi)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
+    try:
+        cfg = MeshConfig(discovery="kubernetes", k8s_service="kvmesh", k8s_namespace="ns1", secret=SECRET,
+                         k8s_api=f"http://127.0.0.1:{api.server_address[1]}")
+        src = KubeSource(cfg)
+        assert asyncio.run(src.resolve()) == {("10.244.1.17", 8000), ("10.244.2.9", 8000), ("fd00:10:244::5", 8000)}
+        assert any("labelSelector=kubernetes.io/service-name=kvmesh" in unquote(p) for p in _FakeApi.seen), _FakeApi.seen
+        _FakeApi.fail = True
+        assert asyncio.run(src.resolve()) is None
+    finally:
+        _FakeApi.fail = False
+        api.shutdown()
