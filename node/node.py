@@ -26,11 +26,14 @@ from kvmesh.node.mesh.actions import Operator
 from kvmesh.node.mesh.discovery import Discovery, DnsSource
 from kvmesh.node.mesh.kubesource import KubeSource
 from kvmesh.node.mesh.mesh import Mesh
+from kvmesh.node.mesh.placement import home_of
 from kvmesh.node.mesh.turn import TurnPath
 from kvmesh.node.metrics import Metrics
 from kvmesh.node.protocol import (
+    Event,
     HostInfo,
     HostStatus,
+    PeerUp,
     ReplicaEvicted,
 )
 from kvmesh.node.tls import client_context
@@ -52,6 +55,7 @@ class Node:
         self.engine = Engine(cfg.engine)
         self.metrics = Metrics(cfg.name)
         self.hub.on_publish(self.metrics.on_event)
+        self.hub.on_publish(self._on_event)
         self.loop_lag = LoopLagMonitor(observe=self.metrics.loop_lag.observe)
         self.kv_cfg = kv_cfg = cfg.kvshare.for_context(self.engine.max_context)
         if (never := kv_cfg.never_replicates(self.engine.max_context)) is not None:
@@ -83,6 +87,36 @@ class Node:
             self.name, cfg.engine.kind, cfg.engine.slots, self.engine.max_context, self.engine.pool.num_blocks,
             self.engine.block_size, self.engine.block_bytes / 2**20, self.engine.fingerprint[:12], kv_cfg.replicate_min_tokens,
         )
+
+    def _on_event(self, ev: Event) -> None:
+        if isinstance(ev, PeerUp):
+            self.reoffer_replicas()
+
+    def reoffer_replicas(self) -> int:
+        """A peer came (back) up: push each session homed here whose predicted next host lacks its
+        whole blocks. A turn that ended while every other host looked unreachable queued no replica,
+        and none would follow until the session's next turn; this is that replica. Returns how many."""
+        if not self.kv_cfg.enabled:
+            return 0
+        n = 0
+        for s in list(self.engine.sessions):
+            if self.kvshare.inflight_to(s) or not self.kvshare.worth_replicating(s):
+                continue
+            held = self.mesh.holdings(s)
+            if home_of(held) != self.name:
+                continue
+            d = self.mesh.predict_next(s)
+            if d is None or d.host == self.name:
+                continue
+            whole = self.engine.resident_tokens(s) // self.engine.block_size * self.engine.block_size
+            there = held.get(d.host)
+            if there is not None and max(there.resident, there.stored, there.inbound) >= whole:
+                continue
+            self.kvshare.submit(s, d.host)
+            n += 1
+        if n:
+            log.info("node %s: a peer is up: %d replicas offered again", self.name, n)
+        return n
 
     def _peer_kvshare(self, name: str) -> str | None:
         """A peer's kv_share address: from the peer table, which DNS discovery may change at run time."""
