@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvmesh.node.api.schema import MAX_STOPS, NOT_TEXT, ChatCompletionRequest
+from kvmesh.node.api.schema import MAX_STOPS, NOT_TEXT, ChatCompletionRequest, refuse_unhonoured
 from kvmesh.node.errors import InvalidRequest
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -138,11 +138,7 @@ class CountTokensRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refused(cls, v: Any) -> Any:
-        if isinstance(v, dict):
-            for name, why in _REFUSED.items():
-                if v.get(name):
-                    raise InvalidRequest(f"{name}: {why}", param=name)
-        return v
+        return refuse_unhonoured(v, _REFUSED)
 
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):

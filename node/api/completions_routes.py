@@ -23,7 +23,7 @@ from kvmesh.node.api.answer import Failed, Finish, collect, local_events
 from kvmesh.node.api.chat_format import usage
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
-from kvmesh.node.api.schema import MAX_STOPS, StreamOptions
+from kvmesh.node.api.schema import MAX_STOPS, StreamOptions, refuse_unhonoured
 from kvmesh.node.api.serving import check_model, turn_headers
 from kvmesh.node.api.sessionid import Named, name_session
 from kvmesh.node.api.toolevents import ContentDelta
@@ -60,11 +60,7 @@ class CompletionRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refused(cls, v: Any) -> Any:
-        if isinstance(v, dict):
-            for name, why in _REFUSED.items():
-                if v.get(name) not in (None, False, 0, {}, ""):
-                    raise InvalidRequest(f"{name}: {why}", param=name, code="unsupported_parameter")
-        return v
+        return refuse_unhonoured(v, _REFUSED)
 
     def one_prompt(self) -> str | list[int]:
         p = self.prompt

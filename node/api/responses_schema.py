@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmesh.node.api.anthropic_schema import validated_chat
-from kvmesh.node.api.schema import NOT_TEXT, ChatCompletionRequest
+from kvmesh.node.api.schema import NOT_TEXT, ChatCompletionRequest, refuse_unhonoured
 from kvmesh.node.errors import InvalidRequest
 
 _REFUSED = {
@@ -116,10 +116,8 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refused(cls, v: Any) -> Any:
+        refuse_unhonoured(v, _REFUSED)
         if isinstance(v, dict):
-            for name, why in _REFUSED.items():
-                if v.get(name):
-                    raise InvalidRequest(f"{name}: {why}", param=name, code="unsupported_parameter")
             fmt = (v.get("text") or {}).get("format") if isinstance(v.get("text"), dict) else None
             if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
                 raise InvalidRequest("text.format: kvmesh does not constrain decoding; leave it unset or "

@@ -9,6 +9,7 @@ add them over time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -121,6 +122,16 @@ def _is_set(name: str, value: Any) -> bool:
     return True
 
 
+def refuse_unhonoured(v: Any, refused: Mapping[str, str]) -> Any:
+    """A before-validator's body, for every dialect: a 400 naming the first field of `refused` (field
+    -> why kvmesh cannot honour it) that the request sets to something; the request as it came otherwise."""
+    if isinstance(v, dict):
+        for name, why in refused.items():
+            if _is_set(name, v.get(name)):
+                raise InvalidRequest(f"{name}: {why}", param=name, code="unsupported_parameter")
+    return v
+
+
 def check_role_order(messages: list[ChatMessage]) -> None:
     """A 400 for sequences no chat template renders faithfully: a tool result that follows no
     assistant message, or names a call the assistant did not make; two assistant messages in a
@@ -189,12 +200,7 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _refused(cls, v: Any) -> Any:
         """Fields whose effect kvmesh cannot give, refused when set (the message names the field)."""
-        if not isinstance(v, dict):
-            return v
-        for name, why in _REFUSED.items():
-            if _is_set(name, v.get(name)):
-                raise InvalidRequest(f"{name}: {why}", param=name, code="unsupported_parameter")
-        return v
+        return refuse_unhonoured(v, _REFUSED)
 
     @model_validator(mode="after")
     def _role_order(self) -> ChatCompletionRequest:
