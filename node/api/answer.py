@@ -174,6 +174,16 @@ class ChatChunks:
         return out
 
 
+async def rendered(start: list[bytes], feed: Callable[[AnswerEvent], list[bytes]],
+                   events: AsyncIterator[AnswerEvent]) -> AsyncIterator[bytes]:
+    """A dialect's stream: its opening events, then what its sans-I/O renderer makes of each answer event."""
+    for b in start:
+        yield b
+    async for ev in events:
+        for b in feed(ev):
+            yield b
+
+
 async def chunk_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[AnswerEvent]:
     """A peer's relayed chat SSE answer as answer events."""
     parse = ChatChunks()

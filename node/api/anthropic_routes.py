@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, collect
+from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, collect, rendered
 from kvmesh.node.api.anthropic_schema import CountTokensRequest, MessagesRequest
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.errors import anthropic_error
-from kvmesh.node.api.serving import check_model, open_answer, prompt_request
+from kvmesh.node.api.serving import check_model, open_answer, prompt_request, sse_response
 from kvmesh.node.api.sessionid import Named, name_session
 from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallEnd, ToolCallStart, ToolEvent, assemble
 
@@ -111,14 +110,6 @@ class StreamRenderer:
         return [_event("content_block_stop", {"index": self.index})]
 
 
-async def _stream(r: StreamRenderer, events: AsyncIterator[AnswerEvent]) -> AsyncIterator[bytes]:
-    for b in r.start():
-        yield b
-    async for ev in events:
-        for b in r.feed(ev):
-            yield b
-
-
 @router.post("/v1/messages", response_model=None, dependencies=[ClientKey])
 async def messages(body: MessagesRequest, request: Request, node: NodeDep) -> Response:
     chat = body.chat()
@@ -132,8 +123,7 @@ async def messages(body: MessagesRequest, request: Request, node: NodeDep) -> Re
     mid = "msg_" + uuid.uuid4().hex[:24]
     if body.stream:
         r = StreamRenderer(mid, body.model, opened.prompt_tokens, opened.cached_tokens)
-        return StreamingResponse(_stream(r, opened.events), media_type="text/event-stream",
-                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(rendered(r.start(), r.feed, opened.events), headers)
     events, fin = await collect(opened.events)
     return JSONResponse(_message(mid, body.model, events, fin), headers=headers)
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvmesh.node.api.answer import Failed, Finish, collect, local_events
@@ -24,13 +24,13 @@ from kvmesh.node.api.chat_format import usage
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.schema import MAX_STOPS, StreamOptions, refuse_unhonoured
-from kvmesh.node.api.serving import check_model, turn_headers
+from kvmesh.node.api.serving import check_model, relayed, sse_response, turn_headers
 from kvmesh.node.api.sessionid import Named, name_session
 from kvmesh.node.api.toolevents import ContentDelta
 from kvmesh.node.engine.engine import GenerateRequest
 from kvmesh.node.errors import InvalidRequest
 from kvmesh.node.mesh.forward import sse_error
-from kvmesh.node.mesh.turn import HostTurn, PeerAnswer, PeerStream
+from kvmesh.node.mesh.turn import HostTurn
 from kvmesh.node.node import Node
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
@@ -131,17 +131,15 @@ async def completions(body: CompletionRequest, request: Request, node: NodeDep) 
     def render(run: HostTurn) -> AsyncIterator[bytes]:
         return _sse(run, ("cmpl-resumed", int(time.time()), body.model), include_usage)
 
-    served = await node.turns.serve(greq, request.headers, await request.body(), stream=body.stream, render=render,
+    raw = await request.body()
+    served = await node.turns.serve(greq, request.headers, lambda: raw, stream=body.stream, render=render,
                                     source=source, path="/v1/completions")
-    if isinstance(served, PeerAnswer):
-        return served.response
-    if isinstance(served, PeerStream):
-        return StreamingResponse(served.chunks, status_code=200, headers=served.headers)
+    if not isinstance(served, HostTurn):
+        return relayed(served)
     ident = ("cmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.model)
     headers = turn_headers(served)
     if body.stream:
-        return StreamingResponse(_sse(served, ident, include_usage), media_type="text/event-stream",
-                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(_sse(served, ident, include_usage), headers)
     events, fin = await collect(local_events(served, lambda: None))
     text = "".join(ev.text for ev in events if isinstance(ev, ContentDelta))
     cid, created, model = ident

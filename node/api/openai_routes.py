@@ -14,16 +14,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvmesh.node.api.answer import collect, local_events
 from kvmesh.node.api.chat_format import chat_completion, chat_sse
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.schema import ChatCompletionRequest
-from kvmesh.node.api.serving import parser_factory, prompt_request, turn_headers
+from kvmesh.node.api.serving import parser_factory, prompt_request, relayed, sse_response, turn_headers
 from kvmesh.node.api.sessionid import Named, name_session
-from kvmesh.node.mesh.turn import HostTurn, PeerAnswer, PeerStream
+from kvmesh.node.mesh.turn import HostTurn
 
 router = APIRouter()
 
@@ -67,18 +67,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, node: 
         # A stream resumed on this host: the splice gives its chunks the first stream's id.
         return chat_sse(run, ("chatcmpl-resumed", int(time.time()), body.model), include_usage, new_parser)
 
-    served = await node.turns.serve(greq, request.headers, await request.body(), stream=body.stream, render=render,
+    raw = await request.body()
+    served = await node.turns.serve(greq, request.headers, lambda: raw, stream=body.stream, render=render,
                                     source=session.source)
-    if isinstance(served, PeerAnswer):
-        return served.response
-    if isinstance(served, PeerStream):
-        return StreamingResponse(served.chunks, status_code=200, headers=served.headers)
+    if not isinstance(served, HostTurn):
+        return relayed(served)
     ident = ("chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.model)
     headers = turn_headers(served)
     if body.stream:
-        headers |= {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(chat_sse(served, ident, include_usage, new_parser), media_type="text/event-stream",
-                                 headers=headers)
+        return sse_response(chat_sse(served, ident, include_usage, new_parser), headers)
     events, fin = await collect(local_events(served, new_parser))
     return JSONResponse(chat_completion(ident, events, fin), headers=headers)
 

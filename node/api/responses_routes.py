@@ -14,17 +14,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, collect
+from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, collect, rendered
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.responses_schema import ResponsesRequest
-from kvmesh.node.api.serving import open_answer, prompt_request
+from kvmesh.node.api.serving import open_answer, prompt_request, sse_response
 from kvmesh.node.api.sessionid import Named, name_session
 from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 from kvmesh.node.errors import NotFound
@@ -138,14 +137,6 @@ class ResponseBuilder:
         return out + [self._ev("response.output_item.done", {"output_index": at["output_index"], "item": item})]
 
 
-async def _stream(b: ResponseBuilder, events: AsyncIterator[AnswerEvent]) -> AsyncIterator[bytes]:
-    for chunk in b.start():
-        yield chunk
-    async for ev in events:
-        for chunk in b.feed(ev):
-            yield chunk
-
-
 async def responses(body: ResponsesRequest, request: Request, node: NodeDep) -> Response:
     chat = body.chat()
     session = name_session(request.headers, Named(prompt_cache_key=body.prompt_cache_key, user=body.user),
@@ -157,8 +148,7 @@ async def responses(body: ResponsesRequest, request: Request, node: NodeDep) -> 
         headers["X-Kvmesh-Ignored"] = ",".join(ignored)
     b = ResponseBuilder(body)
     if body.stream:
-        return StreamingResponse(_stream(b, opened.events), media_type="text/event-stream",
-                                 headers=headers | {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(rendered(b.start(), b.feed, opened.events), headers)
     events, fin = await collect(opened.events)
     for ev in events:
         b.feed(ev)

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi.responses import Response, StreamingResponse
+
 from kvmesh.node.api.answer import AnswerError, AnswerEvent, ParserFactory, chunk_events, completion_events, local_events
 from kvmesh.node.api.chat_format import chat_sse
 from kvmesh.node.api.schema import ChatCompletionRequest, StreamOptions
@@ -25,7 +27,7 @@ from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine.chat import tools_for_prompt
 from kvmesh.node.engine.engine import GenerateRequest
 from kvmesh.node.errors import InvalidRequest, ModelNotFound
-from kvmesh.node.mesh.turn import HostTurn, PeerStream
+from kvmesh.node.mesh.turn import HostTurn, PeerAnswer, PeerStream
 from kvmesh.node.node import Node
 from kvmesh.node.protocol import session_header
 
@@ -65,6 +67,19 @@ def prompt_request(node: Node, body: ChatCompletionRequest, session: SessionName
     return greq
 
 
+def sse_response(chunks: AsyncIterator[bytes], headers: Mapping[str, str]) -> StreamingResponse:
+    """A streamed answer from this host, in any dialect: SSE, never cached or buffered by a proxy."""
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def relayed(served: PeerAnswer | PeerStream) -> Response:
+    """A peer's answer in the hop's own dialect (chat or legacy completions), passed on as it came."""
+    if isinstance(served, PeerAnswer):
+        return served.response
+    return StreamingResponse(served.chunks, status_code=200, headers=served.headers)
+
+
 def turn_headers(run: HostTurn) -> dict[str, str]:
     """What a turn run here tells the client about itself (peers pass these back through the entry)."""
     begin = run.begin
@@ -100,7 +115,7 @@ async def open_answer(node: Node, body: ChatCompletionRequest, greq: GenerateReq
         # A stream resumed on this host: the splice gives its chunks the first stream's id.
         return chat_sse(run, ("chatcmpl-resumed", int(time.time()), node.engine.model_name), True, new_parser)
 
-    served = await node.turns.serve(greq, headers, hop_body(node, body, stream), stream=stream, render=render,
+    served = await node.turns.serve(greq, headers, lambda: hop_body(node, body, stream), stream=stream, render=render,
                                     source=session.source)
     if isinstance(served, HostTurn):
         b = served.begin

@@ -110,11 +110,12 @@ class TurnPath:
         self.name, self.engine, self.mesh, self.replicas = name, engine, mesh, replicas
         self.publish, self.forward_timeout_s, self.on_resumed = publish, forward_timeout_s, on_resumed
 
-    async def serve(self, req: GenerateRequest, headers: Mapping[str, str], raw_body: bytes, *, stream: bool,
+    async def serve(self, req: GenerateRequest, headers: Mapping[str, str], hop_body: Callable[[], bytes], *, stream: bool,
                     render: Render, source: str = "digest", path: str = CHAT_PATH) -> HostTurn | PeerAnswer | PeerStream:
         """Run the client's turn where it belongs: a HostTurn when it runs here, else the peer's answer.
 
-        raw_body is what a peer would run, POSTed to its `path`: chat completions (the mesh's hop
+        hop_body makes what a peer would run, POSTed to its `path` (made only if the turn is forwarded,
+        once): chat completions (the mesh's hop
         format, whatever chat dialect the client spoke) or legacy completions (a raw prompt);
         `source` is what named the session (node.api.sessionid)."""
         forwarded = self._forwarded(req, headers)
@@ -123,7 +124,7 @@ class TurnPath:
             return await self.run_here(req, prev_host, predicted, seq, headers.get(SOURCE, "")[:64] or source)
         # Without a mesh secret peers cannot vouch for the client: its API key goes along.
         keys = {k: headers[k] for k in CLIENT_KEY_HEADERS if k in headers}
-        return await EntryTurn(self, req, raw_body, stream, render, source, keys, path).start()
+        return await EntryTurn(self, req, hop_body, stream, render, source, keys, path).start()
 
     def _forwarded(self, req: GenerateRequest, headers: Mapping[str, str]) -> tuple[str | None, int | None, int] | None:
         """(previous host, predicted reuse, turn sequence) of a turn a peer placed here, or None.
@@ -259,13 +260,14 @@ class _There:
 class EntryTurn:
     """What the entry node knows of one client turn: enough to place it, and to place it again."""
 
-    def __init__(self, path: TurnPath, req: GenerateRequest, raw_body: bytes, stream: bool, render: Render,
+    def __init__(self, path: TurnPath, req: GenerateRequest, hop_body: Callable[[], bytes], stream: bool, render: Render,
                  source: str, client_keys: dict[str, str], hop_path: str):
         if req.seed is None and req.temperature >= MIN_TEMPERATURE:
             # The entry picks the seed, so a turn run again elsewhere samples the same answer.
             req.seed = secrets.randbits(63)
         self.path, self.req, self.session = path, req, req.session
-        self.raw_body, self.stream, self.render, self.source = raw_body, stream, render, source
+        self.stream, self.render, self.source = stream, render, source
+        self._hop_body, self._body = hop_body, b""
         self.client_keys, self.hop_path = client_keys, hop_path
         self.seq = path.mesh.next_seq(req.session)
         self.unavailable: set[str] = set()
@@ -312,7 +314,8 @@ class EntryTurn:
             headers[PEER_HEADER] = mesh.peer_token
         peer.pending += 1
         try:
-            resp = await open_turn(mesh.peers.client, d.host, peer.cfg.api + self.hop_path, self.raw_body, headers,
+            self._body = self._body or self._hop_body()
+            resp = await open_turn(mesh.peers.client, d.host, peer.cfg.api + self.hop_path, self._body, headers,
                                    timeout_s=self.path.forward_timeout_s)
             whole = None
             if not self.stream or resp.status_code != 200:
