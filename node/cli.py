@@ -186,7 +186,27 @@ def _add_bench(sub: Subparsers) -> None:
     x.add_argument("--block-size", type=int, help="with --engine llamacpp: tokens per KV block (default: from the model's context)")
     x.set_defaults(engine_default="sim")
     x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
+    e = bsub.add_parser("engine", help="one host's engine against llama.cpp's llama-server: prefill and decode tok/s")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--against", choices=["llama-server", "none"], default="llama-server",
+                   help="llama-server: built by `make llama-server`; none: kvmesh's figures alone")
+    e.add_argument("--model", type=Path, help=GGUF_HELP + " (default: smollm2)")
+    e.add_argument("--threads", type=int, default=0, help="compute threads of each server, on as many cores (0: all)")
+    e.add_argument("--slots", type=int, default=4)
+    e.add_argument("--streams", type=_int_list, default=[1, 4], help="concurrent streams per point (comma-separated)")
+    e.add_argument("--prompts", type=_int_list, default=[1000, 4000, 7000], help="prompt tokens per point (comma-separated)")
+    e.add_argument("--max-tokens", type=int, default=128, help="tokens decoded per stream (ignore_eos)")
     b.set_defaults(func=cmd_bench)
+
+
+def _int_list(v: str) -> list[int]:
+    try:
+        xs = [int(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a comma-separated list of integers") from None
+    if not xs or min(xs) < 1:
+        raise argparse.ArgumentTypeError(f"{v!r}: give positive integers, e.g. 1,4")
+    return xs
 
 
 def _add_netlab(sub: Subparsers) -> None:

@@ -49,6 +49,7 @@ class CompletionRequest(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000)
+    ignore_eos: bool = False
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -95,7 +96,8 @@ def _request(node: Node, body: CompletionRequest, request: Request) -> tuple[Gen
         ids = [tok.bos_id, *ids]
     session = name_session(request.headers, Named(user=body.user), [{"role": "user", "content": opening}])
     greq = GenerateRequest(session=session.id, prompt=ids, max_tokens=body.max_tokens, temperature=body.temperature,
-                           top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_list())
+                           top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_list(),
+                           ignore_eos=body.ignore_eos)
     node.engine.validate(greq)
     return greq, session.source
 

@@ -173,6 +173,7 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: int = Field(0, ge=0, le=1_000_000)  # llama.cpp's and vLLM's extension; 0: off
+    ignore_eos: bool = False  # llama.cpp's and vLLM's extension: generate max_tokens whatever is sampled
     n: int = Field(1, ge=1, le=1)
     user: str | None = Field(None, max_length=512)
     tools: list[ToolDef] | None = Field(None, max_length=512)

@@ -62,7 +62,7 @@ def prompt_request(node: Node, body: ChatCompletionRequest, session: SessionName
         raise InvalidRequest("message content is not valid Unicode (an unpaired surrogate?)", param="messages") from None
     greq = GenerateRequest(session=session.id, prompt=prompt, max_tokens=body.token_budget(DEFAULT_MAX_TOKENS),
                            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                           stop=body.stop_list())
+                           stop=body.stop_list(), ignore_eos=body.ignore_eos)
     node.engine.validate(greq)
     return greq
 

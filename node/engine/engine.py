@@ -300,7 +300,7 @@ class Engine:
             tok = sample(logits, req.temperature, req.top_p, gen, self._allowed, req.top_k)
             if not out_ids:
                 stats.ttft_s = time.monotonic() - t0
-            if tok in self._stop_ids:
+            if tok in self._stop_ids and not req.ignore_eos:
                 stats.finish_reason = "stop"
                 break
             out_ids.append(tok)

@@ -24,6 +24,7 @@ class GenerateRequest:
     top_k: int = 0  # 0: no top-k cut
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # decode past end-of-turn tokens, to max_tokens (benchmarks: fixed lengths)
     # Awaited once the slot and the session are held, just before the cache is matched:
     # the node imports a stored replica here, so nothing can evict it in between.
     prepare: Callable[[], Awaitable[object]] | None = None

@@ -48,6 +48,16 @@ def _wanted(member: str) -> str | None:
     return None
 
 
+def download_sdist(folder: Path) -> Path:
+    """llama-cpp-python's sdist (the version kvmesh runs) into `folder`, by pip, so pip's cache
+    and index settings apply; returns the archive's path. The vocabularies and `make
+    llama-server` (node.lab.llamaserver) both come from it."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                    "-d", str(folder), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
+    (sdist,) = folder.glob("llama_cpp_python-*.tar.gz")
+    return sdist
+
+
 def fetch(dest: Path | None = None) -> Path:
     """Extract the vocabularies into `dest` (default `vocab_dir()`); a no-op when all are there.
 
@@ -58,10 +68,7 @@ def fetch(dest: Path | None = None) -> Path:
         return dest
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvmesh-vocab-") as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                        "-d", tmp, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], check=True)
-        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
-        with tarfile.open(sdist) as tar:
+        with tarfile.open(download_sdist(Path(tmp))) as tar:
             for m in tar:
                 base = _wanted(m.name) if m.isfile() and "/vendor/llama.cpp/models/" in m.name else None
                 src = tar.extractfile(m) if base else None

@@ -83,6 +83,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def pinned(cores: Collection[int] | None) -> list[str]:
+    """The command prefix that runs a process on these CPU cores only (`taskset`); none for None.
+
+    The side-by-side benches give each "host" on one machine its own core, so a move between
+    two hosts buys real capacity, as it would between two machines."""
+    return ["taskset", "-c", ",".join(str(c) for c in sorted(cores))] if cores else []
+
+
 def merge_config(cfg: dict[str, Any], sections: dict[str, Any]) -> None:
     """Merge config sections into `cfg`: a table's keys are updated one by one, anything else is replaced."""
     for section, values in sections.items():

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from kvmesh.node.lab.streamclient import TurnFailed, stream_chat
 from kvmesh.node.lab.workload import system_prompt, text
 
 
@@ -46,6 +47,8 @@ class LoadStats:
     ttft_s: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
     conversations: int = 0
+    prompt_tokens: int = 0
+    recomputed_tokens: int = 0  # prompt tokens not served from a cache
     error_samples: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -58,6 +61,7 @@ class LoadStats:
             "status": dict(self.status), "handoffs": dict(self.handoffs), "hosts": dict(self.hosts),
             "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p95_s": pct(self.ttft_s, 0.95), "ttft_p99_s": pct(self.ttft_s, 0.99),
             "latency_p50_s": pct(self.latency_s, 0.5), "latency_p99_s": pct(self.latency_s, 0.99),
+            "prompt_tokens": self.prompt_tokens, "prompt_tokens_recomputed": self.recomputed_tokens,
             "error_samples": self.error_samples[:5],
         }
 
@@ -81,41 +85,27 @@ class LoadRunner:
 
     async def turn(self, client: httpx.AsyncClient, session: str, messages: list[dict[str, str]]) -> str | None:
         """One streamed turn; returns the reply text, or None when it failed."""
-        url = f"{self._entry()}/v1/chat/completions"
-        body = {"model": self.model, "messages": messages, "max_tokens": self.shape.max_tokens, "temperature": 0,
-                "stream": True}
-        t0 = time.monotonic()
-        ttft = None
-        out: list[str] = []
+        body = {"model": self.model, "messages": messages, "max_tokens": self.shape.max_tokens, "temperature": 0}
         st = self.stats
+        t0 = time.monotonic()
         try:
-            async with client.stream("POST", url, json=body, headers={"X-Session-Id": session}) as r:
-                st.status[str(r.status_code)] += 1
-                if r.status_code != 200:
-                    detail = (await r.aread())[:200].decode(errors="replace")
-                    raise RuntimeError(f"HTTP {r.status_code}: {detail}")
-                st.handoffs[r.headers.get("x-kvmesh-handoff", "none")] += 1
-                st.hosts[r.headers.get("x-kvmesh-host", "?")] += 1
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    obj = json.loads(line[6:])
-                    if "error" in obj:
-                        raise RuntimeError(obj["error"].get("message", "error in stream"))
-                    for ch in obj.get("choices", []):
-                        piece = ch.get("delta", {}).get("content")
-                        if piece:
-                            ttft = ttft or time.monotonic() - t0
-                            out.append(piece)
-        except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
+            r = await stream_chat(client, f"{self._entry()}/v1/chat/completions", body, {"X-Session-Id": session})
+        except TurnFailed as e:
             st.errors += 1
+            if e.status:
+                st.status[str(e.status)] += 1
             if len(st.error_samples) < 20:
-                st.error_samples.append(f"{session}: {type(e).__name__}: {e}")
+                st.error_samples.append(f"{session}: {e}")
             return None
+        st.status[str(r.status)] += 1
+        st.handoffs[r.headers.get("x-kvmesh-handoff", "none")] += 1
+        st.hosts[r.headers.get("x-kvmesh-host", "?")] += 1
         st.turns += 1
-        st.ttft_s.append(ttft if ttft is not None else time.monotonic() - t0)
+        st.ttft_s.append(r.ttft_s)
         st.latency_s.append(time.monotonic() - t0)
-        return "".join(out)
+        st.prompt_tokens += r.prompt_tokens
+        st.recomputed_tokens += r.recomputed_tokens
+        return r.text
 
     def _log(self, session: str, appended: list[dict[str, str]]) -> None:
         if self.record is not None:

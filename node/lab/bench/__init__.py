@@ -23,6 +23,10 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.node.lab.bench.agents import run_agents
 
         return run_agents(args)
+    if args.bench == "engine":
+        from kvmesh.node.lab.bench.enginebench import run_engine
+
+        return run_engine(args)
     if args.bench == "transfer" and getattr(args, "engine", "sim") == "llamacpp":
         from kvmesh.node.lab.bench.llamaxfer import run_llama_transfer
 

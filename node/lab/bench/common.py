@@ -79,6 +79,20 @@ def llamacpp_engine(args: argparse.Namespace, max_context: int | None) -> dict[s
 LLAMA_CONTEXT_CAP = 16384
 
 
+def chars_per_token(model: str | Path) -> tuple[float, int]:
+    """Characters per token of the workload's text in a GGUF model's own tokenizer, and the
+    model's trained context: the benches size their prompts in the model's tokens from these."""
+    from kvmesh.node.config import LlamaCppConfig
+    from kvmesh.node.engine.llamacpp import LlamaModel
+
+    m = LlamaModel.open(model, LlamaCppConfig())
+    try:
+        sample = text(random.Random(0), 20_000)
+        return len(sample) / len(m.tokenizer.encode(sample)), m.n_ctx_train
+    finally:
+        m.close()
+
+
 def llama_shape(model: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """LoadShape's overrides for a GGUF model, sized to its context, and the shape as a JSON states it.
 
@@ -88,16 +102,8 @@ def llama_shape(model: str) -> tuple[dict[str, Any], dict[str, Any]]:
     tokens on an 8k model: 10-30 s on a shared CPU core), so they are kept as short as that
     allows. The workload counts characters; the model's own tokenizer gives characters per
     token on the workload's text. The sim keeps LoadShape's shape."""
-    from kvmesh.node.config import LlamaCppConfig
-    from kvmesh.node.engine.llamacpp import LlamaModel
-
-    m = LlamaModel.open(model, LlamaCppConfig())
-    try:
-        sample = text(random.Random(0), 20_000)
-        per_token = len(sample) / len(m.tokenizer.encode(sample))
-        context = min(m.n_ctx_train, LLAMA_CONTEXT_CAP)
-    finally:
-        m.close()
+    per_token, trained = chars_per_token(model)
+    context = min(trained, LLAMA_CONTEXT_CAP)
 
     def chars(share: float) -> int:
         return int(share * context * per_token)
