@@ -196,6 +196,19 @@ def _add_bench(sub: Subparsers) -> None:
     e.add_argument("--streams", type=_int_list, default=[1, 4], help="concurrent streams per point (comma-separated)")
     e.add_argument("--prompts", type=_int_list, default=[1000, 4000, 7000], help="prompt tokens per point (comma-separated)")
     e.add_argument("--max-tokens", type=int, default=128, help="tokens decoded per stream (ignore_eos)")
+    v = bsub.add_parser("versus", help="two hosts: kvmesh against llama-servers behind nginx (sticky, round robin)")
+    v.add_argument("--json", action="store_true")
+    v.add_argument("--duration", type=float, default=300.0, help="seconds per arm")
+    v.add_argument("--sessions", type=int, default=16)
+    v.add_argument("--slots", type=int, default=4, help="slots per host")
+    v.add_argument("--max-tokens", type=int, default=64)
+    v.add_argument("--time-scale", type=float, default=1.0, help="multiplies think times")
+    v.add_argument("--seed", type=int, default=1)
+    v.add_argument("--cache-mib", type=int, default=4096, help="prompt cache per host: kvmesh's pool, llama-server's --cache-ram")
+    v.add_argument("--model", type=Path, help=GGUF_HELP + " (default: smollm2)")
+    v.add_argument("--link", choices=["loopback"], default="loopback")
+    v.add_argument("--arms", nargs="+", choices=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"],
+                   default=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"])
     b.set_defaults(func=cmd_bench)
 
 

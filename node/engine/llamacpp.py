@@ -252,7 +252,17 @@ class LlamaRunner:
     def __init__(self, model: LlamaModel, cfg: LlamaCppConfig, *, slots: int, max_context: int, block_size: int):
         self.model, self.lib, self.cfg = model, model.lib, cfg
         self.slots, self.block_size, self.max_context = slots, block_size, max_context
-        self.scratch = slots  # the extra sequence blocks pass through
+        # torch only samples here. Its own OpenMP team, spinning after each op on the event loop's
+        # thread, took cores from llama.cpp's: decode ran at 0.6x of llama-server's (bench engine).
+        torch.set_num_threads(1)
+        # A slot's sequence in a stream of its own (llama-server's default): attention reads only its own
+        # cells. In one unified stream every slot's cells are in every slot's attention range: three idle
+        # 7k-token sessions halved a fourth's prefill and decode (measured). Blocks are then cut from, and
+        # joined into, the sequence's whole state (llamastate.cut/join). A sliding-window model's two
+        # caches keep the unified stream and a scratch sequence blocks pass through (seq_cp shares cells).
+        self.streams = model.n_swa == 0
+        self.scratch = slots  # unified only: the extra sequence blocks pass through
+        self._whole: tuple[int, np.ndarray] | None = None  # (slot, its one-stream state) until the slot changes
         self.ctx = self._new_context()
         self.mem = self.lib.llama_get_memory(self.ctx)
         self.batch = self.lib.llama_batch_init(cfg.n_batch, 0, 1)
@@ -261,23 +271,25 @@ class LlamaRunner:
         self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-llama")
         self.decoder = DecodeBatcher(self._exec, self._decode_batch, on_error=self._erase_slots)
         self.restored_blocks = 0  # blocks restored from the pool (a slot that still held them restores none)
-        self.layout = self._probe_layout()
+        # On the compute thread like every other decode: llama.cpp's OpenMP team belongs to the thread that
+        # first computes, and a second team left idle on the main thread cost a third of decode speed here.
+        self.layout = self._exec.submit(self._probe_layout).result()
         self.block_bytes = self.layout.size(block_size)
 
     def _new_context(self) -> Any:
         lib, cfg = self.lib, self.cfg
         cp = lib.llama_context_default_params()
-        cp.n_ctx = self.slots * self.max_context + self.block_size
+        cp.n_ctx = self.slots * self.max_context + (0 if self.streams else self.block_size)
         cp.n_batch = cfg.n_batch
         cp.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
-        cp.n_seq_max = self.slots + 1
+        cp.n_seq_max = self.slots if self.streams else self.slots + 1
         threads = cfg.threads or len(os.sched_getaffinity(0))
         cp.n_threads = threads
         cp.n_threads_batch = cfg.threads_batch or threads
         cp.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if cfg.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cp.type_k = _GGML_TYPES[cfg.type_k]
         cp.type_v = _GGML_TYPES[cfg.type_v]
-        cp.kv_unified = True  # one cell pool: seq_cp shares cells between sequences instead of copying
+        cp.kv_unified = not self.streams  # unified: one cell pool, so seq_cp shares cells instead of copying
         # Sliding-window layers keep every position, not the last window: a block then restores exactly,
         # at the memory of a full-attention cache for those layers (llama-server's --swa-full).
         cp.swa_full = self.model.n_swa > 0
@@ -290,13 +302,19 @@ class LlamaRunner:
         return ctx
 
     def _probe_layout(self) -> llamastate.Layout:
-        """Decode one token into the scratch sequence and learn the state layout from its blob."""
-        self._decode([1 % self.model.n_vocab], [self.scratch], [0], logits_last=False)
-        size = self.lib.llama_state_seq_get_size(self.ctx, self.scratch)
-        buf = (ctypes.c_uint8 * size)()
-        n = self.lib.llama_state_seq_get_data(self.ctx, buf, size, self.scratch)
-        self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
-        return llamastate.learn(memoryview(buf)[:n], self.model.n_layer)
+        """Decode one token into a spare sequence and learn the state layout from its blob."""
+        seq = 0 if self.streams else self.scratch
+        self._decode([1 % self.model.n_vocab], [seq], [0], logits_last=False)
+        blob = self._state(seq)
+        self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        return llamastate.learn(blob.data, self.model.n_layer)
+
+    def _state(self, seq: int) -> np.ndarray:
+        """The sequence's whole state in the one-stream form blocks use (`llamastate.one_stream`)."""
+        size = self.lib.llama_state_seq_get_size(self.ctx, seq)
+        buf = np.empty(size, dtype=np.uint8)
+        n = self.lib.llama_state_seq_get_data(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, seq)
+        return llamastate.one_stream(buf[:n], seq) if self.streams else buf[:n]
 
     def attach(self, pool: BlockPool) -> None:
         if pool.block_bytes != self.block_bytes or pool.device.type != "cpu":
@@ -339,6 +357,7 @@ class LlamaRunner:
         held = self.held[slot]
         if held.n != start:
             raise RuntimeError(f"slot {slot} holds {held.n} tokens; a forward at {start} does not follow them")
+        self._changed(slot)
         step = self.cfg.n_batch
         try:
             for lo in range(0, len(tokens), step):
@@ -351,8 +370,10 @@ class LlamaRunner:
         return self._logits(-1)
 
     def _erase(self, slot: int) -> None:
+        self._changed(slot)
         self.lib.llama_memory_seq_rm(self.mem, slot, -1, -1)
-        self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
+        if not self.streams:
+            self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
         self.held[slot].n = 0
 
     # ---- Runner interface ------------------------------------------------------------------
@@ -366,6 +387,7 @@ class LlamaRunner:
         Where the sequence already holds those tokens (this slot ran the session last), it is
         only trimmed: the pool's blocks were cut from it. Otherwise each block is restored."""
         n, held = len(tokens), self.held[slot]
+        self._changed(slot)
         if held.n >= n and np.array_equal(held.tokens[:n], tokens):
             if held.n > n and not self.lib.llama_memory_seq_rm(self.mem, slot, n, -1):
                 self._erase(slot)
@@ -373,21 +395,50 @@ class LlamaRunner:
             held.n = n
             return
         self._erase(slot)
-        bs = self.block_size
-        for j, bid in enumerate(block_ids):
-            self._restore_block(slot, j, bid, min(bs, n - j * bs))
+        if self.streams:
+            self._restore_joined(slot, block_ids, n)
+        else:
+            for j, bid in enumerate(block_ids):
+                self._restore_block(slot, j, bid, min(self.block_size, n - j * self.block_size))
         if self.lib.llama_memory_seq_pos_max(self.mem, slot) >= n and not self.lib.llama_memory_seq_rm(self.mem, slot, n, -1):
             self._erase(slot)
             raise RestoreFailed(len(block_ids) - 1, "llama.cpp could not trim the last block")
         held.set(tokens)
 
-    def _restore_block(self, slot: int, j: int, block_id: int, used: int) -> None:
-        """Block j's state into the scratch sequence, its cells handed to the slot's sequence."""
+    def _check_block(self, j: int, block_id: int, used: int) -> tuple[memoryview, int, str | None]:
+        """Block j's bytes, its cell count, and why it must not be restored (None: sound)."""
         assert self.pool is not None
         view = self.pool.read_bytes(block_id)
         cells = int(np.frombuffer(view, dtype="<u4", count=4)[3])
-        reason = llamastate.check(view, self.layout, j * self.block_size, cells) if cells >= used else \
-            f"it holds {cells} cells, {used} are needed"
+        if cells < used:
+            return view, cells, f"it holds {cells} cells, {used} are needed"
+        return view, cells, llamastate.check(view, self.layout, j * self.block_size, cells)
+
+    def _restore_joined(self, slot: int, block_ids: list[int], n: int) -> None:
+        """Every block checked, then joined into one state restored into the slot's own stream."""
+        views, cells = [], []
+        for j, bid in enumerate(block_ids):
+            view, c, reason = self._check_block(j, bid, min(self.block_size, n - j * self.block_size))
+            if reason is not None:
+                self._erase(slot)
+                raise RestoreFailed(j, reason)
+            views.append(view)
+            cells.append(c)
+        if not views:
+            return
+        pad = 4 * (self.slots - 1)
+        buf = np.empty(self.layout.size(sum(cells)) + pad, dtype=np.uint8)
+        size = llamastate.join(views, self.layout, cells, buf)
+        size = llamastate.to_streams(buf, size, self.slots)
+        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if self.lib.llama_state_seq_set_data(self.ctx, ptr, size, slot) != size:
+            self._erase(slot)
+            raise RestoreFailed(len(views) - 1, f"llama_state_seq_set_data refused it: {getattr(_last_error, 'text', '')}")
+        self.restored_blocks += len(views)
+
+    def _restore_block(self, slot: int, j: int, block_id: int, used: int) -> None:
+        """Block j's state into the scratch sequence, its cells handed to the slot's sequence."""
+        view, cells, reason = self._check_block(j, block_id, used)
         if reason is None:
             size = self.layout.size(cells)
             if self.lib.llama_state_seq_set_data(self.ctx, self._ptr(block_id), size, self.scratch) != size:
@@ -409,6 +460,7 @@ class LlamaRunner:
         for st in steps:
             if self.held[st.slot].n != st.pos:
                 raise RuntimeError(f"slot {st.slot} holds {self.held[st.slot].n} tokens; a step at {st.pos} does not follow them")
+            self._changed(st.slot)
         self._decode([st.token for st in steps], [st.slot for st in steps], [st.pos for st in steps],
                      logits_last=False, logits_all=True)
         rows = []
@@ -431,6 +483,11 @@ class LlamaRunner:
         p1 = min(p0 + self.block_size, self.held[slot].n)
         if p1 <= p0:
             raise RuntimeError(f"slot {slot} holds no token of block {j}")
+        if self.streams:
+            n = self._cut(slot, block_id, p0, p1)
+            if n != self.layout.size(p1 - p0):
+                raise RuntimeError(f"block {j} of slot {slot}: {n} bytes of state, expected {self.layout.size(p1 - p0)}")
+            return
         self.lib.llama_memory_seq_cp(self.mem, slot, self.scratch, p0, p1)
         try:
             n = self.lib.llama_state_seq_get_data(self.ctx, self._ptr(block_id), self.block_bytes, self.scratch)
@@ -438,6 +495,20 @@ class LlamaRunner:
             self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
         if n != self.layout.size(p1 - p0):
             raise RuntimeError(f"block {j} of slot {slot}: {n} bytes of state, expected {self.layout.size(p1 - p0)}")
+
+    def _cut(self, slot: int, block_id: int, p0: int, p1: int) -> int:
+        """Positions [p0, p1) of the slot's state into the pool block. A commit stores its new blocks
+        one after another: the sequence's state is read once and kept until it changes."""
+        if self._whole is None or self._whole[0] != slot:
+            self._whole = None  # the old one is freed before the new one is read
+            self._whole = (slot, self._state(slot))
+        out = np.ctypeslib.as_array(self._ptr(block_id), shape=(self.block_bytes,))
+        return llamastate.cut(self._whole[1].data, self.layout, p0, p1, out)
+
+    def _changed(self, slot: int) -> None:
+        """The slot's sequence is about to change: a state kept for cutting it is stale."""
+        if self._whole is not None and self._whole[0] == slot:
+            self._whole = None
 
     def close(self) -> None:
         self._exec.shutdown(wait=True, cancel_futures=True)

@@ -223,6 +223,34 @@ def _write(out: np.ndarray, lay: Layout, meta: np.ndarray, ks: list[np.ndarray],
     return off
 
 
+def one_stream(blob: np.ndarray, seq: int) -> np.ndarray:
+    """Sequence `seq`'s state from a context of one KV stream per sequence (not kv_unified), in the
+    one-stream form (`n_stream` 1) blocks use. Such a blob has n_stream sections, each a cell count
+    and, for the sequence's own stream only, its cells: the others are empty (count 0, 4 bytes)."""
+    magic, _, n_stream = struct.unpack_from("<IiI", blob.data, 0)
+    if magic != MAGIC or not 0 <= seq < n_stream:
+        raise ValueError(f"a state of {n_stream} streams (magic {magic:#x}) does not hold sequence {seq}'s stream")
+    lo, hi = 12 + 4 * seq, len(blob) - 4 * (n_stream - 1 - seq)
+    others = np.concatenate([blob[12:lo], blob[hi:]]).view("<u4") if n_stream > 1 else np.zeros(0, dtype="<u4")
+    if (others != 0).any():
+        raise ValueError("another stream of the state holds cells: not one sequence's state")
+    out = np.empty(8 + 4 + (hi - lo), dtype=np.uint8)
+    out[:8] = blob[:8]
+    out[8:12] = np.frombuffer(struct.pack("<I", 1), dtype=np.uint8)
+    out[12:] = blob[lo:hi]
+    return out
+
+
+def to_streams(buf: np.ndarray, size: int, n_stream: int) -> int:
+    """Turn the one-stream blob in buf[:size] into the form a context of `n_stream` streams reads (its
+    cells first, then n_stream - 1 empty streams: llama.cpp restores them into the target sequence's own
+    stream); buf needs 4 * (n_stream - 1) spare bytes. Returns the new size."""
+    struct.pack_into("<I", buf.data, 8, n_stream)
+    pad = 4 * (n_stream - 1)
+    buf[size : size + pad] = 0
+    return size + pad
+
+
 def _one_cache(lay: Layout) -> None:
     if lay.extra:
         raise ValueError("re-cutting by parsing handles one cache section (not a sliding-window model's two)")

@@ -23,6 +23,10 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.node.lab.bench.agents import run_agents
 
         return run_agents(args)
+    if args.bench == "versus":
+        from kvmesh.node.lab.bench.versus import run_versus
+
+        return run_versus(args)
     if args.bench == "engine":
         from kvmesh.node.lab.bench.enginebench import run_engine
 

@@ -1,0 +1,111 @@
+"""`kvmesh bench versus`: kvmesh against what operators would run instead, side by side.
+
+Two "hosts" on this machine, each pinned to its own core with one compute thread (on one
+2-core VM both hosts would otherwise share both cores, and a move would buy no capacity); the
+load generator and the proxy run beside them, unpinned. The same GGUF, slots and context per
+slot on every arm, the same coding-agent workload (node.lab.load, sized to the model's context
+by `llama_shape`) and seed. Arms, one after the other:
+- `kvmesh`: two kvmesh nodes, llama.cpp engine, kv_share on; turns enter either node;
+- `sticky`: two llama-servers (`--cache-ram`) behind nginx hashing `X-Session-Id`;
+- `round_robin`: the same llama-servers behind nginx round robin;
+- `kvmesh_no_share`: kvmesh with `kvshare.enabled = false`.
+With think times, turns/s mostly measures the think times, so TTFT percentiles and the prompt
+tokens each arm recomputed (usage's cached tokens, llama-server's `timings.cache_n`) are the
+figures to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvmesh.node.lab.bench.common import emit, llama_shape
+from kvmesh.node.lab.launcher import pinned, write_mesh
+from kvmesh.node.lab.llamaserver import LlamaServer
+from kvmesh.node.lab.load import LoadRunner, LoadShape
+from kvmesh.node.lab.nginx import Proxy
+
+ARMS = ("kvmesh", "sticky", "round_robin", "kvmesh_no_share")
+CORES = ({0}, {1})  # one core per host
+
+
+def _kvmesh(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, share: bool) -> tuple[list[str], Callable[[], None]]:
+    engine = {"kind": "llamacpp", "model": str(model), "slots": slots, "max_context": ctx, "cache_bytes": cache_bytes,
+              "queue_timeout_s": 600.0, "llamacpp": {"threads": 1}}
+    extra: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 2 * cache_bytes, "enabled": share},
+                             "mesh": {"poll_interval_s": 0.25}}
+    mesh = write_mesh(work, ["host-a", "host-b"], engine=engine, extra=extra)
+    for node, cores in zip(mesh.nodes.values(), CORES):
+        node.prefix = pinned(cores)
+    mesh.start(ready_timeout=300)
+    return [mesh.api(n) for n in mesh.names], mesh.stop
+
+
+def _servers(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, policy: str) -> tuple[list[str], Callable[[], None]]:
+    servers = [LlamaServer(model, slots=slots, ctx_per_slot=ctx, threads=1, cores=cores, cache_ram_mib=cache_bytes >> 20,
+                           log=work / f"llama-server-{i}.log") for i, cores in enumerate(CORES)]
+    proxy = Proxy(work / "nginx", [f"127.0.0.1:{s.port}" for s in servers], policy)
+
+    def stop() -> None:
+        proxy.stop()
+        for s in servers:
+            s.stop()
+
+    try:
+        for s in servers:
+            s.start()
+        proxy.upstreams = [f"127.0.0.1:{s.port}" for s in servers]
+        proxy.start()
+    except BaseException:
+        stop()
+        raise
+    return [proxy.url], stop
+
+
+def run_versus(args: argparse.Namespace) -> int:
+    from kvmesh.node.engine.models import resolve
+
+    model = resolve(args.model or "smollm2")
+    overrides, said = llama_shape(str(model))
+    ctx = said["context"]
+    cache_bytes = args.cache_mib << 20
+    arms: dict[str, dict[str, Any]] = {}
+    for arm in args.arms:
+        with tempfile.TemporaryDirectory(prefix=f"kvmesh-versus-{arm}-") as tmp:
+            work = Path(tmp)
+            if arm.startswith("kvmesh"):
+                urls, stop = _kvmesh(work, model, args.slots, ctx, cache_bytes, share=arm == "kvmesh")
+            else:
+                urls, stop = _servers(work, model, args.slots, ctx, cache_bytes, arm)
+            try:
+                shape = LoadShape(sessions=args.sessions, seed=args.seed, max_tokens=args.max_tokens, **overrides)
+                runner = LoadRunner(urls, shape, time_scale=args.time_scale)
+                t0 = time.monotonic()
+                load = asyncio.run(runner.run(args.duration)).summary()
+                elapsed = time.monotonic() - t0
+            finally:
+                stop()
+        arms[arm] = {"ttft_p50_s": load["ttft_p50_s"], "ttft_p95_s": load["ttft_p95_s"], "ttft_p99_s": load["ttft_p99_s"],
+                     "turns_per_s": round(load["turns"] / elapsed, 4), "turns": load["turns"],
+                     "prompt_tokens": load["prompt_tokens"], "prompt_tokens_recomputed": load["prompt_tokens_recomputed"],
+                     "latency_p50_s": load["latency_p50_s"], "errors": load["errors"], "error_samples": load["error_samples"],
+                     "handoffs": load["handoffs"] if arm.startswith("kvmesh") else None, "duration_s": round(elapsed, 1)}
+        print(f"versus: {arm}: {arms[arm]}", flush=True)
+    result: dict[str, Any] = {"arms": arms, "model": model.stem, "link": args.link, "sessions": args.sessions,
+                              "slots_per_host": args.slots, "ctx_per_slot": ctx, "duration_s": args.duration,
+                              "hosts": "2 on loopback, each pinned to its own core, 1 compute thread; client and proxy beside them",
+                              "shape": said}
+    for other in ("sticky", "round_robin"):
+        k, o = arms.get("kvmesh"), arms.get(other)
+        if k and o and k["ttft_p95_s"] and o["ttft_p95_s"]:
+            result[f"ttft_p95_ratio_vs_{other}"] = round(k["ttft_p95_s"] / o["ttft_p95_s"], 3)
+        if k and o and o["turns_per_s"] and other == "sticky":
+            result["turns_per_s_ratio_vs_sticky"] = round(k["turns_per_s"] / o["turns_per_s"], 3)
+    result["errors"] = sum(a["errors"] for a in arms.values())
+    result["error_samples"] = [f"{n}: {s}" for n, a in arms.items() for s in a["error_samples"][:2]]
+    return emit(result, args)
