@@ -25,12 +25,17 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvmesh demo
 
-# Headless Chromium for the console's browser test: installed only when missing and we are root;
-# never fails the build (without it that one test skips and says why).
+# Headless Chromium for the console's browser test, nginx for the side-by-side bench's proxy (and
+# its test): installed only when missing and we are root; never fails the build (without them
+# those tests skip and say why).
 sysdeps:
 	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		(apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
 			|| echo "sysdeps: could not install chromium; the browser test will skip"; \
+	fi
+	@if [ ! -x /usr/sbin/nginx ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light) >/dev/null 2>&1 \
+			|| echo "sysdeps: could not install nginx; the proxy test will skip"; \
 	fi
 
 # The code stays lint-clean: ruff (rules in pyproject.toml) and mypy over the kvmesh package.

@@ -24,6 +24,7 @@ import xxhash
 
 from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine.backends import make_runner, open_backend
+from kvmesh.node.engine.batcher import DecodeBatcher
 from kvmesh.node.engine.blocks import BlockManager, BlockPool
 from kvmesh.node.engine.export_import import ExportedBlock, ImportTxn, PinnedBlocks
 from kvmesh.node.engine.hashing import as_tokens, block_hashes, chain_seed
@@ -292,36 +293,62 @@ class Engine:
         Appends every sampled token to `out_ids` and sets the stats' TTFT and finish reason.
         Text is held back by the longest stop string's length less one, so a stop string
         split across tokens is never streamed."""
-        gen = _generator(req.seed)
         decoder = self.tokenizer.incremental_decoder()
         text, emitted = "", 0
         hold = max((len(s) for s in req.stop), default=1) - 1
-        while True:
-            tok = sample(logits, req.temperature, req.top_p, gen, self._allowed, req.top_k)
-            if not out_ids:
-                stats.ttft_s = time.monotonic() - t0
-            if tok in self._stop_ids and not req.ignore_eos:
-                stats.finish_reason = "stop"
-                break
-            out_ids.append(tok)
-            text += decoder.decode(self.tokenizer.token_bytes(tok))
-            hits = [(i, s) for s in req.stop if (i := text.find(s, max(0, emitted - len(s)))) >= 0]
-            if hits:
-                cut, stats.stop_sequence = min(hits)
-                text = text[:cut]
-                stats.finish_reason = "stop"
-                break
-            if len(text) - hold > emitted:
-                yield TextDelta(text[emitted : len(text) - hold])
-                emitted = len(text) - hold
-            if len(out_ids) >= req.max_tokens or pos + 1 >= self.max_context:
-                stats.finish_reason = "length"
-                break
-            logits = await self.runner.forward(slot, np.array([tok], dtype=np.int32), pos)
-            pos += 1
+        async with contextlib.aclosing(self._tokens(slot, req, pos, logits)) as tokens:
+            async for tok in tokens:
+                if not out_ids:
+                    stats.ttft_s = time.monotonic() - t0
+                if tok in self._stop_ids and not req.ignore_eos:
+                    stats.finish_reason = "stop"
+                    break
+                out_ids.append(tok)
+                text += decoder.decode(self.tokenizer.token_bytes(tok))
+                hits = [(i, s) for s in req.stop if (i := text.find(s, max(0, emitted - len(s)))) >= 0]
+                if hits:
+                    cut, stats.stop_sequence = min(hits)
+                    text = text[:cut]
+                    stats.finish_reason = "stop"
+                    break
+                if len(text) - hold > emitted:
+                    yield TextDelta(text[emitted : len(text) - hold])
+                    emitted = len(text) - hold
+                if len(out_ids) >= req.max_tokens or pos + len(out_ids) >= self.max_context:
+                    stats.finish_reason = "length"
+                    break
         text += decoder.decode(b"", final=True) if stats.finish_reason == "length" else ""
         if len(text) > emitted:
             yield TextDelta(text[emitted:])
+
+    async def _tokens(self, slot: int, req: GenerateRequest, pos: int, logits: torch.Tensor) -> AsyncGenerator[int, None]:
+        """The turn's sampled tokens: the first from the prefill's logits, each next one fed at the
+        following position, until a stop token or a limit. A runner with a `DecodeBatcher` decodes
+        ahead on its compute thread (node.engine.batcher); others step through `forward`."""
+        gen = _generator(req.seed)
+        picked = 0
+
+        def pick(row: torch.Tensor) -> tuple[int, bool]:
+            nonlocal picked
+            tok = sample(row, req.temperature, req.top_p, gen, self._allowed, req.top_k)
+            picked += 1
+            last = (tok in self._stop_ids and not req.ignore_eos) or picked >= req.max_tokens or pos + picked >= self.max_context
+            return tok, last
+
+        tok, last = pick(logits)
+        yield tok
+        batcher = getattr(self.runner, "decoder", None)
+        if last:
+            return
+        if isinstance(batcher, DecodeBatcher):
+            async with contextlib.aclosing(batcher.run_ahead(slot, tok, pos, pick)) as ahead:
+                async for tok in ahead:
+                    yield tok
+            return
+        while not last:
+            row = await self.runner.forward(slot, np.array([tok], dtype=np.int32), pos + picked - 1)
+            tok, last = pick(row)
+            yield tok
 
     def _count_prefill(self, n: int, secs: float, reused: int) -> None:
         c = self.counters

@@ -43,11 +43,11 @@ import xxhash
 
 from kvmesh.node.config import LlamaCppConfig
 from kvmesh.node.engine import llamastate
+from kvmesh.node.engine.batcher import DecodeBatcher, DecodeStep
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.llamatok import LlamaTokenizer
 from kvmesh.node.engine.models import GENERATED, PACKAGED
 from kvmesh.node.engine.models import resolve as resolve_model
-from kvmesh.node.engine.runner import DecodeBatcher, DecodeStep
 from kvmesh.node.errors import CheckpointError, ConfigError
 
 log = logging.getLogger("kvmesh.engine.llamacpp")

@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvmesh.node.engine.batcher import DecodeBatcher, DecodeStep
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.hashing import TOKEN_DTYPE, block_hashes
 from kvmesh.node.engine.model import Decoder, ModelConfig
@@ -38,71 +38,6 @@ class Runner(Protocol):
         """Write block `block_index` of the slot's workspace into pool block `block_id`."""
 
     def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class DecodeStep:
-    """One running slot's next token at its position."""
-
-    slot: int
-    token: int
-    pos: int
-
-
-class DecodeBatcher:
-    """Decode steps of every running slot, gathered from the event loop and run as one batch.
-
-    `step` queues a slot's next token and awaits its logits; the first step queued since the
-    last batch schedules `run_batch` on the compute thread, which then takes every step pending
-    by then. `run_batch(steps)` returns one row of logits per step; if it raises, every waiter
-    of that batch gets the error (none hangs) after `on_error(steps)` has run."""
-
-    def __init__(self, executor: concurrent.futures.Executor, run_batch: Callable[[list[DecodeStep]], Iterable[torch.Tensor]],
-                 on_error: Callable[[list[DecodeStep]], None] = lambda steps: None):
-        self._exec, self._run_batch, self._on_error = executor, run_batch, on_error
-        # Guarded by the lock: the event loop adds, the compute thread takes.
-        self._pending: list[tuple[DecodeStep, asyncio.Future[torch.Tensor], asyncio.AbstractEventLoop]] = []
-        self._lock = threading.Lock()
-        self._queued = False
-        self.batches = 0  # counters: batches run and steps in them
-        self.steps = 0
-
-    async def step(self, slot: int, token: int, pos: int) -> torch.Tensor:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[torch.Tensor] = loop.create_future()
-        with self._lock:
-            self._pending.append((DecodeStep(slot, token, pos), fut, loop))
-            queue, self._queued = not self._queued, True
-        if queue:
-            self._exec.submit(self._drain)
-        return await fut
-
-    def _drain(self) -> None:
-        with self._lock:
-            pending, self._pending, self._queued = self._pending, [], False
-        # A step whose turn was cancelled before the batch started is dropped; one cancelled
-        # later only writes its own slot's state past what any later turn reads.
-        pending = [p for p in pending if not p[1].cancelled()]
-        if not pending:
-            return
-        steps = [p[0] for p in pending]
-        try:
-            rows = self._run_batch(steps)
-            self.batches += 1
-            self.steps += len(steps)
-            for (_, fut, loop), row in zip(pending, rows):
-                loop.call_soon_threadsafe(_resolve, fut, row, None)
-        except BaseException as e:  # every waiter hears of it; none hangs
-            self._on_error(steps)
-            for _, fut, loop in pending:
-                loop.call_soon_threadsafe(_resolve, fut, None, e)
-
-    def cancel_pending(self) -> None:
-        """Steps whose batch will never run (the executor is shut down): their turns end as cancelled."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for _, fut, loop in pending:
-            loop.call_soon_threadsafe(fut.cancel)
 
 
 class TorchRunner:
@@ -192,16 +127,6 @@ class TorchRunner:
     def close(self) -> None:
         self._exec.shutdown(wait=False, cancel_futures=True)
         self.decoder.cancel_pending()
-
-
-def _resolve(fut: asyncio.Future[torch.Tensor], value: torch.Tensor | None, exc: BaseException | None) -> None:
-    if fut.done():  # cancelled meanwhile
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        assert value is not None
-        fut.set_result(value)
 
 
 @dataclass(frozen=True)

@@ -43,13 +43,21 @@ def _turn(engine: Engine, prompt: list[int], max_tokens: int,
     """A greedy turn: the tokens picked, every forward's logits (the prefill's last, then each decode step's), the text."""
     seen: list[torch.Tensor] = []
     inner = engine.runner.forward
+    batcher = engine.runner.decoder  # type: ignore[attr-defined]  # decode steps run ahead through it
+    inner_batch = batcher._run_batch
 
     async def forward(slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
         out = await inner(slot, tokens, start)
         seen.append(out.clone())
         return out
 
+    def run_batch(steps):  # type: ignore[no-untyped-def]  # one slot: one row per batch
+        rows = list(inner_batch(steps))
+        seen.extend(r.clone() for r in rows)
+        return rows
+
     engine.runner.forward = forward  # type: ignore[method-assign]
+    batcher._run_batch = run_batch
     done: list[TurnDone] = []
     said: list[str] = []
 
@@ -64,6 +72,7 @@ def _turn(engine: Engine, prompt: list[int], max_tokens: int,
         asyncio.run(go())
     finally:
         engine.runner.forward = inner  # type: ignore[method-assign]
+        batcher._run_batch = inner_batch
     picked = [int(x.argmax()) for x in seen]
     return picked, seen, "".join(said), done[0]
 
