@@ -2,24 +2,24 @@
 
 The Engine keeps its block bookkeeping (pool, chained hashes, pins, LRU, export, import);
 `LlamaRunner` is its `Runner`, as `TorchRunner` and `SimRunner` are:
-- one llama.cpp context, unified KV cache, one sequence per slot and one scratch sequence
-  (id `slots`), `n_ctx` = slots x the per-slot context;
-- a block's bytes are llama.cpp's per-sequence state of those 256 positions
-  (`node.engine.llamastate`): `store` copies the block's positions to the scratch sequence
-  (`llama_memory_seq_cp`: it shares cells, no KV is copied) and writes its state straight into
-  the pool block (`llama_state_seq_get_data`); `load` restores each block into the scratch
-  sequence (`llama_state_seq_set_data`) and hands its cells to the slot's sequence
-  (`seq_cp`, then the scratch is dropped). A block that does not check or does not restore
-  leaves the slot's sequence erased and raises `RestoreFailed`: never half-restored;
-- prefill runs in chunks of `n_batch`; decode steps of all running slots that are pending
-  together go into one `llama_decode` (as TorchRunner batches its decode steps);
-- every llama.cpp call runs on one compute thread (a context is not thread-safe), never on
-  the event loop.
+- one llama.cpp context, one sequence per slot, `n_ctx` = slots x the per-slot context;
+- each slot's sequence in a KV stream of its own (llama-server's default), so a slot's attention
+  reads only its own cells. A block's bytes are llama.cpp's per-sequence state of its positions
+  (`node.engine.llamastate`): `store` reads the slot's whole state once per commit and cuts each
+  new block from it by position (`llamastate.cut`); `load` checks every block, joins them into one
+  state (`llamastate.join`) and restores it into the slot's stream in one `set_data`;
+- a sliding-window model's two caches keep one unified stream (`kv_unified`) and a scratch
+  sequence (id `slots`): a block is cut by sharing its positions with the scratch sequence
+  (`llama_memory_seq_cp` shares cells) and writing the scratch's state; a restore goes through
+  the scratch block by block and hands its cells to the slot (`seq_cp`);
+- a block that does not check or does not restore leaves the slot's sequence erased and raises
+  `RestoreFailed`: never half-restored;
+- prefill runs in chunks of `n_batch`; running slots decode ahead on the compute thread, every
+  running slot in every `llama_decode` (node.engine.batcher);
+- every llama.cpp call runs on one compute thread (a context is not thread-safe; and llama.cpp's
+  OpenMP team belongs to the thread that computes), never on the event loop.
 
-`LlamaModel.open` refuses models whose cache llama.cpp cannot restore position by position
-exactly (sliding-window attention, recurrent or hybrid layers). The fingerprint covers the
-GGUF file's digest (cached by size, mtime and inode), the KV types, the V layout (flash
-attention) and the state format, so replicas never cross between incompatible engines.
+The model itself (loading, digest, fingerprint) is `node.engine.llamamodel`.
 """
 
 from __future__ import annotations
@@ -27,34 +27,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
-import hashlib
-import json
-import logging
 import os
-import threading
-from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from kvmesh.node.config import LlamaCppConfig
 from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.batcher import DecodeBatcher, DecodeStep
 from kvmesh.node.engine.blocks import BlockPool
-from kvmesh.node.engine.llamatok import LlamaTokenizer
-from kvmesh.node.engine.models import GENERATED, PACKAGED
-from kvmesh.node.engine.models import resolve as resolve_model
-from kvmesh.node.errors import CheckpointError, ConfigError
+from kvmesh.node.engine.llamamodel import LlamaModel, llama_error
+from kvmesh.node.errors import CheckpointError
 
-log = logging.getLogger("kvmesh.engine.llamacpp")
-
-STATE_FORMAT = "llama-state-seq/unified/v1"  # our reading of state_write's layout (llamastate)
 _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
-_LOG_WARN = 3
 
 
 class RestoreFailed(RuntimeError):
@@ -65,161 +51,6 @@ class RestoreFailed(RuntimeError):
         self.block = block
         self.reason = reason
 
-
-def _lib() -> ModuleType:
-    try:
-        import llama_cpp
-    except ImportError as e:
-        raise ConfigError("engine kind 'llamacpp' needs llama-cpp-python: pip install 'kvmesh[llamacpp]' "
-                          f"(it compiles llama.cpp; CMAKE_ARGS selects CUDA, ROCm or Metal): {e}") from None
-    return llama_cpp
-
-
-# ---- the GGUF file's digest, cached ---------------------------------------------------
-
-def _digest_cache() -> Path:
-    from kvmesh.node.engine.gguf_gen import cache_dir
-
-    return cache_dir().parent / "gguf-digests.json"
-
-
-def gguf_digest(path: str | Path) -> str:
-    """xxh3-128 of the file's bytes, remembered by (path, size, mtime, inode): a 20 GB GGUF is
-    read once per change, not once per start."""
-    p = Path(path).resolve()
-    st = p.stat()
-    key = f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-    cache = _digest_cache()
-    try:
-        known = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if isinstance(known, dict) and isinstance(known.get(key), str):
-        return str(known[key])
-    h = xxhash.xxh3_128()
-    with open(p, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    digest = h.hexdigest()
-    known = {k: v for k, v in (known if isinstance(known, dict) else {}).items() if not k.startswith(f"{p}|")}
-    known[key] = digest
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        tmp.replace(cache)
-    except OSError as e:  # a read-only home: the digest is recomputed next start, nothing breaks
-        log.warning("could not cache the digest of %s: %s", p, e)
-    return digest
-
-
-# ---- the model -------------------------------------------------------------------------
-
-_log_cb: Any = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
-_last_error = threading.local()
-
-
-def _install_logging(lib: ModuleType) -> None:
-    """llama.cpp's log lines go to Python logging (warnings and errors only), not to stderr."""
-    global _log_cb
-    if _log_cb is not None:
-        return
-
-    def cb(level: int, text: bytes, _user: Any) -> None:
-        if level >= _LOG_WARN and text:
-            msg = text.decode("utf-8", "replace").rstrip()
-            if msg:
-                _last_error.text = msg
-                log.debug("llama.cpp: %s", msg)
-
-    _log_cb = lib.llama_log_callback(cb)
-    lib.llama_log_set(_log_cb, ctypes.c_void_p())
-
-
-def inexact_reason(lib: ModuleType, model: Any) -> str | None:
-    """Why llama.cpp cannot restore this model's cache block by block exactly, or None."""
-    if lib.llama_model_is_recurrent(model):
-        return "it has recurrent layers (a recurrent state is not per position)"
-    if hasattr(lib, "llama_model_is_hybrid") and lib.llama_model_is_hybrid(model):
-        return "it has hybrid attention/recurrent layers"
-    return None  # sliding-window layers are exact with swa_full (LlamaRunner), at a full cache's memory
-
-
-@dataclass
-class LlamaModel:
-    """A loaded GGUF model: its handle, vocabulary, tokenizer and digest."""
-
-    path: Path
-    lib: ModuleType
-    handle: Any
-    vocab: Any
-    n_layer: int
-    n_vocab: int
-    digest: str
-    tokenizer: LlamaTokenizer
-    n_ctx_train: int  # the context the model was trained for (GGUF `context_length`)
-    n_swa: int = 0  # the sliding window of its SWA layers (0: none)
-
-    @classmethod
-    def open(cls, path: str | Path, cfg: LlamaCppConfig) -> LlamaModel:
-        p = resolve_model(path)
-        if not p.is_file():
-            raise CheckpointError(f"{p} does not exist: engine.model must be a GGUF file or one of "
-                                  f"{', '.join([*PACKAGED, *GENERATED])}", path=str(p))
-        lib = _lib()
-        _install_logging(lib)
-        lib.llama_backend_init()
-        mp = lib.llama_model_default_params()
-        mp.n_gpu_layers = 10**6 if cfg.gpu_layers < 0 else cfg.gpu_layers
-        mp.use_mmap = cfg.use_mmap
-        handle = lib.llama_model_load_from_file(str(p).encode(), mp)
-        if not handle:
-            raise CheckpointError(f"llama.cpp could not load {p}: {getattr(_last_error, 'text', 'see the log')}", path=str(p))
-        reason = inexact_reason(lib, handle)
-        if reason is not None:
-            lib.llama_model_free(handle)
-            raise CheckpointError(f"{p} cannot be served by kvmesh: {reason}, so llama.cpp cannot restore its KV "
-                                  "cache block by block exactly and replicas would be wrong", path=str(p))
-        vocab = lib.llama_model_get_vocab(handle)
-        template = lib.llama_model_chat_template(handle, None)
-        if not template:  # a base model (Gemma 3 270M): chats still render, in a plain role-tag form
-            log.warning("%s has no chat template; chats render with kvmesh's fallback (<|role|> lines)", p.name)
-        tok = LlamaTokenizer(lib, vocab, chat_template=template.decode("utf-8") if template else None,
-                             allowed=_allowed_tokens(p))
-        return cls(p, lib, handle, vocab, int(lib.llama_model_n_layer(handle)), int(lib.llama_vocab_n_tokens(vocab)),
-                   gguf_digest(p), tok, int(lib.llama_model_n_ctx_train(handle)), int(lib.llama_model_n_swa(handle)))
-
-    def close(self) -> None:
-        if self.handle:
-            self.lib.llama_model_free(self.handle)
-            self.handle = None
-
-
-def _allowed_tokens(path: Path) -> list[int] | None:
-    """A generated model's `kvmesh.allowed_tokens` (node.engine.gguf_gen); None for real models."""
-    try:
-        import gguf
-    except ImportError:
-        return None
-    from kvmesh.node.engine.gguf_gen import ALLOWED_TOKENS_KEY
-
-    f = gguf.GGUFReader(path).fields.get(ALLOWED_TOKENS_KEY)
-    return None if f is None else [int(x) for x in f.contents()]
-
-
-def fingerprint(model: LlamaModel, cfg: LlamaCppConfig, layout: llamastate.Layout, block_size: int) -> str:
-    """Names what makes two llama.cpp caches interchangeable: the GGUF bytes, KV types, V layout,
-    the state format (ours and the binding's version), the block size."""
-    blob = json.dumps({"arch": "llamacpp/v1", "gguf": model.digest, "type_k": cfg.type_k, "type_v": cfg.type_v,
-                       "flash_attn": cfg.flash_attn, "v_trans": layout.v_trans, "cell_ext": layout.ext,
-                       "state": STATE_FORMAT, "binding": getattr(model.lib, "__version__", "?"), "block": block_size,
-                       # a sliding-window model's blocks hold its two caches, every position of both (swa_full)
-                       **({"swa_full": True, "caches": len(layout.sections)} if model.n_swa else {})},
-                      sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-# ---- the runner --------------------------------------------------------------------------
 
 class _Held:
     """The tokens whose KV a slot's llama.cpp sequence holds, in position order."""
@@ -298,7 +129,7 @@ class LlamaRunner:
         if not ctx:
             raise CheckpointError(f"llama.cpp could not create a context for {self.model.path} ({self.slots} slots x "
                                   f"{self.max_context} tokens, K {cfg.type_k}, V {cfg.type_v}): "
-                                  f"{getattr(_last_error, 'text', 'see the log')}", path=str(self.model.path))
+                                  f"{llama_error('see the log')}", path=str(self.model.path))
         return ctx
 
     def _probe_layout(self) -> llamastate.Layout:
@@ -347,7 +178,7 @@ class LlamaRunner:
         rc = self.lib.llama_decode(self.ctx, b)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} ({'no room in the KV cache' if rc == 1 else 'error'}): "
-                               f"{getattr(_last_error, 'text', '')}")
+                               f"{llama_error()}")
 
     def _logits(self, i: int) -> torch.Tensor:
         ptr = self.lib.llama_get_logits_ith(self.ctx, i)
@@ -433,7 +264,7 @@ class LlamaRunner:
         ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         if self.lib.llama_state_seq_set_data(self.ctx, ptr, size, slot) != size:
             self._erase(slot)
-            raise RestoreFailed(len(views) - 1, f"llama_state_seq_set_data refused it: {getattr(_last_error, 'text', '')}")
+            raise RestoreFailed(len(views) - 1, f"llama_state_seq_set_data refused it: {llama_error()}")
         self.restored_blocks += len(views)
 
     def _restore_block(self, slot: int, j: int, block_id: int, used: int) -> None:
@@ -442,7 +273,7 @@ class LlamaRunner:
         if reason is None:
             size = self.layout.size(cells)
             if self.lib.llama_state_seq_set_data(self.ctx, self._ptr(block_id), size, self.scratch) != size:
-                reason = f"llama_state_seq_set_data refused it: {getattr(_last_error, 'text', '')}"
+                reason = f"llama_state_seq_set_data refused it: {llama_error()}"
         if reason is not None:
             self._erase(slot)
             raise RestoreFailed(j, reason)

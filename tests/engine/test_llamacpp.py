@@ -26,7 +26,8 @@ import torch
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine import gguf_gen, llamastate
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnDone
-from kvmesh.node.engine.llamacpp import LlamaRunner, RestoreFailed, gguf_digest, inexact_reason
+from kvmesh.node.engine.llamacpp import LlamaRunner, RestoreFailed
+from kvmesh.node.engine.llamamodel import gguf_digest, inexact_reason
 from kvmesh.node.engine.vocab import vocab_dir
 from kvmesh.node.errors import CheckpointError, ImportRefused
 
@@ -262,7 +263,7 @@ def test_inexact_models_are_refused_with_the_reason(llama, monkeypatch: pytest.M
     assert "recurrent" in (inexact_reason(Lib(True, False, 0), None) or "")  # type: ignore[arg-type]
     assert "hybrid" in (inexact_reason(Lib(False, True, 0), None) or "")  # type: ignore[arg-type]
     assert inexact_reason(Lib(False, False, 4096), None) is None  # type: ignore[arg-type]
-    monkeypatch.setattr("kvmesh.node.engine.llamacpp.inexact_reason", lambda lib, m: "it has recurrent layers")
+    monkeypatch.setattr("kvmesh.node.engine.llamamodel.inexact_reason", lambda lib, m: "it has recurrent layers")
     with pytest.raises(CheckpointError, match="cannot be served by kvmesh: it has recurrent layers"):
         llama()
 

@@ -83,7 +83,7 @@ def chars_per_token(model: str | Path) -> tuple[float, int]:
     """Characters per token of the workload's text in a GGUF model's own tokenizer, and the
     model's trained context: the benches size their prompts in the model's tokens from these."""
     from kvmesh.node.config import LlamaCppConfig
-    from kvmesh.node.engine.llamacpp import LlamaModel
+    from kvmesh.node.engine.llamamodel import LlamaModel
 
     m = LlamaModel.open(model, LlamaCppConfig())
     try:

@@ -25,7 +25,8 @@ from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDo
 from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.engine.hf import open_checkpoint
-from kvmesh.node.engine.llamacpp import LlamaModel, LlamaRunner
+from kvmesh.node.engine.llamacpp import LlamaRunner
+from kvmesh.node.engine.llamamodel import LlamaModel
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.lab.bench.common import emit
