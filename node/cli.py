@@ -186,6 +186,12 @@ def _add_bench(sub: Subparsers) -> None:
     x.add_argument("--block-size", type=int, help="with --engine llamacpp: tokens per KV block (default: from the model's context)")
     x.set_defaults(engine_default="sim")
     x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
+    _add_side_by_side(bsub)
+    b.set_defaults(func=cmd_bench)
+
+
+def _add_side_by_side(bsub: Subparsers) -> None:
+    """`bench engine` and `bench versus`: kvmesh against llama.cpp's llama-server."""
     e = bsub.add_parser("engine", help="one host's engine against llama.cpp's llama-server: prefill and decode tok/s")
     e.add_argument("--json", action="store_true")
     e.add_argument("--against", choices=["llama-server", "none"], default="llama-server",
@@ -209,7 +215,6 @@ def _add_bench(sub: Subparsers) -> None:
     v.add_argument("--link", choices=["loopback"], default="loopback")
     v.add_argument("--arms", nargs="+", choices=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"],
                    default=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"])
-    b.set_defaults(func=cmd_bench)
 
 
 def _int_list(v: str) -> list[int]:

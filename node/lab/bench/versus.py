@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,7 +32,14 @@ from kvmesh.node.lab.load import LoadRunner, LoadShape
 from kvmesh.node.lab.nginx import Proxy
 
 ARMS = ("kvmesh", "sticky", "round_robin", "kvmesh_no_share")
-CORES = ({0}, {1})  # one core per host
+
+
+def host_cores() -> tuple[set[int], set[int]]:
+    """One core of this process's for each host (the first two it may use)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"kvmesh bench versus: two hosts need two cores, this process may use {len(cores)}")
+    return {cores[0]}, {cores[1]}
 
 
 def _kvmesh(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, share: bool) -> tuple[list[str], Callable[[], None]]:
@@ -40,7 +48,7 @@ def _kvmesh(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, sha
     extra: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 2 * cache_bytes, "enabled": share},
                              "mesh": {"poll_interval_s": 0.25}}
     mesh = write_mesh(work, ["host-a", "host-b"], engine=engine, extra=extra)
-    for node, cores in zip(mesh.nodes.values(), CORES):
+    for node, cores in zip(mesh.nodes.values(), host_cores()):
         node.prefix = pinned(cores)
     mesh.start(ready_timeout=300)
     return [mesh.api(n) for n in mesh.names], mesh.stop
@@ -48,7 +56,7 @@ def _kvmesh(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, sha
 
 def _servers(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, policy: str) -> tuple[list[str], Callable[[], None]]:
     servers = [LlamaServer(model, slots=slots, ctx_per_slot=ctx, threads=1, cores=cores, cache_ram_mib=cache_bytes >> 20,
-                           log=work / f"llama-server-{i}.log") for i, cores in enumerate(CORES)]
+                           log=work / f"llama-server-{i}.log") for i, cores in enumerate(host_cores())]
     proxy = Proxy(work / "nginx", [f"127.0.0.1:{s.port}" for s in servers], policy)
 
     def stop() -> None:
@@ -100,12 +108,24 @@ def run_versus(args: argparse.Namespace) -> int:
                               "slots_per_host": args.slots, "ctx_per_slot": ctx, "duration_s": args.duration,
                               "hosts": "2 on loopback, each pinned to its own core, 1 compute thread; client and proxy beside them",
                               "shape": said}
-    for other in ("sticky", "round_robin"):
-        k, o = arms.get("kvmesh"), arms.get(other)
-        if k and o and k["ttft_p95_s"] and o["ttft_p95_s"]:
-            result[f"ttft_p95_ratio_vs_{other}"] = round(k["ttft_p95_s"] / o["ttft_p95_s"], 3)
-        if k and o and o["turns_per_s"] and other == "sticky":
-            result["turns_per_s_ratio_vs_sticky"] = round(k["turns_per_s"] / o["turns_per_s"], 3)
-    result["errors"] = sum(a["errors"] for a in arms.values())
-    result["error_samples"] = [f"{n}: {s}" for n, a in arms.items() for s in a["error_samples"][:2]]
+    result.update(summarize(arms))
     return emit(result, args)
+
+
+def summarize(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The top-level figures: kvmesh's TTFT p95 and turns/s over the others' (where both arms ran),
+    and every arm's errors (a run with any is a failed bench)."""
+    out: dict[str, Any] = {}
+    k = arms.get("kvmesh")
+    for other in ("sticky", "round_robin"):
+        o = arms.get(other)
+        if k and o and k["ttft_p95_s"] and o["ttft_p95_s"]:
+            out[f"ttft_p95_ratio_vs_{other}"] = round(k["ttft_p95_s"] / o["ttft_p95_s"], 3)
+        if k and o and o["turns_per_s"]:
+            out[f"turns_per_s_ratio_vs_{other}"] = round(k["turns_per_s"] / o["turns_per_s"], 3)
+    out["errors"] = sum(a["errors"] for a in arms.values())
+    out["error_samples"] = [f"{n}: {e}" for n, a in arms.items() for e in a["error_samples"][:2]]
+    if not arms or any(not a["turns"] for a in arms.values()):
+        out["errors"] = out["errors"] or 1
+        out["error_samples"].append("an arm completed no turn")
+    return out
