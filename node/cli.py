@@ -41,6 +41,12 @@ def cmd_node(args: argparse.Namespace) -> int:
     from kvmesh.node.server import serve
 
     cfg = load_config(args.config, _node_overrides(args))
+    if cfg.api.event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            raise SystemExit("api.event_loop = \"uvloop\" needs uvloop: pip install 'kvmesh[uvloop]'") from None
+        uvloop.install()
     asyncio.run(serve(cfg, ready_file=args.ready_file))
     return 0
 
@@ -159,6 +165,7 @@ def _add_bench(sub: Subparsers) -> None:
     h.add_argument("--time-scale", type=float, default=1.0, help="multiplies think times (compression < 1)")
     h.add_argument("--seed", type=int, default=1)
     h.add_argument("--cold-move-after", type=float, default=30.0, help="mesh.cold_move_after_s for both nodes")
+    h.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio", help="the nodes' api.event_loop")
     h.add_argument("--replicate-min-tokens", type=int, help="kvshare.replicate_min_tokens (default: the node's, from its context)")
     h.add_argument("--engine", choices=["sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else sim; "
                    "llamacpp: both nodes run llama.cpp on --model (default: a generated GGUF)")
@@ -212,7 +219,8 @@ def _add_side_by_side(bsub: Subparsers) -> None:
     v.add_argument("--seed", type=int, default=1)
     v.add_argument("--cache-mib", type=int, default=4096, help="prompt cache per host: kvmesh's pool, llama-server's --cache-ram")
     v.add_argument("--model", type=Path, help=GGUF_HELP + " (default: smollm2)")
-    v.add_argument("--link", choices=["loopback"], default="loopback")
+    v.add_argument("--link", choices=["loopback", "1gbit", "10gbit"], default="loopback",
+                   help="1gbit|10gbit: the hosts in network namespaces joined by a tbf-shaped veth (root)")
     v.add_argument("--arms", nargs="+", choices=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"],
                    default=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"])
 

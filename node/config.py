@@ -143,6 +143,8 @@ class ApiConfig(_Strict):
     # event stream stay open; admin and peer routes have their own tokens.
     keys: list[SecretStr] = Field(default_factory=list)
     cors_origins: list[str] = Field(default_factory=list, description="origins browsers may call the API from ('*': any)")
+    event_loop: Literal["asyncio", "uvloop"] = Field("asyncio", description="the node's event loop; uvloop needs "
+                                                     "`pip install 'kvmesh[uvloop]'` (bench handoff --event-loop A/Bs it)")
 
     @field_validator("keys")
     @classmethod

@@ -95,15 +95,17 @@ def build(extra: list[str] | None = None, jobs: int | None = None) -> Path:
 
 
 class LlamaServer:
-    """One llama-server child on loopback: `slots` slots of `ctx_per_slot` tokens each, its own
-    cores, prompt cache in RAM (`--cache-ram`). `url` once started; `stop` ends it (and only it)."""
+    """One llama-server child: `slots` slots of `ctx_per_slot` tokens each, its own cores, prompt
+    cache in RAM (`--cache-ram`); on loopback, or behind `prefix` (a network namespace) listening on
+    `bind` and reached at `host`. `url` once started; `stop` ends it (and only it)."""
 
     def __init__(self, model: Path, *, slots: int, ctx_per_slot: int, threads: int, cores: set[int] | None = None,
                  cache_ram_mib: int = 8192, host: str = "127.0.0.1", log: Path | None = None,
-                 extra: list[str] | None = None) -> None:
+                 extra: list[str] | None = None, prefix: list[str] | None = None, bind: str | None = None) -> None:
         self.model, self.slots, self.ctx_per_slot, self.threads = model, slots, ctx_per_slot, threads
         self.cores, self.cache_ram_mib, self.host, self.extra = cores, cache_ram_mib, host, extra or []
         self.log = log
+        self.prefix, self.bind = prefix or [], bind or host  # e.g. `ip netns exec NS`, listening on 0.0.0.0 there
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -114,14 +116,14 @@ class LlamaServer:
     def argv(self) -> list[str]:
         # -c is shared by the -np slots (no -kvu), so slots x ctx gives each slot ctx_per_slot
         return [str(find()), "-m", str(self.model), "-c", str(self.slots * self.ctx_per_slot), "-np", str(self.slots),
-                "-t", str(self.threads), "-tb", str(self.threads), "--host", self.host, "--port", str(self.port),
+                "-t", str(self.threads), "-tb", str(self.threads), "--host", self.bind, "--port", str(self.port),
                 "--cache-ram", str(self.cache_ram_mib), "--no-webui", "--metrics", "-fa", "on", *self.extra]
 
     def start(self, timeout_s: float = 180.0) -> LlamaServer:
-        self.port = free_port(self.host)
+        self.port = free_port("127.0.0.1") if self.prefix else free_port(self.host)  # another namespace: any port is free there
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115  # closed below; the child holds its copy
         try:
-            self.proc = subprocess.Popen([*pinned(self.cores), *self.argv()], stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen([*self.prefix, *pinned(self.cores), *self.argv()], stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         finally:
             if out is not subprocess.DEVNULL:

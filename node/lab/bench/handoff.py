@@ -32,7 +32,8 @@ def run_handoff(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
         nodes = start_mesh(Path(tmp), ["node-a", "node-b"], slots=args.slots, kv_scale=args.kv_scale,
                            cache_bytes=args.cache_bytes, engine=engine,
-                           extra={"mesh": {"cold_move_after_s": args.cold_move_after}, "kvshare": kvshare})
+                           extra={"mesh": {"cold_move_after_s": args.cold_move_after}, "kvshare": kvshare,
+                                  "api": {"event_loop": getattr(args, "event_loop", "asyncio")}})
         try:
             wait_peers(nodes)
             replicate_from = httpx.get(f"{nodes[0].api}/v1/stats", timeout=10).json().get("replicate_min_tokens")
@@ -69,6 +70,6 @@ def run_handoff(args: argparse.Namespace) -> int:
         "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
         "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
         "cold_move_after_s": args.cold_move_after, "replicate_min_tokens": replicate_from,
-        "engine": getattr(args, "engine", "sim"), "shape": said,
+        "engine": getattr(args, "engine", "sim"), "shape": said, "event_loop": getattr(args, "event_loop", "asyncio"),
     }
     return emit(result, args)  # non-zero when a turn failed: its counters describe a run that lost turns

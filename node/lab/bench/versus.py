@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import tempfile
 import time
@@ -26,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.node.lab.bench.common import emit, llama_shape
-from kvmesh.node.lab.launcher import pinned, write_mesh
+from kvmesh.node.lab.launcher import pinned, wait_peers, write_mesh
 from kvmesh.node.lab.llamaserver import LlamaServer
 from kvmesh.node.lab.load import LoadRunner, LoadShape
+from kvmesh.node.lab.netlab.mesh import lab_api, lab_nodes
+from kvmesh.node.lab.netlab.netns import TwoHostLab, can_use_netns
 from kvmesh.node.lab.nginx import Proxy
 
 ARMS = ("kvmesh", "sticky", "round_robin", "kvmesh_no_share")
@@ -42,11 +45,28 @@ def host_cores() -> tuple[set[int], set[int]]:
     return {cores[0]}, {cores[1]}
 
 
-def _kvmesh(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, share: bool) -> tuple[list[str], Callable[[], None]]:
+def _kvmesh(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, share: bool,
+            lab: TwoHostLab | None) -> tuple[list[str], Callable[[], None]]:
     engine = {"kind": "llamacpp", "model": str(model), "slots": slots, "max_context": ctx, "cache_bytes": cache_bytes,
               "queue_timeout_s": 600.0, "llamacpp": {"threads": 1}}
     extra: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 2 * cache_bytes, "enabled": share},
                              "mesh": {"poll_interval_s": 0.25}}
+    if lab is not None:  # each node in its namespace; peers and kv_share over the shaped data link
+        nodes = lab_nodes(lab, work, engine=engine, extra=extra, pins=[pinned(c) for c in host_cores()])
+
+        def stop() -> None:
+            for n in nodes:
+                n.stop()
+
+        try:
+            for n in nodes:
+                n.wait_ready(300)
+                n.info["api"] = lab_api(lab, n.name)
+            wait_peers(nodes)
+        except BaseException:
+            stop()
+            raise
+        return [n.api for n in nodes], stop
     mesh = write_mesh(work, ["host-a", "host-b"], engine=engine, extra=extra)
     for node, cores in zip(mesh.nodes.values(), host_cores()):
         node.prefix = pinned(cores)
@@ -54,9 +74,12 @@ def _kvmesh(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, sha
     return [mesh.api(n) for n in mesh.names], mesh.stop
 
 
-def _servers(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, policy: str) -> tuple[list[str], Callable[[], None]]:
+def _servers(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, policy: str,
+             lab: TwoHostLab | None) -> tuple[list[str], Callable[[], None]]:
+    where: list[dict[str, Any]] = [{}, {}] if lab is None else \
+        [{"prefix": h.exec_prefix(), "host": h.mgmt_ip, "bind": "0.0.0.0"} for h in lab.hosts]
     servers = [LlamaServer(model, slots=slots, ctx_per_slot=ctx, threads=1, cores=cores, cache_ram_mib=cache_bytes >> 20,
-                           log=work / f"llama-server-{i}.log") for i, cores in enumerate(host_cores())]
+                           log=work / f"llama-server-{i}.log", **where[i]) for i, cores in enumerate(host_cores())]
     proxy = Proxy(work / "nginx", [f"127.0.0.1:{s.port}" for s in servers], policy)
 
     def stop() -> None:
@@ -67,7 +90,7 @@ def _servers(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, po
     try:
         for s in servers:
             s.start()
-        proxy.upstreams = [f"127.0.0.1:{s.port}" for s in servers]
+        proxy.upstreams = [f"{s.host}:{s.port}" for s in servers]
         proxy.start()
     except BaseException:
         stop()
@@ -83,33 +106,49 @@ def run_versus(args: argparse.Namespace) -> int:
     ctx = said["context"]
     cache_bytes = args.cache_mib << 20
     arms: dict[str, dict[str, Any]] = {}
-    for arm in args.arms:
-        with tempfile.TemporaryDirectory(prefix=f"kvmesh-versus-{arm}-") as tmp:
-            work = Path(tmp)
-            if arm.startswith("kvmesh"):
-                urls, stop = _kvmesh(work, model, args.slots, ctx, cache_bytes, share=arm == "kvmesh")
-            else:
-                urls, stop = _servers(work, model, args.slots, ctx, cache_bytes, arm)
-            try:
-                shape = LoadShape(sessions=args.sessions, seed=args.seed, max_tokens=args.max_tokens, **overrides)
-                runner = LoadRunner(urls, shape, time_scale=args.time_scale)
-                t0 = time.monotonic()
-                load = asyncio.run(runner.run(args.duration)).summary()
-                elapsed = time.monotonic() - t0
-            finally:
-                stop()
-        arms[arm] = {"ttft_p50_s": load["ttft_p50_s"], "ttft_p95_s": load["ttft_p95_s"], "ttft_p99_s": load["ttft_p99_s"],
-                     "turns_per_s": round(load["turns"] / elapsed, 4), "turns": load["turns"],
-                     "prompt_tokens": load["prompt_tokens"], "prompt_tokens_recomputed": load["prompt_tokens_recomputed"],
-                     "latency_p50_s": load["latency_p50_s"], "errors": load["errors"], "error_samples": load["error_samples"],
-                     "handoffs": load["handoffs"] if arm.startswith("kvmesh") else None, "duration_s": round(elapsed, 1)}
-        print(f"versus: {arm}: {arms[arm]}", flush=True)
+    with contextlib.ExitStack() as stack:
+        lab = None if args.link == "loopback" else stack.enter_context(_lab(args.link))
+        for arm in args.arms:
+            arms[arm] = _arm(arm, args, model, overrides, ctx, cache_bytes, lab)
+            print(f"versus: {arm}: {arms[arm]}", flush=True)
     result: dict[str, Any] = {"arms": arms, "model": model.stem, "link": args.link, "sessions": args.sessions,
                               "slots_per_host": args.slots, "ctx_per_slot": ctx, "duration_s": args.duration,
-                              "hosts": "2 on loopback, each pinned to its own core, 1 compute thread; client and proxy beside them",
+                              "hosts": ("2 on loopback" if lab is None else f"2 network namespaces, {args.link} between them")
+                              + ", each pinned to its own core, 1 compute thread; client and proxy beside them",
                               "shape": said}
     result.update(summarize(arms))
     return emit(result, args)
+
+
+def _lab(link: str) -> TwoHostLab:
+    ok, why = can_use_netns()
+    if not ok:
+        raise SystemExit(f"kvmesh bench versus --link {link}: {why}")
+    return TwoHostLab(link)
+
+
+def _arm(arm: str, args: argparse.Namespace, model: Path, overrides: dict[str, Any], ctx: int, cache_bytes: int,
+         lab: TwoHostLab | None) -> dict[str, Any]:
+    """One arm, started, driven for --duration and stopped; its figures."""
+    with tempfile.TemporaryDirectory(prefix=f"kvmesh-versus-{arm}-") as tmp:
+        work = Path(tmp)
+        if arm.startswith("kvmesh"):
+            urls, stop = _kvmesh(work, model, args.slots, ctx, cache_bytes, arm == "kvmesh", lab)
+        else:
+            urls, stop = _servers(work, model, args.slots, ctx, cache_bytes, arm, lab)
+        try:
+            shape = LoadShape(sessions=args.sessions, seed=args.seed, max_tokens=args.max_tokens, **overrides)
+            runner = LoadRunner(urls, shape, time_scale=args.time_scale)
+            t0 = time.monotonic()
+            load = asyncio.run(runner.run(args.duration)).summary()
+            elapsed = time.monotonic() - t0
+        finally:
+            stop()
+    return {"ttft_p50_s": load["ttft_p50_s"], "ttft_p95_s": load["ttft_p95_s"], "ttft_p99_s": load["ttft_p99_s"],
+            "turns_per_s": round(load["turns"] / elapsed, 4), "turns": load["turns"],
+            "prompt_tokens": load["prompt_tokens"], "prompt_tokens_recomputed": load["prompt_tokens_recomputed"],
+            "latency_p50_s": load["latency_p50_s"], "errors": load["errors"], "error_samples": load["error_samples"],
+            "handoffs": load["handoffs"] if arm.startswith("kvmesh") else None, "duration_s": round(elapsed, 1)}
 
 
 def summarize(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -12,13 +12,14 @@ API_PORT, KV_PORT = 8000, 7000
 LAB_SECRET = "kvmesh-netlab-mesh-secret-0001"  # the lab's own namespaces only
 
 
-def lab_nodes(lab: TwoHostLab, work: Path, *, engine: dict[str, Any], extra: dict[str, Any] | None = None) -> list[NodeProcess]:
+def lab_nodes(lab: TwoHostLab, work: Path, *, engine: dict[str, Any], extra: dict[str, Any] | None = None,
+              pins: list[list[str]] | None = None) -> list[NodeProcess]:
     """Write configs and start (not wait for) one node per lab host.
 
     API on all of the host's interfaces (the driver reaches it over the management
-    link, peers over the data link); kv_share on the data link only.
-    """
-    nodes = []
+    link, peers over the data link); kv_share on the data link only. `pins[i]`: a command
+    prefix run inside host i's namespace (e.g. `taskset -c 0`)."""
+    nodes: list[NodeProcess] = []
     for h in lab.hosts:
         peers = [{"name": p.name, "api": f"http://{p.data_ip}:{API_PORT}", "kvshare": f"{p.data_ip}:{KV_PORT}"}
                  for p in lab.hosts if p is not h]
@@ -36,7 +37,8 @@ def lab_nodes(lab: TwoHostLab, work: Path, *, engine: dict[str, Any], extra: dic
                 cfg[section] = values
         path = work / f"{h.name}.toml"
         write_toml(path, cfg)
-        nodes.append(NodeProcess(h.name, path, work, prefix=h.exec_prefix()).start())
+        pin = pins[len(nodes)] if pins else []
+        nodes.append(NodeProcess(h.name, path, work, prefix=[*h.exec_prefix(), *pin]).start())
     return nodes
 
 

@@ -88,3 +88,17 @@ def test_bench_versus_kvmesh_arms_end_to_end(tiny: Path) -> None:
     for a in arms.values():
         assert a["turns"] > 0 and a["errors"] == 0 and a["ttft_p95_s"] is not None
         assert 0 <= a["prompt_tokens_recomputed"] <= a["prompt_tokens"]
+
+
+def test_bench_versus_on_a_shaped_link(tiny: Path) -> None:
+    """--link 1gbit: the two pinned nodes live in network namespaces joined by a shaped veth and still serve every turn."""
+    from kvmesh.node.lab.netlab.netns import can_use_netns
+
+    ok, why = can_use_netns()
+    if not ok:
+        pytest.skip(why)
+    rc, res, err = _bench("versus", "--model", str(tiny), "--arms", "kvmesh", "--duration", "12", "--sessions", "2",
+                          "--max-tokens", "8", "--cache-mib", "256", "--link", "1gbit")
+    assert rc == 0, err
+    assert res["link"] == "1gbit" and "network namespaces" in str(res["hosts"])
+    assert res["arms"]["kvmesh"]["turns"] > 0 and res["errors"] == 0  # type: ignore[index]
