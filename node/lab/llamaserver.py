@@ -110,8 +110,12 @@ class LlamaServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.address}"
 
     def argv(self) -> list[str]:
         # -c is shared by the -np slots (no -kvu), so slots x ctx gives each slot ctx_per_slot

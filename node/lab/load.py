@@ -87,7 +87,6 @@ class LoadRunner:
         """One streamed turn; returns the reply text, or None when it failed."""
         body = {"model": self.model, "messages": messages, "max_tokens": self.shape.max_tokens, "temperature": 0}
         st = self.stats
-        t0 = time.monotonic()
         try:
             r = await stream_chat(client, f"{self._entry()}/v1/chat/completions", body, {"X-Session-Id": session})
         except TurnFailed as e:
@@ -102,7 +101,7 @@ class LoadRunner:
         st.hosts[r.headers.get("x-kvmesh-host", "?")] += 1
         st.turns += 1
         st.ttft_s.append(r.ttft_s)
-        st.latency_s.append(time.monotonic() - t0)
+        st.latency_s.append(r.total_s)
         st.prompt_tokens += r.prompt_tokens
         st.recomputed_tokens += r.recomputed_tokens
         return r.text

@@ -73,15 +73,19 @@ def _a(*names: str) -> list[tuple[str, Any]]:
     return [("A", A(HOSTS.get(n, n))) for n in names]
 
 
+def _reply_json(h: BaseHTTPRequestHandler, status: int, body: bytes) -> None:
+    """A fake server's whole JSON answer."""
+    h.send_response(status)
+    h.send_header("content-type", "application/json")
+    h.send_header("content-length", str(len(body)))
+    h.end_headers()
+    h.wfile.write(body)
+
+
 class _Impostor(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
-        body = json.dumps({"name": "evil", "api_port": self.server.server_address[1], "kvshare_port": 1,
-                           "scheme": "http", "mac": "00" * 32}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        _reply_json(self, 200, json.dumps({"name": "evil", "api_port": self.server.server_address[1], "kvshare_port": 1,
+                                           "scheme": "http", "mac": "00" * 32}).encode())
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -164,17 +168,9 @@ class _FakeApi(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         type(self).seen.append(self.path)
         if type(self).fail or not self.path.startswith("/apis/discovery.k8s.io/v1/namespaces/ns1/endpointslices"):
-            self.send_response(500 if type(self).fail else 404)
-            self.send_header("content-type", "application/json")
-            self.end_headers()
-            self.wfile.write(b'{"kind":"Status","status":"Failure","code":500}')
+            _reply_json(self, 500 if type(self).fail else 404, b'{"kind":"Status","status":"Failure","code":500}')
             return
-        body = FIXTURE.read_bytes()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        _reply_json(self, 200, FIXTURE.read_bytes())
 
     def log_message(self, *args: Any) -> None:
         pass

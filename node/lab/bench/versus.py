@@ -80,22 +80,22 @@ def _servers(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, po
         [{"prefix": h.exec_prefix(), "host": h.mgmt_ip, "bind": "0.0.0.0"} for h in lab.hosts]
     servers = [LlamaServer(model, slots=slots, ctx_per_slot=ctx, threads=1, cores=cores, cache_ram_mib=cache_bytes >> 20,
                            log=work / f"llama-server-{i}.log", **where[i]) for i, cores in enumerate(host_cores())]
-    proxy = Proxy(work / "nginx", [f"127.0.0.1:{s.port}" for s in servers], policy)
+    proxies: list[Proxy] = []  # made once the servers' ports are known
 
     def stop() -> None:
-        proxy.stop()
+        for p in proxies:
+            p.stop()
         for s in servers:
             s.stop()
 
     try:
         for s in servers:
             s.start()
-        proxy.upstreams = [f"{s.host}:{s.port}" for s in servers]
-        proxy.start()
+        proxies.append(Proxy(work / "nginx", [s.address for s in servers], policy).start())
     except BaseException:
         stop()
         raise
-    return [proxy.url], stop
+    return [proxies[0].url], stop
 
 
 def run_versus(args: argparse.Namespace) -> int:
