@@ -191,12 +191,28 @@ class MeshConfig(_Strict):
         """Accepted HMAC keys, current first."""
         return [s.get_secret_value().encode() for s in (self.secret, self.previous_secret) if s is not None]
     stale_after_s: float = Field(3.0, gt=0)
+    # Peers' state is pushed (node.mesh.statefeed): each node subscribes to every peer's
+    # /v1/peer/state stream and gets field-level deltas at most every push_interval_s, a heartbeat
+    # every heartbeat_s; a peer that cannot stream is polled whole every poll_interval_s.
+    push_state: bool = True
+    push_interval_s: float = Field(0.25, gt=0)
+    heartbeat_s: float = Field(1.0, gt=0)
     poll_interval_s: float = Field(0.5, gt=0)
+    # Past this many hosts (this one included) a session's state goes only to its directory host
+    # (node.mesh.directory), and an entry asks that host where the session is before placing a turn.
+    directory_after_hosts: int = Field(16, ge=1)
     forward_timeout_s: float = Field(600.0, gt=0)
     # A move that cannot be warm (predicted reuse below warm_fraction) is taken only when
     # waiting for the warm host is expected to take longer than this.
     cold_move_after_s: float = Field(30.0, ge=0)
     warm_fraction: float = Field(0.9, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _heartbeat_within_staleness(self) -> MeshConfig:
+        if self.push_state and self.heartbeat_s >= self.stale_after_s:
+            raise ValueError(f"heartbeat_s ({self.heartbeat_s:g}) must be below stale_after_s ({self.stale_after_s:g}): "
+                             "a quiet peer would be marked unreachable between heartbeats")
+        return self
 
 
 REPLICATE_MIN_TOKENS = 8192

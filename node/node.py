@@ -227,6 +227,9 @@ class Node:
             "replicate_min_tokens": self.kv_cfg.replicate_min_tokens, "max_context": self.engine.max_context,
             "block_size": self.engine.block_size,
             "peer_wire": m.peers.wire_by_peer(),
+            # How each peer's state arrives: "pushed" (its /v1/peer/state stream) or "polled".
+            "peer_state": {p.name: "pushed" if p.streaming else "polled" for p in m.peers.peers.values()},
+            "directory": len(m.members()) > m.directory_after_hosts,
         }
 
     def render_metrics(self) -> tuple[bytes, str]:

@@ -232,6 +232,43 @@ class PeerStatus(_Model):
     wasted_replica_bytes: int = 0
 
 
+class DirectoryEntry(_Model):
+    """A directory host's answer to GET /v1/peer/directory/{session}: what each host holds of it."""
+
+    session: str
+    held: dict[str, SessionHolding] = {}
+
+
+class StateSnapshot(_Model):
+    """The first message of a peer state stream (`/v1/peer/state`), and the answer to a resync: the
+    sender's whole status at `seq`. `epoch` (the sender's start, wall time) changes on restart."""
+
+    type: Literal["state_snapshot"] = "state_snapshot"
+    epoch: float
+    seq: int
+    status: PeerStatus
+
+
+class StateDelta(_Model):
+    """What changed in the sender's status since `seq - 1`, field by field (node.mesh.statefeed).
+
+    `host` and `fields` hold changed HostInfo and PeerStatus fields; `sessions` maps a session to its
+    changed SessionHolding fields (a new session: all its non-default ones); `removed` lists sessions
+    the sender no longer holds. A heartbeat repeats the last `seq` and carries nothing."""
+
+    type: Literal["state_delta"] = "state_delta"
+    epoch: float
+    seq: int
+    host: dict[str, object] = {}
+    fields: dict[str, object] = {}
+    sessions: dict[str, dict[str, object]] = {}
+    removed: list[str] = []
+
+
+StateMessage = Annotated[StateSnapshot | StateDelta, Field(discriminator="type")]
+STATE_ADAPTER: TypeAdapter[StateMessage] = TypeAdapter(StateMessage)
+
+
 # ---- events ------------------------------------------------------------------
 
 

@@ -28,6 +28,8 @@ from kvmesh.node.errors import Conflict, InvalidRequest, NotFound, Unauthorized
 from kvmesh.node.mesh.actions import RelayFailed, relay_action
 from kvmesh.node.mesh.auth import PEER_HEADER, check_bearer, check_peer_token
 from kvmesh.node.mesh.discovery import hello
+from kvmesh.node.mesh.statefeed import StateFeed
+from kvmesh.node.mesh.statestream import push
 from kvmesh.node.node import Node
 from kvmesh.node.protocol import (
     ActionResult,
@@ -129,6 +131,28 @@ async def events(ws: WebSocket, node: NodeDep) -> None:
 @router.get("/v1/peer/status")
 async def peer_status(node: PeerNode) -> Response:
     return _json(node.mesh.local_status().model_dump_json())
+
+
+@router.websocket("/v1/peer/state")
+async def peer_state(ws: WebSocket, node: NodeDep, subscriber: str = "") -> None:
+    """This host's state pushed to one peer: a snapshot, then deltas (node.mesh.statestream)."""
+    if not check_peer_token(ws.headers.get(PEER_HEADER), node.mesh.secrets):
+        await ws.close(code=1008, reason="peer calls need the mesh secret")  # before accept: HTTP 403
+        return
+    await ws.accept()
+    cfg = node.cfg.mesh
+    feed = StateFeed(node.hub.epoch, scope=node.mesh.scope_for(subscriber) if subscriber else None)
+    try:
+        await push(ws.send_text, ws.receive_text, node.mesh.local_status, feed,
+                   interval_s=cfg.push_interval_s, heartbeat_s=cfg.heartbeat_s)
+    except (WebSocketDisconnect, RuntimeError):
+        return
+
+
+@router.get("/v1/peer/directory/{session:path}")
+async def peer_directory(session: str, node: PeerNode) -> Response:
+    """What this host knows every host holds of a session (it is the session's directory host)."""
+    return _json(node.mesh.directory_entry(_valid_session(session)).model_dump_json())
 
 
 class HelloRequest(BaseModel):

@@ -19,6 +19,7 @@ from typing import Protocol
 from kvmesh.node.config import MeshConfig
 from kvmesh.node.engine.boundary import EngineAPI
 from kvmesh.node.mesh.auth import peer_token
+from kvmesh.node.mesh.directory import directory_host
 from kvmesh.node.mesh.peers import PeerTable
 from kvmesh.node.mesh.placement import (
     Decision,
@@ -34,6 +35,7 @@ from kvmesh.node.mesh.placement import (
 from kvmesh.node.mesh.sessions import SessionBook
 from kvmesh.node.protocol import (
     ClusterSnapshot,
+    DirectoryEntry,
     Event,
     HandoffCounters,
     HostInfo,
@@ -82,7 +84,11 @@ class Mesh:
         self.peer_token = peer_token(secrets[0]) if secrets else None
         self.secrets = secrets
         self.peers = PeerTable(cfg.peers, token=self.peer_token, poll_interval_s=cfg.poll_interval_s,
-                               stale_after_s=cfg.stale_after_s, publish=publish, verify=verify)
+                               stale_after_s=cfg.stale_after_s, publish=publish, verify=verify,
+                               subscriber=name if cfg.push_state else None)
+        self.directory_after_hosts = cfg.directory_after_hosts
+        self._members: tuple[int, tuple[str, ...]] = (-1, ())  # (peer table version, members)
+        self._directory: tuple[tuple[str, ...], dict[str, str]] = ((), {})  # (members, session -> host)
         self.book = SessionBook()
         self.draining = False
         self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, engine.kv_bytes_per_token)
@@ -163,11 +169,59 @@ class Mesh:
         return next_seq(self.holdings(session))
 
     async def refresh(self, session: str) -> None:
-        """Ask every reachable peer about one session now, rather than wait for the next poll.
+        """Ask where the session is now, rather than trust what was last pushed or polled: its
+        directory host in a large mesh, else (or if that fails) every reachable peer.
 
-        Used before treating a session as new: another entry may have served its last turn
-        moments ago."""
+        Used before placing a turn of a session this node does not know (another entry may have
+        served its last turn moments ago), and on every turn whose directory is another host."""
+        d = self.directory_of(session)
+        peer = self.peers.peers.get(d) if d is not None else None
+        if peer is not None and peer.reachable and await self.peers.lookup(peer, session):
+            return
         await asyncio.gather(*(self.peers.poll_session(p, session) for p in self.peers.peers.values() if p.reachable))
+
+    # ---- the directory (large meshes) ------------------------------------------
+
+    def members(self) -> tuple[str, ...]:
+        """Every host's name, this one's included (reachable or not: a directory must not flap)."""
+        version, members = self._members
+        if version != self.peers.version:
+            members = tuple(sorted([self.name, *self.peers.peers]))
+            self._members = (self.peers.version, members)
+        return members
+
+    def directory_of(self, session: str) -> str | None:
+        """The session's directory host once the mesh is past `directory_after_hosts`, else None."""
+        members = self.members()
+        if len(members) <= self.directory_after_hosts:
+            return None
+        known, cache = self._directory
+        if known != members:
+            cache = {}
+            self._directory = (members, cache)
+        host = cache.get(session)
+        if host is None:
+            if len(cache) >= 4 * self.book.cap:
+                cache.clear()
+            host = cache[session] = directory_host(session, members)
+        return host
+
+    def needs_lookup(self, session: str) -> bool:
+        """Whether to ask before placing a turn of `session` (see `refresh`)."""
+        d = self.directory_of(session)
+        return not self.known(session) or (d is not None and d != self.name)
+
+    def scope_for(self, subscriber: str) -> Callable[[str], bool]:
+        """Which sessions' state a subscriber is sent: all in a small mesh, its directory's in a large one."""
+        return lambda session: self.directory_of(session) in (subscriber, None)
+
+    def directory_entry(self, session: str) -> DirectoryEntry:
+        """What this host knows every host holds of `session` (the directory's answer)."""
+        held = {p.name: p.sessions[session] for p in self.peers.peers.values() if session in p.sessions}
+        mine = self.local_holding(session)
+        if mine.resident_tokens or mine.store_tokens or mine.home_seq or mine.inbound_tokens:
+            held[self.name] = mine
+        return DirectoryEntry(session=session, held=held)
 
     def decide(self, session: str, prompt_tokens: int, *, unavailable: frozenset[str] = frozenset()) -> Decision | None:
         # Wall time includes waiting for a core or the GIL; this thread's CPU time is the decision's own cost.

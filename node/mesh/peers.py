@@ -1,8 +1,9 @@
 """Peers: the configured hosts of the mesh and a live view of each one's status.
 
-Each node polls its peers' `GET /v1/peer/status` every `poll_interval_s`; a
-peer not heard from within `stale_after_s` is unreachable: shown as such,
-never routed to, never hidden.
+Each node subscribes to every peer's pushed state (`/v1/peer/state`, node.mesh.statestream) and
+polls `GET /v1/peer/status` every `poll_interval_s` only the peers that are not streaming (not yet,
+or unable to). A peer not heard from within `stale_after_s` is unreachable: shown as such, never
+routed to, never hidden.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+import websockets
 from pydantic import ValidationError
 
 from kvmesh.node.config import PeerConfig
 from kvmesh.node.mesh.auth import PEER_HEADER
-from kvmesh.node.mesh.wirecount import CountingTransport, WireCounts
+from kvmesh.node.mesh.statestream import StreamRefused, subscribe
+from kvmesh.node.mesh.wirecount import PEER_STATUS, CountingTransport, WireCounts
 from kvmesh.node.protocol import (
+    DirectoryEntry,
     Event,
     PeerDown,
     PeerStatus,
@@ -41,6 +45,7 @@ class Peer:
     error: str = ""
     sessions: dict[str, SessionHolding] = field(default_factory=dict)
     pending: int = 0  # turns this node forwarded there and that have not started yet
+    streaming: bool = False  # its state arrives pushed (else it is polled)
 
     @property
     def name(self) -> str:
@@ -49,8 +54,13 @@ class Peer:
 
 class PeerTable:
     def __init__(self, peers: list[PeerConfig], *, token: str | None, poll_interval_s: float, stale_after_s: float,
-                 publish: Callable[[Event], object], verify: ssl.SSLContext | bool = True):
+                 publish: Callable[[Event], object], verify: ssl.SSLContext | bool = True, subscriber: str | None = None):
+        """`subscriber`: this node's name, to subscribe to peers' pushed state under (None: poll only)."""
         self.peers = {p.name: Peer(p) for p in peers}
+        self._subscriber = subscriber
+        self._streams: dict[str, tuple[Peer, asyncio.Task[None]]] = {}
+        self._retry_at: dict[str, float] = {}
+        self.version = 0  # bumped whenever a peer joins, leaves or moves
         self.poll_interval_s = poll_interval_s
         self.stale_after_s = stale_after_s
         self._publish = publish
@@ -66,9 +76,10 @@ class PeerTable:
         self._task = asyncio.create_task(self._run(), name="peer-poll")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for _, t in self._streams.values()] + ([self._task] if self._task else [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._client:
             await self._client.aclose()
 
@@ -78,11 +89,13 @@ class PeerTable:
         if old is not None and old.cfg == cfg:
             return
         self.peers[cfg.name] = Peer(cfg)
+        self.version += 1
         log.info("peer %s joins at %s", cfg.name, cfg.api)
 
     def remove(self, name: str) -> None:
         """A peer leaves (DNS discovery): no longer polled, placed on or forwarded to."""
         if self.peers.pop(name, None) is not None:
+            self.version += 1
             log.warning("peer %s left the mesh", name)
             self._publish(PeerDown(peer=name, reason="left the mesh (no longer in DNS)"))
 
@@ -97,9 +110,44 @@ class PeerTable:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.gather(*(self.poll(p) for p in list(self.peers.values())))
+            if self._subscriber is not None:
+                self._keep_streams()
+            await asyncio.gather(*(self.poll(p) for p in list(self.peers.values()) if not p.streaming))
             self._expire()
             await asyncio.sleep(self.poll_interval_s)
+
+    def _keep_streams(self) -> None:
+        """One stream task per current peer: a departed or re-addressed peer's ends, a broken one restarts."""
+        now = time.monotonic()
+        for name, (peer, task) in list(self._streams.items()):
+            if self.peers.get(name) is not peer or task.done():
+                task.cancel()
+                del self._streams[name]
+        for name, peer in self.peers.items():
+            if name not in self._streams and now >= self._retry_at.get(name, 0.0):
+                self._streams[name] = (peer, asyncio.create_task(self._stream(peer), name=f"peer-state-{name}"))
+
+    async def _stream(self, peer: Peer) -> None:
+        api = httpx.URL(peer.cfg.api)
+        netloc = api.netloc.decode("ascii")
+        url = str(api.copy_with(scheme="wss" if api.scheme == "https" else "ws", path="/v1/peer/state",
+                                params={"subscriber": self._subscriber or ""}))
+
+        def streamed(status: PeerStatus, _mirror: object) -> None:
+            peer.streaming = True
+            self.update(peer, status)
+
+        try:
+            await subscribe(url, self._headers, self._verify, silent_after_s=self.stale_after_s, on_status=streamed,
+                            count=lambda direction, n: self.wire.add(netloc, direction, PEER_STATUS, n))
+        except StreamRefused as e:
+            # An older node or a proxy without websockets: polled, and asked again now and then.
+            log.info("peer %s does not stream its state (%s); polling it", peer.name, e)
+            self._retry_at[peer.name] = time.monotonic() + 30.0
+        except (OSError, TimeoutError, websockets.ConnectionClosed, websockets.InvalidHandshake) as e:
+            peer.error = type(e).__name__
+        finally:
+            peer.streaming = False
 
     async def poll(self, peer: Peer) -> None:
         try:
@@ -118,6 +166,19 @@ class PeerTable:
             peer.sessions[session] = SessionHolding.model_validate_json(r.content)
         except (httpx.HTTPError, ValidationError):
             pass  # the periodic poll will tell
+
+    async def lookup(self, peer: Peer, session: str) -> bool:
+        """Ask a session's directory host what every host holds of it (node.mesh.directory)."""
+        try:
+            r = await self.client.get(f"{peer.cfg.api}/v1/peer/directory/{session_path(session)}", timeout=0.5)
+            r.raise_for_status()
+            entry = DirectoryEntry.model_validate_json(r.content)
+        except (httpx.HTTPError, ValidationError):
+            return False
+        for host, held in entry.held.items():
+            if host in self.peers:
+                self.peers[host].sessions[session] = held
+        return True
 
     def update(self, peer: Peer, status: PeerStatus) -> None:
         peer.status = status

@@ -284,8 +284,9 @@ class EntryTurn:
         """Place the turn: here, or forwarded to a peer. A peer that fails before answering is
         routed around (nothing the client sent is lost); a non-streamed answer comes back whole."""
         mesh, session = self.path.mesh, self.session
-        if not mesh.known(session):
+        if mesh.needs_lookup(session):
             await mesh.refresh(session)
+            self.seq = mesh.next_seq(session)  # numbered from what the lookup found
         while True:
             d = mesh.decide(session, len(self.req.prompt), unavailable=frozenset(self.unavailable))
             if d is None or d.host == self.path.name:

@@ -21,7 +21,8 @@ FORWARDED_TURN, PEER_STATUS, PEER_ACTION = "forwarded_turn", "peer_status", "pee
 def kind_of(path: str) -> str:
     if path.endswith(("/v1/chat/completions", "/v1/completions")):
         return FORWARDED_TURN
-    if path.startswith("/v1/peer/status") or path.startswith("/v1/peer/sessions/"):
+    if path.startswith(("/v1/peer/status", "/v1/peer/state", "/v1/peer/directory/")) or (
+            path.startswith("/v1/peer/sessions/") and not path.endswith(("/adopt", "/migrate", "/replicate"))):
         return PEER_STATUS
     return PEER_ACTION
 

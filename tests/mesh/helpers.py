@@ -247,7 +247,7 @@ class Mesh(LocalMesh):
 
 # A frozen node polls its peers once, when it starts (after every other node is ready), and then not
 # for an hour: what it knows of the others' sessions is only what it asks for itself.
-FROZEN_MESH = {"poll_interval_s": 3600.0, "stale_after_s": 7200.0}
+FROZEN_MESH = {"poll_interval_s": 3600.0, "stale_after_s": 7200.0, "push_state": False}
 
 
 def start_mesh(workdir: Path, *, slots: int = 2, cache_bytes: int = 64 << 20, secret: bool = True,
