@@ -107,9 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: keep long LLM conversations warm across hosts")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for add in (_add_node, _add_demo, _add_bench, _add_netlab, _add_load, _add_chaos, _add_soak, _add_init):
+    for add in (_add_node, _add_demo, _add_bench, _add_netlab, _add_load, _add_chaos, _add_soak, _add_init, _add_sim):
         add(sub)
     return p
+
+
+def _add_sim(sub: Subparsers) -> None:
+    from kvmesh.node.lab.sim.cli import add_parser
+
+    add_parser(sub)
 
 
 def _add_node(sub: Subparsers) -> None:
@@ -325,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     _infer_engine(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # At DEBUG the websockets library logs every handshake's headers, the mesh's peer token among them.
+    for name in ("websockets.client", "websockets.server"):
+        logging.getLogger(name).setLevel(logging.INFO)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

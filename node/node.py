@@ -205,7 +205,8 @@ class Node:
             gpu_mem_used_bytes=gpu_used, gpu_mem_total_bytes=gpu_total, kv_cache_bytes=e.pool.num_blocks * e.block_bytes,
             kv_cache_used_bytes=(e.pool.num_blocks - e.blocks.num_free) * e.block_bytes,
             store_bytes=self.kvshare.store_bytes(), kvshare_in_bps=in_bps, kvshare_out_bps=out_bps,
-            prefill_tps=e.prefill_rate(), last_seen=time.time(), block_size=e.block_size,
+            prefill_tps=e.prefill_rate(), prefill_backlog_tokens=e.prefill_backlog(), last_seen=time.time(),
+            block_size=e.block_size,
         )
 
     def stats(self) -> dict[str, object]:

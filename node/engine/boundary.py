@@ -164,5 +164,8 @@ class EngineAPI(Protocol):
     @property
     def slots(self) -> SlotLoad: ...
 
+    def prefill_backlog(self) -> int:
+        """Prompt tokens of running turns still to be prefilled: work a new turn's prefill shares."""
+
     def prefill_rate(self) -> float:
         """Measured prefill tokens/s, for placement's TTFT estimates."""

@@ -101,6 +101,7 @@ class Engine:
         self._allowed = None if mask is None else torch.from_numpy(mask)
         self._stop_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.model_cfg.eos_ids)
         self.counters = EngineCounters()
+        self._prefill_backlog = 0  # tokens of prompts being prefilled now (placement's TTFT estimate)
         # Called with the session id whenever a resident cache is dropped.
         self.on_evict: Callable[[str], None] | None = None
 
@@ -281,7 +282,12 @@ class Engine:
             await self.runner.load(slot, [], tokens[:0])
         stats.load_s = time.monotonic() - t1
         t2 = time.monotonic()
-        logits = await self.runner.forward(slot, tokens[reuse:], reuse)
+        todo = len(tokens) - reuse
+        self._prefill_backlog += todo
+        try:
+            logits = await self.runner.forward(slot, tokens[reuse:], reuse)
+        finally:
+            self._prefill_backlog -= todo
         stats.prefill_s = time.monotonic() - t2
         self._count_prefill(len(tokens) - reuse, stats.prefill_s, reuse)
         return logits, reuse
@@ -357,6 +363,10 @@ class Engine:
         c.prefill_s += secs
         if n >= 256 and secs > 0:
             c.recent_prefill_tps.append(n / secs)
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens of running turns still to be prefilled (each counted whole until it is done)."""
+        return self._prefill_backlog
 
     def prefill_rate(self) -> float:
         """Measured prefill tokens/s (recent turns), for placement's TTFT estimates."""

@@ -57,6 +57,10 @@ class ReplicaIndex:
         self.lock = threading.RLock()  # the index, and `maps`
         self.commit_lock = threading.RLock()  # disk changes: commits and evictions
         self.entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
+        # Sessions this host last wrote as its own (persist_own), not as a received replica: over the
+        # budget, received replicas go first (a replica is a session's second copy; the own one is where
+        # its next turn most likely runs). Not persisted: after a restart every session counts as a replica.
+        self.own: set[str] = set()
         self._incarnations = itertools.count(1)
         self._scan()
         with self.commit_lock:
@@ -199,8 +203,17 @@ class ReplicaIndex:
             if self._remove(session):
                 self.dropped += 1
 
+    def mark_own(self, session: str, own: bool) -> None:
+        """Whether the session's latest write was this host's own copy (True) or a received replica."""
+        with self.lock:
+            if own and session in self.entries:
+                self.own.add(session)
+            else:
+                self.own.discard(session)
+
     def _remove(self, session: str) -> bool:
         with self.lock:
+            self.own.discard(session)
             entry = self.entries.pop(session, None)
             if entry is None:
                 return False
@@ -209,10 +222,13 @@ class ReplicaIndex:
         return True
 
     def enforce_budget(self, keep: str | None) -> None:
-        """Evict least recently used sessions (never `keep`) until usage fits the budget."""
+        """Evict least recently used sessions (never `keep`; received replicas before own sessions)
+        until usage fits the budget."""
         while self.usage_bytes() > self.budget_bytes:
             with self.lock:
-                victim = next((s for s in self.entries if s != keep), None)
+                victim = next((s for s in self.entries if s != keep and s not in self.own), None)
+                if victim is None:
+                    victim = next((s for s in self.entries if s != keep), None)
             if victim is None:
                 return
             log.info("evicting the replica of session %r: over the %d-byte budget", victim, self.budget_bytes)

@@ -219,4 +219,6 @@ class Listener:
                 copy_block(st.txn, i, self.store.block_view(st.offer.session, i, verify=True))
             return None
         assert st.writer is not None
-        return st.writer.commit().num_tokens
+        tokens = st.writer.commit().num_tokens
+        self.store.mark_own(st.offer.session, False)
+        return tokens

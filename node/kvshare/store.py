@@ -209,6 +209,10 @@ class ReplicaStore:
             hashes=hashes, first_block=first_block, generation=generation,
         )  # fmt: skip
 
+    def mark_own(self, session: str, own: bool) -> None:
+        """Record who wrote the session's replica last: this host of its own session, or a sender."""
+        self._index.mark_own(session, own)
+
     # ---- import into an engine ------------------------------------------------------
 
     def import_into(self, engine: EngineAPI, session: str, *, upto_blocks: int | None = None) -> int:

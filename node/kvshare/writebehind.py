@@ -84,6 +84,7 @@ class WriteBehind:
                         v = read(bid)
                         w.write_block(first_block + k, v, payload_digest(v))
                     w.commit()
+                self.store.mark_own(session, True)
             except Exception as err:  # noqa: BLE001 - the store is an optimisation
                 log.warning("store write of %s failed: %s", session, err)
             finally:

@@ -109,7 +109,8 @@ class Mesh:
     def _self_load(self) -> HostLoad:
         e = self.engine
         return HostLoad(self.name, e.slots.slots, e.slots.busy, e.slots.queued, e.slots.mean_turn_s(),
-                        e.prefill_rate(), self.replicas.import_bps(), available=not self.draining)
+                        e.prefill_rate(), self.replicas.import_bps(), available=not self.draining,
+                        backlog_tokens=e.prefill_backlog())
 
     def hosts(self) -> dict[str, HostLoad]:
         out = {self.name: self._self_load()}
@@ -120,7 +121,8 @@ class Mesh:
                 continue
             h = st.host
             out[p.name] = HostLoad(p.name, h.slots, min(h.slots, h.busy + p.pending), h.queued, st.mean_turn_s,
-                                   max(h.prefill_tps, 1.0), st.import_bps, available=p.reachable and not h.draining)
+                                   max(h.prefill_tps, 1.0), st.import_bps, available=p.reachable and not h.draining,
+                                   backlog_tokens=h.prefill_backlog_tokens)
         return out
 
     def local_holding(self, session: str) -> SessionHolding:
@@ -226,7 +228,8 @@ class Mesh:
     def decide(self, session: str, prompt_tokens: int, *, unavailable: frozenset[str] = frozenset()) -> Decision | None:
         # Wall time includes waiting for a core or the GIL; this thread's CPU time is the decision's own cost.
         t0, c0 = time.perf_counter(), time.thread_time()
-        d = choose(self.hosts(), self.holdings(session), prompt_tokens, self.policy, unavailable=unavailable)
+        d = choose(self.hosts(), self.holdings(session), prompt_tokens, self.policy, unavailable=unavailable,
+                   session=session)
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         self.decision_s.append(dt)
         self.decision_cpu_s.append(dc)
@@ -240,7 +243,7 @@ class Mesh:
         return last_host_of(self.holdings(session))
 
     def predict_next(self, session: str) -> Decision | None:
-        return predict_next(self.hosts(), self.holdings(session), self.policy)
+        return predict_next(self.hosts(), self.holdings(session), self.policy, session=session)
 
     def decision_ms(self, q: float, *, cpu: bool = False) -> float:
         xs = sorted(self.decision_cpu_s if cpu else self.decision_s)

@@ -4,8 +4,8 @@ One pure function, `choose`, answers both questions, so the kv_share target
 (the host placement would pick if the home were busy) can never disagree with
 where the turn would really go. The home (the host that ran the session last)
 keeps the turn while it has a free slot. Otherwise every available host is
-scored by expected time to first token: queue wait + uncached tokens / that
-host's measured prefill rate + import time; the replica holder usually wins,
+scored by expected time to first token: queue wait + the prefill already running
+there + uncached tokens / that host's measured prefill rate + import time; the replica holder usually wins,
 and waiting for the home wins when that is quicker. A move that cannot be warm
 is refused unless waiting for the home would take longer than `cold_move_after_s`.
 """
@@ -13,6 +13,8 @@ is refused unless waiting for the home would take longer than `cold_move_after_s
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import xxhash
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class HostLoad:
     prefill_tps: float
     import_bps: float  # replica store -> engine, bytes/s
     available: bool = True  # reachable and not draining
+    backlog_tokens: int = 0  # prompt tokens its running turns have still to prefill (a new prefill shares the engine)
 
     @property
     def free(self) -> int:
@@ -35,6 +38,10 @@ class HostLoad:
         if self.free:
             return 0.0
         return (self.queued + 1) * self.mean_turn_s / max(1, self.slots)
+
+    def prefill_wait_s(self) -> float:
+        """Time the prefill already running there takes: a new prompt's prefill shares the engine with it."""
+        return self.backlog_tokens / self.prefill_tps
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,7 @@ def next_seq(holdings: dict[str, Holding]) -> int:
 
 def _estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) -> tuple[float, int]:
     """(expected TTFT seconds, tokens reused) if the turn ran on h."""
-    wait = h.wait_s()
+    wait = h.wait_s() + h.prefill_wait_s()
     reuse, extra = 0, 0.0
     if held is not None:
         reuse = held.resident
@@ -103,6 +110,12 @@ def _estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) ->
     return wait + extra + (prompt - reuse) / h.prefill_tps, reuse
 
 
+def spread(session: str, host: str) -> int:
+    """The last tie-break: a per-session order of the hosts, so equal hosts share new sessions evenly
+    (by name, the first host in the alphabet would take every tie) and every entry orders them alike."""
+    return xxhash.xxh64_intdigest(f"{session}\x00{host}".encode())
+
+
 def choose(
     hosts: dict[str, HostLoad],
     holdings: dict[str, Holding],
@@ -110,8 +123,9 @@ def choose(
     policy: Policy,
     *,
     unavailable: frozenset[str] = frozenset(),
+    session: str = "",
 ) -> Decision | None:
-    """The host for this turn (None when no host can take it)."""
+    """The host for this turn (None when no host can take it); `session` orders equal hosts."""
     home = home_of(holdings)
     prev = last_host_of(holdings)
     cands = [h for h in hosts.values() if h.available and h.name not in unavailable]
@@ -131,8 +145,9 @@ def choose(
         return warm or home_wait > policy.cold_move_after_s
 
     ok = [h for h in cands if allowed(h.name)]
-    # Lowest expected TTFT; ties: the home, then more reuse, then fewer busy slots, then name.
-    best = min(ok, key=lambda h: (round(est[h.name][0], 4), h.name != home, -est[h.name][1], h.busy, h.name))
+    # Lowest expected TTFT; ties: the home, then more reuse, then fewer busy slots, then the session's spread.
+    best = min(ok, key=lambda h: (round(est[h.name][0], 4), h.name != home, -est[h.name][1], h.busy,
+                                  spread(session, h.name), h.name))
     ttft, reuse = est[best.name]
     if best.name == home:
         reason = "home" if best.free else "wait-for-home"
@@ -145,11 +160,12 @@ def choose(
     return Decision(best.name, home, prev, reuse, ttft, reason)
 
 
-def predict_next(hosts: dict[str, HostLoad], holdings: dict[str, Holding], policy: Policy) -> Decision | None:
+def predict_next(hosts: dict[str, HostLoad], holdings: dict[str, Holding], policy: Policy, *,
+                 session: str = "") -> Decision | None:
     """Where the session would go if its home were busy now: the kv_share target."""
     home = home_of(holdings)
     if home is None:
         return None
     held = holdings[home]
     size = max(held.resident, held.stored)
-    return choose(hosts, holdings, size, policy, unavailable=frozenset({home}))
+    return choose(hosts, holdings, size, policy, unavailable=frozenset({home}), session=session)

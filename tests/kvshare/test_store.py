@@ -322,6 +322,27 @@ def test_budget_evicts_the_least_recently_used_session(tmp_path: Path) -> None:
     assert not (tmp_path / "root" / session_key("b")).exists()
 
 
+def test_over_budget_received_replicas_go_before_own_sessions(tmp_path: Path) -> None:
+    """An own session (persist_own) outlives a more recently used received replica; once no replica is
+    left, own sessions go least recently used first; a received replica of it makes it a replica again."""
+    rep = make_replica(4)
+    probe = ReplicaStore(tmp_path / "probe", BUDGET)
+    one = write(probe, "x", rep) and probe.usage_bytes()
+    store = ReplicaStore(tmp_path / "root", budget_bytes=2 * one + one // 2)
+    write(store, "own-old", make_replica(4, seed=1))
+    store.mark_own("own-old", True)
+    write(store, "replica", make_replica(4, seed=2))
+    write(store, "own-new", make_replica(4, seed=3))
+    store.mark_own("own-new", True)
+    assert sorted(store.sessions()) == ["own-new", "own-old"]
+    write(store, "own-3", make_replica(4, seed=4))
+    store.mark_own("own-3", True)
+    assert sorted(store.sessions()) == ["own-3", "own-new"]  # only own sessions left: the oldest went
+    store.mark_own("own-new", False)  # a sender's replica replaced it
+    write(store, "own-4", make_replica(4, seed=5))
+    assert sorted(store.sessions()) == ["own-3", "own-4"]
+
+
 def test_replica_larger_than_the_budget_is_refused(tmp_path: Path) -> None:
     """A replica that alone exceeds the budget is refused 'no_room' before anything is written or evicted."""
     store = ReplicaStore(tmp_path, budget_bytes=4000)

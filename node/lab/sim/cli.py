@@ -1,0 +1,116 @@
+"""`kvmesh sim`: one policy at N hosts on a trace or the agent workload; the last stdout line is one JSON object.
+
+`--load U` sizes the traffic to the mesh: every host offered about U of its slots' time (counting
+each turn's new tokens' prefill and its decode, as if every cache hit), by replaying more
+conversations, never by compressing their think times: a Mooncake trace is replayed in copies,
+each conversation of a copy shifted by its own random offset within the trace's span (wrapping
+round, so arrivals stay even over the span), with its own session ids and blocks; the agent
+workload gets more agents. Without `--load` the workload runs once, whatever N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from collections import defaultdict
+
+from kvmesh.node.lab.sim.policies import POLICIES
+from kvmesh.node.lab.sim.run import SimParams, Simulation
+from kvmesh.node.lab.workload import TraceRequest, agent_trace, read_mooncake
+
+AGENT_SHAPE = {"tool_tokens": (300, 4000), "reply_tokens": 64, "think_s": (0.5, 2.0)}  # agent_trace's defaults
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    s = sub.add_parser("sim", help="placement at 2-256 hosts in virtual time, on a Mooncake trace or the agent workload")
+    s.add_argument("--hosts", type=int, default=8)
+    s.add_argument("--policy", choices=POLICIES, default="kvmesh")
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--trace", help="a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids; "
+                     "plain or .gz), or `mooncake`: the one kvmesh ships")
+    src.add_argument("--agents", action="store_true", help="the built-in coding-agent workload (the default)")
+    s.add_argument("--load", type=float, default=None, help="offered utilisation per host, 0-1 (default: the workload once)")
+    s.add_argument("--duration", type=float, default=300.0, help="agent workload: seconds of virtual time")
+    s.add_argument("--agents-per-host", type=float, default=None, help="agent workload without --load (default 4)")
+    for f in dataclasses.fields(SimParams):
+        if f.name in ("hosts", "policy", "until_s", "seed"):
+            continue
+        s.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)  # type: ignore[arg-type]
+    s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--json", action="store_true", help="only the JSON line")
+    s.set_defaults(func=run_sim)
+
+
+def scale_trace(requests: list[TraceRequest], copies: int, span_s: float, rng: random.Random) -> list[TraceRequest]:
+    """`copies` replays of a trace: the first as it is, each other's conversations shifted within the span."""
+    top = 1 + max(b for r in requests for b in r.blocks)
+    by_client: dict[str, list[TraceRequest]] = defaultdict(list)
+    for r in requests:
+        by_client[r.client or r.session].append(r)
+    out = list(requests)
+    for c in range(1, copies):
+        for client, reqs in by_client.items():
+            shift = rng.uniform(0, span_s)
+            if reqs[0].t + shift >= span_s:
+                shift -= span_s
+            out += [dataclasses.replace(r, t=max(0.0, r.t + shift), session=f"{r.session}#{c}", client=f"{client}#{c}",
+                                        blocks=tuple(b + c * top for b in r.blocks)) for r in reqs]
+    return sorted(out, key=lambda r: r.t)
+
+
+def offered(requests: list[TraceRequest], p: SimParams, span_s: float) -> float:
+    """The busier of a host's two resources, as a fraction of one host over `span_s`, if everything a turn
+    could reuse were cached: its prefill engine (new tokens) or its slots (prefill and decode)."""
+    prefill = sum(r.input_length - r.shared for r in requests) / p.prefill_tps
+    slots = (prefill + sum(r.output_length for r in requests) / p.decode_tps) / p.slots
+    return max(prefill, slots) / span_s
+
+
+def workload(args: argparse.Namespace, p: SimParams) -> tuple[list[TraceRequest], float, str, SimParams]:
+    rng = random.Random(args.seed)
+    if args.trace:
+        base = read_mooncake(args.trace)
+        span = max(r.t for r in base) or 1.0
+        copies = 1
+        if args.load:
+            copies = max(1, round(args.load * p.hosts / offered(base, p, span)))
+        return scale_trace(base, copies, span, rng), span, f"trace:{args.trace} x{copies}", p
+    tools = AGENT_SHAPE["tool_tokens"]
+    think = AGENT_SHAPE["think_s"]
+    prefill = ((tools[0] + tools[1]) / 2 + 64) / p.prefill_tps  # type: ignore[index, operator]
+    turn = prefill + 64 / p.decode_tps
+    cycle = turn + (think[0] + think[1]) / 2  # type: ignore[index, operator]
+    per_agent = max(prefill / cycle, turn / cycle / p.slots)  # of one host, as `offered` counts it
+    per_host = args.load / per_agent if args.load else (args.agents_per_host or 4.0)
+    agents = max(1, round(per_host * p.hosts))
+    reqs = agent_trace(agents=agents, duration_s=args.duration, seed=args.seed)
+    return reqs, args.duration, f"agents:{agents}", dataclasses.replace(p, until_s=args.duration)
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    if not 1 <= args.hosts <= 4096:
+        print(f"kvmesh sim: --hosts must be 1-4096, got {args.hosts}", file=sys.stderr)
+        return 2
+    if args.load is not None and not 0 < args.load <= 1.5:
+        print(f"kvmesh sim: --load is a utilisation per host, 0-1.5; got {args.load}", file=sys.stderr)
+        return 2
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimParams) if hasattr(args, f.name)}
+    p = SimParams(**{**kw, "hosts": args.hosts, "policy": args.policy})
+    try:
+        reqs, span, what, p = workload(args, p)
+    except (OSError, ValueError) as e:
+        print(f"kvmesh sim: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    sim = Simulation(p, reqs)
+    sim.run()
+    out = {**sim.summary(max(span, sim.fig.end)), "workload": what, "load": args.load, "wall_s": round(time.perf_counter() - t0, 1)}
+    if not args.json:
+        for k, v in out.items():
+            print(f"{k:>26}: {v}")
+    print(json.dumps(out), flush=True)
+    return 0

@@ -1,0 +1,127 @@
+"""Where each policy sends a turn in `kvmesh sim`, and what it does after one.
+
+- `kvmesh`: node.mesh.placement's `choose` on what the session's holdings are (stay home while it
+  has a free slot, else the lowest expected TTFT, refusing a cold move unless waiting is worse),
+  a replica pushed after each turn to `predict_next`'s host, in node.kvshare.pushorder's order,
+  and past `directory_after_hosts` one directory lookup (node.mesh.directory) per turn.
+- `session_hash`: production-stack's SessionRouter: a session always goes to its hashed host.
+- `kv_overlap`: Dynamo-style KV routing without replicas: the host with the lowest queue wait +
+  prefill running there + uncached prefill, from every host's block events (engine and host-memory tiers).
+- `least_loaded`, `round_robin`: no cache awareness.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+from kvmesh.node.lab.sim.cluster import Cluster
+from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
+from kvmesh.node.mesh.directory import directory_host
+from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, predict_next
+
+POLICIES = ("kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class Route:
+    host: str
+    lookups: int = 0  # round trips to a directory before the forward
+    counted_inbound: bool = False  # placement counted a replica still landing there (the turn waits for it)
+
+
+class Router:
+    """A policy: `route` a turn entering at `entry`; `replica_target` after a turn (None: no replicas)."""
+
+    name = ""
+    replicates = False
+
+    def __init__(self, cluster: Cluster, rng: random.Random, *, kv_bytes_per_token: int, directory_after_hosts: int):
+        self.cluster, self.rng = cluster, rng
+        self.placement = Policy(kv_bytes_per_token=kv_bytes_per_token)
+        self.directory = len(cluster.names) > directory_after_hosts
+
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+        raise NotImplementedError
+
+    def replica_target(self, session: str, now: float) -> str | None:
+        return None
+
+
+class KvmeshRouter(Router):
+    name, replicates = "kvmesh", True
+
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+        c = self.cluster
+        lookups = int(self.directory and directory_host(req.session, c.names) != entry)
+        held = c.holdings(req.session, now)
+        d = choose(self._candidates(held, req.session, req.input_length), held, req.input_length, self.placement,
+                   session=req.session)
+        assert d is not None, "every simulated host is available"
+        h = held.get(d.host)
+        counted = h is not None and h.inbound > max(h.resident, h.stored) and d.predicted_reused >= h.inbound - TRACE_BLOCK_TOKENS
+        return Route(d.host, lookups, counted)
+
+    def replica_target(self, session: str, now: float) -> str | None:
+        held = self.cluster.holdings(session, now)
+        home = max(held.values(), key=lambda h: h.home_seq, default=None)
+        size = max(home.resident, home.stored) if home is not None else 0
+        d = predict_next(self._candidates(held, session, size), held, self.placement, session=session)
+        return d.host if d is not None else None
+
+    def _candidates(self, held: dict[str, Holding], session: str, prompt: int) -> dict[str, HostLoad]:
+        """The hosts `choose` weighs: every host holding something of the session, and the three that a
+        turn reusing nothing would start soonest on. With every host's prefill rate equal (as here), a
+        host holding nothing can only win as one of those, so the decision is the one over all hosts,
+        at a cost that does not grow with the mesh."""
+        loads = self.cluster.loads()
+        return {n: loads[n] for n in (*held, *self.cluster.least_loaded(3, session, prompt))}
+
+
+class SessionHashRouter(Router):
+    name = "session_hash"
+
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+        return Route(directory_host(req.session, self.cluster.names))
+
+
+class KvOverlapRouter(Router):
+    name = "kv_overlap"
+
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+        def cost(name: str) -> tuple[float, int, float]:
+            h = self.cluster.hosts[name]
+            held = max(h.engine.prefix(req.blocks), h.store.prefix(req.blocks))  # both tiers, as a KV block manager's
+            cached = min(held * TRACE_BLOCK_TOKENS, req.input_length - 1)
+            load = loads[name]
+            return (load.wait_s() + load.prefill_wait_s() + (req.input_length - cached) / h.prefill_tps, h.busy,
+                    self.rng.random())
+
+        loads = self.cluster.loads()
+
+        return Route(min(self.cluster.names, key=cost))
+
+
+class LeastLoadedRouter(Router):
+    name = "least_loaded"
+
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+        loads = self.cluster.loads()
+        return Route(min(self.cluster.names, key=lambda n: ((loads[n].busy + loads[n].queued) / loads[n].slots,
+                                                              self.rng.random())))
+
+
+class RoundRobinRouter(Router):
+    name = "round_robin"
+
+    def __init__(self, *args: object, **kw: int) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self._next = itertools.cycle(self.cluster.names)
+
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+        return Route(next(self._next))
+
+
+ROUTERS: dict[str, type[Router]] = {r.name: r for r in (KvmeshRouter, SessionHashRouter, KvOverlapRouter,
+                                                         LeastLoadedRouter, RoundRobinRouter)}

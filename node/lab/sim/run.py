@@ -1,0 +1,307 @@
+"""The event loop of `kvmesh sim`: clients send turns, hosts run them, kv_share pushes replicas, in virtual time.
+
+A client sends a turn to a random entry host (a load balancer in front of the mesh); the policy
+picks the host; a lookup and a forward cost a round trip each. A host runs up to `slots` turns,
+FIFO; a turn's prefill queues for the host's one prefill engine (chunked prefill runs one prompt
+at a time), after importing what it reuses from the replica store, then decodes on its slot. Only
+what the engine or the store holds is reused: the prefix of the prompt's blocks found there.
+After a turn, every host keeps the session in its own store (kvmesh's persist_own, a CPU offload
+tier elsewhere), and kvmesh pushes the blocks the predicted next host lacks over this host's link, one push at a time, the most valuable first, a newer replica of
+a session replacing its queued one. Placement sees each host's state as of the moment (the
+push interval's staleness is not modelled; it would cost every load-aware policy alike).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvmesh.node.kvshare.pushorder import PushFacts, push_key
+from kvmesh.node.lab.sim.cluster import BlockLRU, Cluster, SimHost, StoreLRU
+from kvmesh.node.lab.sim.control import Sizes, load_stream_bytes
+from kvmesh.node.lab.sim.policies import ROUTERS, Route, Router
+from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
+from kvmesh.node.protocol import classify
+
+
+@dataclass(frozen=True)
+class SimParams:
+    hosts: int
+    policy: str = "kvmesh"
+    slots: int = 8
+    prefill_tps: float = 10_000.0
+    decode_tps: float = 50.0
+    kv_bytes_per_token: int = 131_072  # an 8B-class model's bf16 KV (32 layers x 8 KV heads x 128 x 2 x 2)
+    link_gbps: float = 100.0  # an inference cluster's host network (RoCE/InfiniBand)
+    import_gbps: float = 200.0  # replica store (host RAM) -> engine
+    engine_tokens: int = 400_000
+    store_tokens: int = 4_000_000
+    replicate_min_tokens: int = 8192
+    rtt_s: float = 0.0002
+    push_interval_s: float = 0.25
+    heartbeat_s: float = 1.0
+    directory_after_hosts: int = 16
+    until_s: float | None = None  # no turn is sent after this (closed-loop workloads)
+    seed: int = 1
+
+
+@dataclass
+class _Turn:
+    req: TraceRequest
+    sent: float
+    route: Route
+    ttft: float = 0.0
+    todo: int = 0  # tokens it prefills
+
+
+@dataclass
+class _Push:
+    session: str
+    blocks: tuple[int, ...]
+    dst: str
+    nbytes: int
+
+
+@dataclass
+class Figures:
+    turns: int = 0
+    ttft: list[float] = field(default_factory=list)
+    prefill_tokens: int = 0
+    prompt_tokens: int = 0
+    follow: Counter[str] = field(default_factory=Counter)  # follow-up turns by class
+    moves: Counter[str] = field(default_factory=Counter)  # follow-ups on another host than the last
+    replica_bytes: int = 0
+    lookups: int = 0
+    forwards: int = 0
+    session_deltas: int = 0
+    kv_events: int = 0
+    end: float = 0.0
+
+
+class Simulation:
+    def __init__(self, params: SimParams, requests: list[TraceRequest]) -> None:
+        p = self.p = params
+        self.rng = random.Random(p.seed)
+        blocks = lambda n: max(1, n // TRACE_BLOCK_TOKENS)  # noqa: E731
+        hosts = [SimHost(f"h{i:03d}", p.slots, p.prefill_tps, p.decode_tps, p.import_gbps * 1e9 / 8,
+                         BlockLRU(blocks(p.engine_tokens)), StoreLRU(blocks(p.store_tokens))) for i in range(p.hosts)]
+        self.cluster = Cluster(hosts)
+        self.router: Router = ROUTERS[p.policy](self.cluster, self.rng, kv_bytes_per_token=p.kv_bytes_per_token,
+                                                directory_after_hosts=p.directory_after_hosts)
+        self.fig = Figures()
+        self._events: list[tuple[float, int, Callable[..., None], tuple[object, ...]]] = []
+        self._order = itertools.count()
+        self._clients: dict[str, deque[TraceRequest]] = defaultdict(deque)
+        for r in requests:
+            self._clients[r.client or r.session].append(r)
+        self._last_host: dict[str, str] = {}
+        self._pushes: dict[str, list[_Push]] = defaultdict(list)
+        self._link_busy: set[str] = set()
+        self._think: dict[str, tuple[float, float]] = {}  # session -> (last reply, think-time EWMA)
+
+    def _at(self, t: float, handler: Callable[..., None], *args: object) -> None:
+        heapq.heappush(self._events, (t, next(self._order), handler, args))
+
+    def run(self) -> Figures:
+        for client, reqs in self._clients.items():
+            self._at(reqs[0].t, self._send, client)
+        while self._events:
+            t, _, handler, args = heapq.heappop(self._events)
+            handler(t, *args)
+        return self.fig
+
+    # ---- a turn ----------------------------------------------------------------------
+
+    def _send(self, now: float, client: str) -> None:
+        req = self._clients[client].popleft()
+        if self.p.until_s is not None and now > self.p.until_s:
+            self._clients[client].clear()
+            return
+        entry = self.rng.choice(self.cluster.names)
+        route = self.router.route(req, entry, now)
+        self.fig.lookups += route.lookups
+        self.fig.forwards += route.host != entry
+        delay = self.p.rtt_s * (route.lookups + (route.host != entry))
+        turn = _Turn(req, now, route, ttft=delay)
+        host = self.cluster.hosts[route.host]
+        if host.busy < host.slots and not host.queue:
+            self._start(now, host, turn)
+        else:
+            host.queue.append(turn)
+            self.cluster.changed(host)
+
+    def _start(self, now: float, host: SimHost, turn: _Turn) -> None:
+        req, c = turn.req, self.cluster
+        host.busy += 1
+        host.changes.append(now)
+        held = c.holding(req.session, host.name)
+        begin = now
+        if turn.route.counted_inbound and held.inbound and held.inbound_eta > now:
+            begin = held.inbound_eta  # placement counted the replica landing here: the turn waits for it
+        engine = host.engine.prefix(req.blocks)
+        store = host.store.prefix(req.blocks) if begin == now else max(host.store.prefix(req.blocks),
+                                                                       _prefix(held.inbound, req.blocks))
+        reused = min(max(engine, store) * TRACE_BLOCK_TOKENS, req.input_length - 1)
+        imported = max(0, store - engine) * TRACE_BLOCK_TOKENS if store > engine else 0
+        start = max(begin, host.prefill_free_at)
+        prefill_s = imported * self.p.kv_bytes_per_token / host.import_bps + (req.input_length - reused) / host.prefill_tps
+        host.prefill_free_at = start + prefill_s
+        turn.todo = req.input_length - reused
+        host.backlog += turn.todo
+        c.changed(host)
+        turn.ttft += start + prefill_s - turn.sent
+        self.fig.prefill_tokens += req.input_length - reused
+        self.fig.prompt_tokens += req.input_length
+        self._account_reuse(req, host.name, reused)
+        seq = 1 + max((max(h.home_seq, h.turn_seq) for h in c.held[req.session].values()), default=0)
+        held.home_seq = held.turn_seq = seq
+        held.blocks = req.blocks
+        evicted = host.engine.add(req.blocks)
+        self.fig.session_deltas += 1
+        self.fig.kv_events += len(req.blocks) - engine + len(evicted)
+        self._at(start + prefill_s, self._prefilled, host.name, turn, now)
+
+    def _account_reuse(self, req: TraceRequest, host: str, reused: int) -> None:
+        prev = self._last_host.get(req.session)
+        self._last_host[req.session] = host
+        if req.turn == 0 or req.shared <= 0:
+            return
+        cls = classify(min(1.0, reused / req.shared))
+        self.fig.follow[cls] += 1
+        if prev is not None and prev != host:
+            self.fig.moves[cls] += 1
+
+    def _prefilled(self, now: float, name: str, turn: _Turn, started: float) -> None:
+        host = self.cluster.hosts[name]
+        host.backlog -= turn.todo
+        self.cluster.changed(host)
+        self.fig.ttft.append(turn.ttft)
+        self._at(now + turn.req.output_length / self.p.decode_tps, self._done, name, turn, started)
+
+    def _done(self, now: float, name: str, turn: _Turn, started: float) -> None:
+        host, req = self.cluster.hosts[name], turn.req
+        host.busy -= 1
+        host.changes.append(now)
+        self.fig.end = max(self.fig.end, now)
+        host.busy_slot_s += now - started
+        host.mean_turn_s = 0.8 * host.mean_turn_s + 0.2 * (now - started)
+        self.cluster.changed(host)
+        self.fig.turns += 1
+        self.fig.session_deltas += 1
+        last, think = self._think.get(req.session, (now, 10.0))
+        self._think[req.session] = (now, think)
+        # Every policy's hosts keep their own sessions in host memory (kvmesh's persist_own; a vLLM with
+        # CPU offload, llama-server's --cache-ram): the routing is what differs, and kvmesh's replicas.
+        host.store.add(req.blocks, own=True)
+        self.cluster.holding(req.session, host.name).stored = req.blocks
+        if self.router.replicates:
+            self._after_turn(now, host, req)
+        if host.queue:
+            nxt = host.queue.popleft()
+            assert isinstance(nxt, _Turn)
+            self._start(now, host, nxt)
+        queue = self._clients[req.client or req.session]
+        if queue:
+            self._at(max(queue[0].t, now + queue[0].think_s), self._send, req.client or req.session)
+
+    # ---- kv_share: replicas after a turn ---------------------------------------------
+
+    def _after_turn(self, now: float, host: SimHost, req: TraceRequest) -> None:
+        if req.input_length < self.p.replicate_min_tokens:
+            return
+        target = self.router.replica_target(req.session, now)
+        if target is None or target == host.name:
+            return
+        dst = self.cluster.hosts[target]
+        have = max(dst.engine.prefix(req.blocks), dst.store.prefix(req.blocks))
+        nbytes = (len(req.blocks) - have) * TRACE_BLOCK_TOKENS * self.p.kv_bytes_per_token
+        if nbytes <= 0:
+            return
+        queue = self._pushes[host.name]
+        queue[:] = [j for j in queue if j.session != req.session]  # a newer replica replaces a queued one
+        queue.append(_Push(req.session, req.blocks, target, nbytes))
+        self._pump(now, host)
+
+    def _pump(self, now: float, host: SimHost) -> None:
+        queue = self._pushes[host.name]
+        if host.name in self._link_busy or not queue:
+            return
+        link_bps = self.p.link_gbps * 1e9
+        p_move = 1.0 if host.queue or host.busy >= host.slots else host.busy / host.slots  # as PushSender
+
+        def key(j: _Push) -> tuple[float, float]:
+            last, think = self._think.get(j.session, (now, 10.0))
+            return push_key(PushFacts(j.nbytes, think - (now - last), p_move), link_bps)
+
+        job = min(queue, key=key)
+        queue.remove(job)
+        secs = 8 * job.nbytes / link_bps
+        held = self.cluster.holding(job.session, job.dst)
+        held.inbound, held.inbound_eta = job.blocks, now + secs
+        self._link_busy.add(host.name)
+        host.link_busy_s += secs
+        self.fig.session_deltas += 1
+        self._at(now + secs, self._landed, host.name, job)
+
+    def _landed(self, now: float, src: str, job: _Push) -> None:
+        dst = self.cluster.hosts[job.dst]
+        dst.store.add(job.blocks, own=False)
+        held = self.cluster.holding(job.session, job.dst)
+        held.stored, held.inbound = job.blocks, ()
+        self.fig.replica_bytes += job.nbytes
+        self.fig.session_deltas += 1
+        self._link_busy.discard(src)
+        self._pump(now, self.cluster.hosts[src])
+
+    # ---- the figures -------------------------------------------------------------------
+
+    def summary(self, duration_s: float) -> dict[str, object]:
+        f, p, n = self.fig, self.p, len(self.cluster.hosts)
+        sizes = Sizes.measured()
+        ttft = sorted(f.ttft)
+        follow, moves = sum(f.follow.values()), sum(f.moves.values())
+        load_aware = p.policy in ("kvmesh", "kv_overlap", "least_loaded")
+        control = 0
+        if load_aware:
+            control += sum(load_stream_bytes(h.changes, duration_s, n - 1, sizes, interval_s=p.push_interval_s,
+                                             heartbeat_s=p.heartbeat_s) for h in self.cluster.hosts.values())
+        if p.policy == "kvmesh":
+            fanout = 1 if n > p.directory_after_hosts else n - 1
+            control += f.session_deltas * fanout * sizes.session_delta + f.lookups * sizes.lookup
+        if p.policy == "kv_overlap":
+            control += f.kv_events * (n - 1) * sizes.kv_event
+        util = sum(h.busy_slot_s for h in self.cluster.hosts.values()) / (n * p.slots * duration_s)
+        links = [h.link_busy_s / duration_s for h in self.cluster.hosts.values()]
+        return {
+            "hosts": n, "policy": p.policy, "requests": f.turns,
+            "warm_pct": round(100.0 * f.follow["warm"] / follow, 2) if follow else None,
+            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+            "prefill_tokens": f.prefill_tokens, "prompt_tokens": f.prompt_tokens,
+            "replica_bytes": f.replica_bytes,
+            # in and out, per host: every byte one host sends another receives
+            "control_bytes_per_host_s": round(2 * control / (n * duration_s), 1),
+            "utilisation": round(util, 4),
+            "link_utilisation": round(sum(links) / n, 4), "link_utilisation_max": round(max(links), 4),
+            "follow_ups": follow, "follow_ups_by_class": dict(f.follow),
+            "moves": moves, "moves_warm_pct": round(100.0 * f.moves["warm"] / moves, 2) if moves else None,
+            "lookups_per_turn": round(f.lookups / f.turns, 3) if f.turns else 0.0,
+            "forwards_per_turn": round(f.forwards / f.turns, 3) if f.turns else 0.0,
+            "duration_s": round(duration_s, 1),
+        }
+
+
+def _prefix(held: tuple[int, ...], blocks: tuple[int, ...]) -> int:
+    n = 0
+    for a, b in zip(held, blocks, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None

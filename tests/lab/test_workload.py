@@ -1,0 +1,68 @@
+"""The lab's trace reader (node.lab.workload): Mooncake-format requests joined into conversations, bad lines named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, agent_trace, read_mooncake
+
+
+
+def _write(path: Path, rows: list[dict[str, object]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _row(ms: int, ids: list[int], out: int = 10) -> dict[str, object]:
+    return {"timestamp": ms, "input_length": len(ids) * TRACE_BLOCK_TOKENS - 100, "output_length": out, "hash_ids": ids}
+
+
+def test_requests_that_extend_or_mostly_share_a_prefix_continue_a_conversation(tmp_path: Path) -> None:
+    """An extension and a request sharing half its blocks continue the conversation; a shared first block alone does not."""
+    reqs = read_mooncake(_write(tmp_path / "t.jsonl", [
+        _row(0, [1, 2, 3]), _row(1000, [1, 2, 3, 4]), _row(1500, [9]), _row(2000, [1, 2, 3, 4, 7, 8, 9, 10]),
+        _row(3000, [1, 50, 51, 52, 53]),
+    ]))
+    s = [r.session for r in reqs]
+    assert s[0] == s[1] == s[3] and len({s[0], s[2], s[4]}) == 3
+    assert [r.turn for r in reqs] == [0, 1, 0, 2, 0]
+    assert reqs[1].shared == 3 * TRACE_BLOCK_TOKENS and reqs[3].shared == 4 * TRACE_BLOCK_TOKENS and reqs[4].shared == 0
+    assert reqs[1].t == 1.0 and reqs[1].blocks == (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ("{not json", "not JSON"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1}', "hash_ids"),
+    ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp"),
+    ('{"timestamp": 0, "input_length": 5000, "output_length": 1, "hash_ids": [1]}', "does not fit 1 blocks"),
+])
+def test_a_bad_line_is_refused_naming_its_line_and_field(tmp_path: Path, line: str, says: str) -> None:
+    """A malformed request raises ValueError with the file, the line number and what is wrong."""
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps(_row(0, [1])) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*{says}"):
+        read_mooncake(p)
+
+
+def test_the_shared_mooncake_trace_reads_whole() -> None:
+    """The Mooncake trace kvmesh ships: 3,993 requests over ~17 minutes, 1,770 of them follow-ups of an earlier conversation."""
+    reqs = read_mooncake("mooncake")  # shipped gzipped in node/lab/traces
+    assert len(reqs) == 3993 and 1000 < reqs[-1].t < 1030
+    follow = [r for r in reqs if r.turn > 0]
+    assert len(follow) == 1770 and all(0 < r.shared <= r.input_length for r in follow)
+    assert all(r.shared == 0 for r in reqs if r.turn == 0)
+
+
+def test_the_agent_workload_grows_each_conversation_at_its_end() -> None:
+    """Each agent turn's blocks extend its previous turn's, `shared` is that turn's prompt, and agents are clients."""
+    reqs = agent_trace(agents=3, duration_s=30, seed=4)
+    by_session: dict[str, list] = {}
+    for r in reqs:
+        by_session.setdefault(r.session, []).append(r)
+    assert len({r.client for r in reqs}) == 3
+    for turns in by_session.values():
+        for a, b in zip(turns, turns[1:], strict=False):
+            assert b.blocks[: len(a.blocks)] == a.blocks and b.shared == a.input_length and b.think_s > 0
