@@ -198,10 +198,11 @@ class Node:
         if e.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(e.device)
             gpu_used, gpu_total = total - free, total
-        in_bps, out_bps = self.kvshare.rates()
+        in_bps, out_bps = (float(f"{r:.3g}") for r in self.kvshare.rates())  # 3 digits: pushed only when they move
         return HostInfo(
             name=self.name, api=self.api_url, reachable=True, draining=self.mesh.draining, slots=e.slots.slots,
-            busy=e.slots.busy, queued=e.slots.queued, mem_used_bytes=vm.total - vm.available, mem_total_bytes=vm.total,
+            busy=e.slots.busy, queued=e.slots.queued, mem_used_bytes=(vm.total - vm.available) >> 20 << 20,  # whole MiB
+            mem_total_bytes=vm.total,
             gpu_mem_used_bytes=gpu_used, gpu_mem_total_bytes=gpu_total, kv_cache_bytes=e.pool.num_blocks * e.block_bytes,
             kv_cache_used_bytes=(e.pool.num_blocks - e.blocks.num_free) * e.block_bytes,
             store_bytes=self.kvshare.store_bytes(), kvshare_in_bps=in_bps, kvshare_out_bps=out_bps,

@@ -254,8 +254,9 @@ class StateDelta(_Model):
     """What changed in the sender's status since `seq - 1`, field by field (node.mesh.statefeed).
 
     `host` and `fields` hold changed HostInfo and PeerStatus fields; `sessions` maps a session to its
-    changed SessionHolding fields (a new session: all its non-default ones); `removed` lists sessions
-    the sender no longer holds. A heartbeat repeats the last `seq` and carries nothing."""
+    changed SessionHolding fields (a new session: all its fields); `removed` lists sessions the
+    sender no longer holds; `links` and `links_removed` do the same for its links. A heartbeat
+    repeats the last `seq` and carries nothing."""
 
     type: Literal["state_delta"] = "state_delta"
     epoch: float
@@ -264,6 +265,8 @@ class StateDelta(_Model):
     fields: dict[str, object] = {}
     sessions: dict[str, dict[str, object]] = {}
     removed: list[str] = []
+    links: dict[str, dict[str, object]] = {}  # "src>dst" -> changed LinkInfo fields, like sessions
+    links_removed: list[str] = []
 
 
 StateMessage = Annotated[StateSnapshot | StateDelta, Field(discriminator="type")]

@@ -80,7 +80,8 @@ class Links:
     def links_out(self, me: str) -> list[LinkInfo]:
         return [
             LinkInfo(src=me, dst=dst, bytes_sent=s.bytes, transfers=s.transfers, last_transfer_s=s.last_s,
-                     last_transfer_bytes=s.last_bytes, throughput_bps=s.rate_bps(),
+                     # 3 significant digits: a decaying rate would otherwise change (and be pushed) every tick
+                     last_transfer_bytes=s.last_bytes, throughput_bps=float(f"{s.rate_bps():.3g}"),
                      goodput_gbps=(8 * s.last_bytes / s.last_s / 1e9) if s.last_s and s.last_bytes else None)
             for dst, s in sorted(self.out.items())
         ]

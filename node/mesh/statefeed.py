@@ -17,17 +17,38 @@ of date, never silently wrong (the field report's bug was trusting a memory of e
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from kvmesh.node.protocol import HostInfo, PeerStatus, SessionHolding, StateDelta, StateSnapshot
+from kvmesh.node.protocol import HostInfo, LinkInfo, PeerStatus, SessionHolding, StateDelta, StateSnapshot
 
 _Fields = dict[str, object]
 
 
-def _flat(status: PeerStatus, scope: Callable[[str], bool] | None) -> tuple[_Fields, _Fields, dict[str, _Fields]]:
+@dataclass
+class _Flat:
+    host: _Fields
+    fields: _Fields
+    sessions: dict[str, _Fields]
+    links: dict[str, _Fields]
+
+
+def _flat(status: PeerStatus, scope: Callable[[str], bool] | None) -> _Flat:
     d = status.model_dump(mode="json")
     host = d.pop("host")
+    host.pop("last_seen", None)  # the receiver's to set (when it last heard): sent, it would change every tick
     sessions = {s["session"]: s for s in d.pop("sessions") if scope is None or scope(s["session"])}
-    return host, d, sessions
+    links = {f"{li['src']}>{li['dst']}": li for li in d.pop("links")}
+    return _Flat(host, d, sessions, links)
+
+
+def _keyed(old: dict[str, _Fields], new: dict[str, _Fields], defaults: _Fields) -> tuple[dict[str, _Fields], list[str]]:
+    """Per key, the fields that changed (a new key: all that differ from `defaults`), and the keys gone."""
+    out = {}
+    for k, now in new.items():
+        diff = _changed(old.get(k, defaults), now)
+        if diff:
+            out[k] = diff
+    return out, sorted(k for k in old if k not in new)
 
 
 def _changed(old: _Fields, new: _Fields) -> _Fields:
@@ -35,7 +56,7 @@ def _changed(old: _Fields, new: _Fields) -> _Fields:
 
 
 _MISSING = object()
-_SESSION_DEFAULTS = SessionHolding(session="-").model_dump(mode="json")
+_NO_FIELDS: _Fields = {}  # a new session or link is sent whole (its key fields included)
 
 
 class StateFeed:
@@ -45,34 +66,27 @@ class StateFeed:
         self.epoch = epoch
         self.seq = 0
         self._scope = scope  # which sessions this subscriber is sent (None: all)
-        self._host: _Fields = {}
-        self._fields: _Fields = {}
-        self._sessions: dict[str, _Fields] = {}
+        self._sent = _Flat({}, {}, {}, {})
 
     def snapshot(self, status: PeerStatus) -> StateSnapshot:
         """The whole (scoped) status: the stream's first message, and the answer to a resync."""
-        self._host, self._fields, self._sessions = _flat(status, self._scope)
+        self._sent = _flat(status, self._scope)
         self.seq += 1
-        sessions = [SessionHolding.model_validate(s) for s in self._sessions.values()]
+        sessions = [SessionHolding.model_validate(s) for s in self._sent.sessions.values()]
         return StateSnapshot(epoch=self.epoch, seq=self.seq,
                              status=status.model_copy(update={"sessions": sessions}))
 
     def delta(self, status: PeerStatus) -> StateDelta | None:
         """What changed since the last message, as the next seq; None when nothing did."""
-        host, fields, sessions = _flat(status, self._scope)
-        out = StateDelta(epoch=self.epoch, seq=self.seq + 1, host=_changed(self._host, host),
-                         fields=_changed(self._fields, fields),
-                         removed=sorted(s for s in self._sessions if s not in sessions))
-        for s, now in sessions.items():
-            before = self._sessions.get(s)
-            diff = _changed(before if before is not None else _SESSION_DEFAULTS, now)
-            if before is None:
-                diff["session"] = s
-            if diff:
-                out.sessions[s] = diff
-        if not (out.host or out.fields or out.sessions or out.removed):
+        now, sent = _flat(status, self._scope), self._sent
+        sessions, removed = _keyed(sent.sessions, now.sessions, _NO_FIELDS)
+        links, links_removed = _keyed(sent.links, now.links, _NO_FIELDS)
+        out = StateDelta(epoch=self.epoch, seq=self.seq + 1, host=_changed(sent.host, now.host),
+                         fields=_changed(sent.fields, now.fields), sessions=sessions, removed=removed, links=links,
+                         links_removed=links_removed)
+        if _empty(out):
             return None
-        self._host, self._fields, self._sessions = host, fields, sessions
+        self._sent = now
         self.seq += 1
         return out
 
@@ -81,11 +95,18 @@ class StateFeed:
         return StateDelta(epoch=self.epoch, seq=self.seq)
 
 
+_PARTS = ("host", "fields", "sessions", "removed", "links", "links_removed")
+
+
+def _empty(msg: StateDelta) -> bool:
+    return not any(getattr(msg, k) for k in _PARTS)
+
+
 def encode(msg: StateSnapshot | StateDelta) -> str:
-    """A message as sent: a delta without its empty parts (a heartbeat is about 50 bytes)."""
+    """A message as sent: a delta without its empty parts (a heartbeat is about 60 bytes)."""
     if isinstance(msg, StateSnapshot):
         return msg.model_dump_json()
-    return msg.model_dump_json(exclude={k for k in ("host", "fields", "sessions", "removed") if not getattr(msg, k)})
+    return msg.model_dump_json(exclude={k for k in _PARTS if not getattr(msg, k)})
 
 
 class StateMirror:
@@ -107,7 +128,7 @@ class StateMirror:
         if self.status is None or msg.epoch != self.epoch or msg.seq not in (self.seq, self.seq + 1):
             return False
         if msg.seq == self.seq:
-            return not (msg.host or msg.fields or msg.sessions or msg.removed)  # a heartbeat carries nothing
+            return _empty(msg)  # a heartbeat carries nothing
         st = self.status
         host = HostInfo.model_validate({**st.host.model_dump(mode="json"), **msg.host}) if msg.host else st.host
         for s in msg.removed:
@@ -116,9 +137,17 @@ class StateMirror:
             old = self.sessions.get(s)
             base = old.model_dump(mode="json") if old is not None else {}
             self.sessions[s] = SessionHolding.model_validate({**base, **diff, "session": s})
-        fields = {**st.model_dump(mode="json", exclude={"host", "sessions"}), **msg.fields} if msg.fields else None
-        self.status = (PeerStatus.model_validate({**fields, "host": host}) if fields is not None
-                       else st.model_copy(update={"host": host}))
+        links = st.links
+        if msg.links or msg.links_removed:
+            have = {f"{li.src}>{li.dst}": li.model_dump(mode="json") for li in st.links}
+            for k in msg.links_removed:
+                have.pop(k, None)
+            for k, diff in msg.links.items():
+                have[k] = {**have.get(k, {}), **diff}
+            links = [LinkInfo.model_validate(li) for li in have.values()]
+        fields = {**st.model_dump(mode="json", exclude={"host", "sessions", "links"}), **msg.fields} if msg.fields else None
+        self.status = (PeerStatus.model_validate({**fields, "host": host, "links": links}) if fields is not None
+                       else st.model_copy(update={"host": host, "links": links}))
         self.status.sessions = list(self.sessions.values())
         self.seq = msg.seq
         return True

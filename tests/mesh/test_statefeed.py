@@ -6,13 +6,15 @@ import random
 
 from kvmesh.node.mesh.directory import directory_host
 from kvmesh.node.mesh.statefeed import StateFeed, StateMirror, encode
-from kvmesh.node.protocol import STATE_ADAPTER, HostInfo, PeerStatus, SessionHolding, StateDelta
+from kvmesh.node.protocol import STATE_ADAPTER, HostInfo, LinkInfo, PeerStatus, SessionHolding, StateDelta
 
 
 def _status(rng: random.Random, sessions: dict[str, int], busy: int) -> PeerStatus:
+    links = [LinkInfo(src="a", dst=d, bytes_sent=rng.randrange(3) << 20, throughput_bps=rng.choice([0.0, 1e6]))
+             for d in ("b", "c", "d") if rng.random() < 0.7]
     return PeerStatus(host=HostInfo(name="a", slots=4, busy=busy, mem_used_bytes=rng.randrange(1 << 30)),
                       sessions=[SessionHolding(session=s, resident_tokens=n, home_seq=n // 100) for s, n in sessions.items()],
-                      mean_turn_s=1.5)
+                      links=links, mean_turn_s=1.5)
 
 
 def _wire(msg: object) -> object:
@@ -20,7 +22,7 @@ def _wire(msg: object) -> object:
 
 
 def test_a_mirror_fed_the_deltas_equals_the_sender_after_every_change() -> None:
-    """Sessions added, grown and evicted at random: after each delta (as sent on the wire) the mirror is the status."""
+    """Sessions and links added, changed and dropped at random: after each delta (as sent) the mirror is the status."""
     rng = random.Random(7)
     feed, mirror = StateFeed(epoch=1.0), StateMirror()
     sessions: dict[str, int] = {}
@@ -34,12 +36,13 @@ def test_a_mirror_fed_the_deltas_equals_the_sender_after_every_change() -> None:
             sessions.pop(rng.choice(sorted(sessions)))
         st = _status(rng, sessions, rng.randrange(5))
         delta = feed.delta(st)
-        assert delta is not None
+        assert delta is not None  # the host's memory figure changes every step
         assert mirror.apply(_wire(delta)), step  # type: ignore[arg-type]
         assert mirror.status is not None
         got = {s.session: s for s in mirror.status.sessions}
         assert got == {s.session: s for s in st.sessions}, step
         assert mirror.status.host == st.host and mirror.status.mean_turn_s == st.mean_turn_s
+        assert sorted(mirror.status.links, key=lambda li: li.dst) == st.links, step
 
 
 def test_nothing_changed_sends_nothing_and_a_heartbeat_is_tiny() -> None:

@@ -23,6 +23,10 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.node.lab.bench.agents import run_agents
 
         return run_agents(args)
+    if args.bench == "control":
+        from kvmesh.node.lab.bench.control import run_control
+
+        return run_control(args)
     if args.bench == "versus":
         from kvmesh.node.lab.bench.versus import run_versus
 

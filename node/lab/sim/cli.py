@@ -1,11 +1,12 @@
 """`kvmesh sim`: one policy at N hosts on a trace or the agent workload; the last stdout line is one JSON object.
 
-`--load U` sizes the traffic to the mesh: every host offered about U of its slots' time (counting
-each turn's new tokens' prefill and its decode, as if every cache hit), by replaying more
-conversations, never by compressing their think times: a Mooncake trace is replayed in copies,
-each conversation of a copy shifted by its own random offset within the trace's span (wrapping
-round, so arrivals stay even over the span), with its own session ids and blocks; the agent
-workload gets more agents. Without `--load` the workload runs once, whatever N.
+`--load U` sizes the traffic to the mesh: every host offered about U of its busier resource (its
+prefill engine, or its slots' time), counting each turn's new tokens' prefill and its decode as if
+every cache hit, by replaying more (or fewer) conversations, never by compressing their think
+times: a Mooncake trace is replayed in copies, each conversation of a copy shifted by its own
+random offset within the trace's span (wrapping round, so arrivals stay even over the span), with
+its own session ids and blocks, plus a random share of its conversations for a fraction of a copy;
+the agent workload gets more agents. Without `--load` the workload runs once, whatever N.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import random
 import sys
 import time
@@ -45,15 +47,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.set_defaults(func=run_sim)
 
 
-def scale_trace(requests: list[TraceRequest], copies: int, span_s: float, rng: random.Random) -> list[TraceRequest]:
-    """`copies` replays of a trace: the first as it is, each other's conversations shifted within the span."""
+def scale_trace(requests: list[TraceRequest], factor: float, span_s: float, rng: random.Random) -> list[TraceRequest]:
+    """The trace's conversations `factor` times over: whole copies (the first as it is, each other's
+    conversations shifted within the span, with their own ids and blocks), then a random share of
+    the conversations for the fraction left (below 1: a random share of the trace itself)."""
     top = 1 + max(b for r in requests for b in r.blocks)
     by_client: dict[str, list[TraceRequest]] = defaultdict(list)
     for r in requests:
         by_client[r.client or r.session].append(r)
-    out = list(requests)
-    for c in range(1, copies):
+    out: list[TraceRequest] = []
+    for c in range(max(1, math.ceil(factor))):
+        keep = min(1.0, factor - c)
         for client, reqs in by_client.items():
+            if keep < 1.0 and rng.random() >= keep:
+                continue
+            if c == 0:
+                out += reqs
+                continue
             shift = rng.uniform(0, span_s)
             if reqs[0].t + shift >= span_s:
                 shift -= span_s
@@ -75,10 +85,8 @@ def workload(args: argparse.Namespace, p: SimParams) -> tuple[list[TraceRequest]
     if args.trace:
         base = read_mooncake(args.trace)
         span = max(r.t for r in base) or 1.0
-        copies = 1
-        if args.load:
-            copies = max(1, round(args.load * p.hosts / offered(base, p, span)))
-        return scale_trace(base, copies, span, rng), span, f"trace:{args.trace} x{copies}", p
+        factor = args.load * p.hosts / offered(base, p, span) if args.load else 1.0
+        return scale_trace(base, factor, span, rng), span, f"trace:{args.trace} x{factor:.2f}", p
     tools = AGENT_SHAPE["tool_tokens"]
     think = AGENT_SHAPE["think_s"]
     prefill = ((tools[0] + tools[1]) / 2 + 64) / p.prefill_tps  # type: ignore[index, operator]
