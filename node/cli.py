@@ -78,7 +78,17 @@ def cmd_load(args: argparse.Namespace) -> int:
     record = open(args.record, "w") if args.record else None
     try:
         runner = LoadRunner([u.rstrip("/") for u in args.node], shape, record=record, time_scale=args.time_scale)
-        stats = asyncio.run(runner.replay(args.replay) if args.replay else runner.run(args.duration))
+        if args.mooncake:
+            from kvmesh.node.lab.workload import read_mooncake
+
+            try:
+                reqs = read_mooncake(args.mooncake)
+            except (OSError, ValueError) as e:
+                print(f"kvmesh load: {e}", file=sys.stderr)
+                return 2
+            stats = asyncio.run(runner.replay_requests(reqs[: args.limit], block_chars=args.block_chars))
+        else:
+            stats = asyncio.run(runner.replay(args.replay) if args.replay else runner.run(args.duration))
     finally:
         if record:
             record.close()
@@ -279,6 +289,11 @@ def _add_load(sub: Subparsers) -> None:
     ld.add_argument("--seed", type=int, default=1)
     ld.add_argument("--record", type=Path, help="write a JSONL trace of every turn")
     ld.add_argument("--replay", type=Path, help="replay a JSONL trace instead of generating")
+    ld.add_argument("--mooncake", help="replay a Mooncake-format trace (a file, or `mooncake`: the one kvmesh ships) "
+                    "as chat turns, one session per conversation")
+    ld.add_argument("--limit", type=int, help="with --mooncake: only its first N requests")
+    ld.add_argument("--block-chars", type=int, default=512, help="with --mooncake: characters of text per 512-token "
+                    "block (512 for the sim's byte tokenizer; about 2000 for a BPE model's)")
     ld.add_argument("--json", action="store_true")
     ld.set_defaults(func=cmd_load)
 

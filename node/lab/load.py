@@ -5,7 +5,8 @@ turns that append tool output and a short assistant reply, with think time
 between turns; a conversation that reaches `target_tokens` ends and a new one
 starts. Deterministic from the seed (texts, sizes, think times; not which host
 answers). Turns go to the entry nodes round-robin. A JSONL trace (one line per
-turn: session, time offset, appended messages) can be recorded and replayed.
+turn: session, time offset, appended messages) can be recorded and replayed,
+and a Mooncake-format trace (the reader `kvmesh sim` uses) replayed as chat turns.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, TextIO
 import httpx
 
 from kvmesh.node.lab.streamclient import TurnFailed, stream_chat
-from kvmesh.node.lab.workload import system_prompt, text
+from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest, system_prompt, text
 
 
 @dataclass
@@ -83,9 +84,11 @@ class LoadRunner:
         self._rr += 1
         return self.nodes[self._rr % len(self.nodes)]
 
-    async def turn(self, client: httpx.AsyncClient, session: str, messages: list[dict[str, str]]) -> str | None:
+    async def turn(self, client: httpx.AsyncClient, session: str, messages: list[dict[str, str]], *,
+                   max_tokens: int | None = None) -> str | None:
         """One streamed turn; returns the reply text, or None when it failed."""
-        body = {"model": self.model, "messages": messages, "max_tokens": self.shape.max_tokens, "temperature": 0}
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens or self.shape.max_tokens,
+                "temperature": 0}
         st = self.stats
         try:
             r = await stream_chat(client, f"{self._entry()}/v1/chat/completions", body, {"X-Session-Id": session})
@@ -183,4 +186,41 @@ class LoadRunner:
                     await self.turn(client, session, msgs)
 
             await asyncio.gather(*(one(s, r) for s, r in by_session.items()))
+        return self.stats
+
+    async def replay_requests(self, requests: list[TraceRequest], *, block_chars: int = TRACE_BLOCK_TOKENS) -> LoadStats:
+        """Send a Mooncake-format trace's requests (node.lab.workload.read_mooncake) as chat turns.
+
+        Each prompt is one user message: per 512-token block, `block_chars` characters of text seeded by
+        the block's id (so equal ids are equal text: the trace's shared prefixes are shared here), cut
+        to `input_length` blocks' worth; max_tokens is the request's `output_length`, capped by the
+        shape's max_tokens; the session is its conversation. A client sends its next request at its
+        trace time (scaled by time_scale), and never before its previous reply."""
+        self._t0 = time.monotonic()
+        texts: dict[int, str] = {}
+
+        def prompt(r: TraceRequest) -> str:
+            for b in r.blocks:
+                if b not in texts:
+                    texts[b] = text(random.Random(b), block_chars)
+            chars = r.input_length * block_chars // TRACE_BLOCK_TOKENS
+            return "".join(texts[b] for b in r.blocks)[:chars]
+
+        by_client: dict[str, list[TraceRequest]] = {}
+        for r in requests:
+            by_client.setdefault(r.client or r.session, []).append(r)
+        limits = httpx.Limits(max_connections=len(by_client) + 8)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits) as client:
+            await self._discover_model(client)
+
+            async def one(reqs: list[TraceRequest]) -> None:
+                for r in reqs:
+                    delay = r.t * self.time_scale - (time.monotonic() - self._t0)
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    self.stats.conversations += r.turn == 0
+                    await self.turn(client, r.session, [{"role": "user", "content": prompt(r)}],
+                                    max_tokens=max(1, min(r.output_length, self.shape.max_tokens)))
+
+            await asyncio.gather(*(one(reqs) for reqs in by_client.values()))
         return self.stats

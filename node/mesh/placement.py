@@ -6,8 +6,9 @@ where the turn would really go. The home (the host that ran the session last)
 keeps the turn while it has a free slot. Otherwise every available host is
 scored by expected time to first token: queue wait + the prefill already running
 there + uncached tokens / that host's measured prefill rate + import time; the replica holder usually wins,
-and waiting for the home wins when that is quicker. A move that cannot be warm
-is refused unless waiting for the home would take longer than `cold_move_after_s`.
+and waiting for the home wins when that is quicker. A move that loses the cache
+(reuses less than `warm_fraction` of what the home would) is refused unless
+waiting for the home would take longer than `cold_move_after_s`.
 """
 
 from __future__ import annotations
@@ -136,13 +137,16 @@ def choose(
         # Stay where the cache is while that host has a free slot.
         ttft, reuse = est[home]
         return Decision(home, home, prev, reuse, ttft, "home")
-    home_wait = hosts[home].wait_s() if home in est else None
+    home_wait = hosts[home].wait_s() + hosts[home].prefill_wait_s() if home in est else None
+    home_reuse = est[home][1] if home in est else 0
 
     def allowed(name: str) -> bool:
         if home_wait is None or name == home or prompt_tokens == 0:
             return True
-        warm = est[name][1] >= policy.warm_fraction * prompt_tokens
-        return warm or home_wait > policy.cold_move_after_s
+        # A move keeps the cache when it reuses nearly all the home would (a follow-up that adds much
+        # new text cannot reuse 90% of its prompt anywhere, and may still move to the replica).
+        keeps = est[name][1] >= policy.warm_fraction * home_reuse
+        return keeps or home_wait > policy.cold_move_after_s
 
     ok = [h for h in cands if allowed(h.name)]
     # Lowest expected TTFT; ties: the home, then more reuse, then fewer busy slots, then the session's spread.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose
 
 PREFILL = 10_000.0  # tokens/s on every host here
@@ -39,3 +41,30 @@ def test_a_slow_inbound_replica_never_predicts_less_than_what_is_stored() -> Non
     assert reuse == 8_000
     reuse, _ = _predict(Holding(resident=9_000, inbound=20_000, inbound_eta_s=5.0))
     assert reuse == 9_000
+
+
+def test_a_new_session_goes_where_no_prefill_is_running() -> None:
+    """Two idle-slotted hosts: the one already prefilling 50k tokens is 5 s further from a first token."""
+    hosts = {"a": HostLoad("a", 4, 1, 0, 1.0, PREFILL, 1e9, backlog_tokens=50_000),
+             "b": HostLoad("b", 4, 1, 0, 1.0, PREFILL, 1e9)}
+    d = choose(hosts, {}, 2_000, Policy(kv_bytes_per_token=1), session="new")
+    assert d is not None and d.host == "b" and abs(d.expected_ttft_s - 0.2) < 1e-3, d
+
+
+def test_equal_hosts_share_new_sessions_evenly() -> None:
+    """Eight equal idle hosts: 800 new sessions spread over all of them (not all to the first name)."""
+    hosts = {n: HostLoad(n, 4, 0, 0, 1.0, PREFILL, 1e9) for n in "abcdefgh"}
+    picks = Counter(choose(hosts, {}, 1_000, Policy(), session=f"s{i}").host for i in range(800))  # type: ignore[union-attr]
+    assert set(picks) == set(hosts) and max(picks.values()) < 2 * 800 / 8, picks
+
+
+def test_a_follow_up_that_adds_much_text_may_still_move_to_its_replica() -> None:
+    """Home busy; the prompt doubled since the last turn, so no host can reuse 90% of it: the replica holder,
+    which reuses as much as the home would, takes it (it keeps the cache); a host holding nothing does not."""
+    hosts = {"a": HostLoad("a", 1, 1, 3, 5.0, PREFILL, 1e9), "b": HostLoad("b", 1, 0, 0, 1.0, PREFILL, 1e9),
+             "c": HostLoad("c", 1, 0, 0, 1.0, PREFILL, 1e9)}
+    held = {"a": Holding(resident=10_000, home_seq=4, turn_seq=4), "b": Holding(stored=10_000)}
+    d = choose(hosts, held, 20_000, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "b" and d.reason == "replica", d
+    d = choose(hosts, {"a": held["a"]}, 20_000, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "a", d  # c would recompute what a holds: wait for the home

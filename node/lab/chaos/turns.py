@@ -79,11 +79,12 @@ class DrillLoad(LoadRunner):
         super().__init__(entries, shape, model=MODEL)
         self.pairs = pairs
 
-    async def turn(self, client: httpx.AsyncClient, session: str, messages: list[dict[str, str]]) -> str | None:
+    async def turn(self, client: httpx.AsyncClient, session: str, messages: list[dict[str, str]], *,
+                   max_tokens: int | None = None) -> str | None:
         sent = copy.deepcopy(messages)
-        reply = await super().turn(client, session, messages)
+        reply = await super().turn(client, session, messages, max_tokens=max_tokens)
         if reply is not None:
-            self.pairs.append(Pair("load", session, sent, self.shape.max_tokens, 0.0, None, reply))
+            self.pairs.append(Pair("load", session, sent, max_tokens or self.shape.max_tokens, 0.0, None, reply))
         return reply
 
     def stop(self) -> None:
