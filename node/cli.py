@@ -198,13 +198,6 @@ def _add_bench(sub: Subparsers) -> None:
     ag.add_argument("--max-tokens", type=int, default=64)
     ag.add_argument("--seed", type=int, default=1)
     ag.add_argument("--model", type=Path, help=GGUF_HELP + " (default: the sim engine, scripted tool calls)")
-    c = bsub.add_parser("control", help="control-plane bytes per host on a sim mesh: peers' state polled vs pushed")
-    c.add_argument("--json", action="store_true")
-    c.add_argument("--hosts", type=int, default=3)
-    c.add_argument("--sessions", type=int, default=12)
-    c.add_argument("--slots", type=int, default=4)
-    c.add_argument("--duration", type=float, default=60.0, help="seconds of agent load per mode")
-    c.add_argument("--seed", type=int, default=1)
     x = bsub.add_parser("transfer", help="kv_share delta vs raw TCP between two node processes")
     x.add_argument("--json", action="store_true")
     x.add_argument("--mib", type=float, default=247.0, help="delta size")
@@ -217,7 +210,18 @@ def _add_bench(sub: Subparsers) -> None:
     x.set_defaults(engine_default="sim")
     x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
     _add_side_by_side(bsub)
+    _add_bench_control(bsub)
     b.set_defaults(func=cmd_bench)
+
+
+def _add_bench_control(bsub: Subparsers) -> None:
+    c = bsub.add_parser("control", help="control-plane bytes per host on a sim mesh: peers' state polled vs pushed")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--hosts", type=int, default=3)
+    c.add_argument("--sessions", type=int, default=12)
+    c.add_argument("--slots", type=int, default=4)
+    c.add_argument("--duration", type=float, default=60.0, help="seconds of agent load per mode")
+    c.add_argument("--seed", type=int, default=1)
 
 
 def _add_side_by_side(bsub: Subparsers) -> None:

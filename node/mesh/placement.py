@@ -3,12 +3,14 @@
 One pure function, `choose`, answers both questions, so the kv_share target
 (the host placement would pick if the home were busy) can never disagree with
 where the turn would really go. The home (the host that ran the session last)
-keeps the turn while it has a free slot. Otherwise every available host is
-scored by expected time to first token: queue wait + the prefill already running
-there + uncached tokens / that host's measured prefill rate + import time; the replica holder usually wins,
-and waiting for the home wins when that is quicker. A move that loses the cache
-(reuses less than `warm_fraction` of what the home would) is refused unless
-waiting for the home would take longer than `cold_move_after_s`.
+keeps the turn while it has a free slot and no prefill running. Otherwise every
+available host is scored by expected time to first token: queue wait + the
+prefill already running there + uncached tokens / that host's measured prefill
+rate + import time; the replica holder usually wins, and waiting for the home
+wins when that is quicker. A move that is not warm is
+refused (unless the home cannot be warm either and the move reuses
+`warm_fraction` of what the home would) until waiting for the home would take
+longer than `cold_move_after_s`.
 """
 
 from __future__ import annotations
@@ -133,19 +135,20 @@ def choose(
     if not cands:
         return None
     est = {h.name: _estimate(h, holdings.get(h.name), prompt_tokens, policy) for h in cands}
-    if home in est and hosts[home].free:
-        # Stay where the cache is while that host has a free slot.
+    if home in est and hosts[home].free and not hosts[home].backlog_tokens:
+        # Stay where the cache is while that host has a free slot and no prefill running (else a warm
+        # replica elsewhere may start sooner: the scores decide).
         ttft, reuse = est[home]
         return Decision(home, home, prev, reuse, ttft, "home")
-    home_wait = hosts[home].wait_s() + hosts[home].prefill_wait_s() if home in est else None
+    home_wait = hosts[home].wait_s() if home in est else None
     home_reuse = est[home][1] if home in est else 0
 
     def allowed(name: str) -> bool:
         if home_wait is None or name == home or prompt_tokens == 0:
             return True
-        # A move keeps the cache when it reuses nearly all the home would (a follow-up that adds much
-        # new text cannot reuse 90% of its prompt anywhere, and may still move to the replica).
-        keeps = est[name][1] >= policy.warm_fraction * home_reuse
+        # A move keeps the cache when it is warm, or, for a follow-up that added so much text that even
+        # the home cannot be warm, when it reuses nearly all the home would (it may move to the replica).
+        keeps = est[name][1] >= policy.warm_fraction * min(prompt_tokens, home_reuse / policy.warm_fraction)
         return keeps or home_wait > policy.cold_move_after_s
 
     ok = [h for h in cands if allowed(h.name)]

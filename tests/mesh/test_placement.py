@@ -68,3 +68,15 @@ def test_a_follow_up_that_adds_much_text_may_still_move_to_its_replica() -> None
     assert d is not None and d.host == "b" and d.reason == "replica", d
     d = choose(hosts, {"a": held["a"]}, 20_000, Policy(kv_bytes_per_token=1))
     assert d is not None and d.host == "a", d  # c would recompute what a holds: wait for the home
+
+
+def test_a_home_busy_prefilling_gives_way_to_a_warm_replica_but_never_to_a_cold_host() -> None:
+    """The home has a free slot but 50k tokens of another prompt to prefill (5 s): the idle replica holder
+    starts the turn sooner, warm; with no replica anywhere the turn stays home rather than recompute."""
+    hosts = {"a": HostLoad("a", 4, 1, 0, 1.0, PREFILL, 1e9, backlog_tokens=50_000),
+             "b": HostLoad("b", 4, 0, 0, 1.0, PREFILL, 1e9)}
+    home = {"a": Holding(resident=20_000, home_seq=2, turn_seq=2)}
+    d = choose(hosts, {**home, "b": Holding(stored=20_000)}, 21_000, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "b" and d.reason == "replica", d
+    d = choose(hosts, home, 21_000, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "a", d
