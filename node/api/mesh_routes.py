@@ -142,11 +142,24 @@ async def peer_state(ws: WebSocket, node: NodeDep, subscriber: str = "") -> None
     await ws.accept()
     cfg = node.cfg.mesh
     feed = StateFeed(node.hub.epoch, scope=node.mesh.scope_for(subscriber) if subscriber else None)
+    # Every event this node publishes (a turn started or ended, a replica sent or landed) is a change
+    # a peer's placement should see now, not at the next interval.
+    sub, _ = node.hub.subscribe()
+    wake = asyncio.Event()
+
+    async def watch() -> None:
+        while await sub.get() is not None:
+            wake.set()
+
+    watcher = asyncio.create_task(watch())
     try:
         await push(ws.send_text, ws.receive_text, node.mesh.local_status, feed,
-                   interval_s=cfg.push_interval_s, heartbeat_s=cfg.heartbeat_s)
+                   interval_s=cfg.push_interval_s, heartbeat_s=cfg.heartbeat_s, wake=wake)
     except (WebSocketDisconnect, RuntimeError):
         return
+    finally:
+        watcher.cancel()
+        sub.close()
 
 
 @router.get("/v1/peer/directory/{session:path}")

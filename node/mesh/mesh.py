@@ -178,9 +178,13 @@ class Mesh:
         served its last turn moments ago), and on every turn whose directory is another host."""
         d = self.directory_of(session)
         peer = self.peers.peers.get(d) if d is not None else None
-        if peer is not None and peer.reachable and await self.peers.lookup(peer, session):
-            return
-        await asyncio.gather(*(self.peers.poll_session(p, session) for p in self.peers.peers.values() if p.reachable))
+        if not (peer is not None and peer.reachable and await self.peers.lookup(peer, session)):
+            await asyncio.gather(*(self.peers.poll_session(p, session) for p in self.peers.peers.values() if p.reachable))
+        # The home's load too: what this node last heard of it may predate the turn it just ran (a
+        # prefill shown running, a slot shown busy), and this decision is the one that counts.
+        home = self.peers.peers.get(self.home(session) or "")
+        if home is not None and home.reachable:
+            await self.peers.poll(home)
 
     # ---- the directory (large meshes) ------------------------------------------
 

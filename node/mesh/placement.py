@@ -3,7 +3,7 @@
 One pure function, `choose`, answers both questions, so the kv_share target
 (the host placement would pick if the home were busy) can never disagree with
 where the turn would really go. The home (the host that ran the session last)
-keeps the turn while it has a free slot and no prefill running. Otherwise every
+keeps the turn while it has a free slot and little prefill ahead. Otherwise every
 available host is scored by expected time to first token: queue wait + the
 prefill already running there + uncached tokens / that host's measured prefill
 rate + import time; the replica holder usually wins, and waiting for the home
@@ -64,6 +64,9 @@ class Policy:
     warm_fraction: float = 0.9
     cold_move_after_s: float = 30.0
     kv_bytes_per_token: int = 8192
+    # A free home keeps the turn while the prefill ahead of it there takes less than this: a shorter
+    # one costs less than a move would save, and may already be over (pushed state is up to 0.25 s old).
+    home_prefill_wait_s: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -135,8 +138,8 @@ def choose(
     if not cands:
         return None
     est = {h.name: _estimate(h, holdings.get(h.name), prompt_tokens, policy) for h in cands}
-    if home in est and hosts[home].free and not hosts[home].backlog_tokens:
-        # Stay where the cache is while that host has a free slot and no prefill running (else a warm
+    if home in est and hosts[home].free and hosts[home].prefill_wait_s() <= policy.home_prefill_wait_s:
+        # Stay where the cache is while that host has a free slot and little prefill ahead (else a warm
         # replica elsewhere may start sooner: the scores decide).
         ttft, reuse = est[home]
         return Decision(home, home, prev, reuse, ttft, "home")
@@ -148,7 +151,9 @@ def choose(
             return True
         # A move keeps the cache when it is warm, or, for a follow-up that added so much text that even
         # the home cannot be warm, when it reuses nearly all the home would (it may move to the replica).
-        keeps = est[name][1] >= policy.warm_fraction * min(prompt_tokens, home_reuse / policy.warm_fraction)
+        # A home holding nothing yet is mid-turn (or evicted it): the old rule, wait for it.
+        reuse, warm = est[name][1], policy.warm_fraction * prompt_tokens
+        keeps = reuse >= warm or (0 < home_reuse < warm and reuse >= policy.warm_fraction * home_reuse)
         return keeps or home_wait > policy.cold_move_after_s
 
     ok = [h for h in cands if allowed(h.name)]

@@ -1,8 +1,9 @@
 """The asyncio shells around node.mesh.statefeed: pushing this host's state, subscribing to a peer's.
 
-`push` runs one subscriber's side of `/v1/peer/state` on the serving host: a snapshot, then every
-`interval_s` the delta since the last message (nothing when nothing changed, a heartbeat every
-`heartbeat_s`), and a fresh snapshot whenever the subscriber says "resync". `subscribe` is the
+`push` runs one subscriber's side of `/v1/peer/state` on the serving host: a snapshot, then the
+delta since the last message every `interval_s` and as soon as something placement acts on
+happens (nothing when nothing changed, a heartbeat every `heartbeat_s`), and a fresh snapshot
+whenever the subscriber says "resync". `subscribe` is the
 other end, run by the PeerTable for each peer: it connects (websockets, the mesh's peer header),
 applies each message to a `StateMirror`, hands each new status on, counts the bytes, and asks for
 a snapshot on a gap. A peer that cannot stream (an older node, a proxy without websockets) raises
@@ -12,7 +13,6 @@ a snapshot on a gap. A peer that cannot stream (an older node, a proxy without w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +25,7 @@ from kvmesh.node.mesh.statefeed import StateFeed, StateMirror, encode
 from kvmesh.node.protocol import STATE_ADAPTER, PeerStatus
 
 RESYNC = "resync"
+MIN_GAP_S = 0.05  # a change's delta waits this long for the rest of its burst (at most 20 messages a second)
 MAX_MESSAGE_BYTES = 64 << 20  # a snapshot of a host holding many sessions
 
 
@@ -33,10 +34,16 @@ class StreamRefused(Exception):
 
 
 async def push(send: Callable[[str], Awaitable[None]], receive: Callable[[], Awaitable[str]],
-               status: Callable[[], PeerStatus], feed: StateFeed, *, interval_s: float, heartbeat_s: float) -> None:
-    """Stream `status()` to one subscriber until its connection ends (receive or send raises)."""
+               status: Callable[[], PeerStatus], feed: StateFeed, *, interval_s: float, heartbeat_s: float,
+               wake: asyncio.Event | None = None, min_gap_s: float = MIN_GAP_S) -> None:
+    """Stream `status()` to one subscriber until its connection ends (receive or send raises).
+
+    A delta goes out every `interval_s` if anything changed, and `min_gap_s` after `wake` is set (a
+    turn started or ended, a replica landed: what placement acts on), so the changes of a burst
+    share one delta."""
     await send(encode(feed.snapshot(status())))
     resync = asyncio.Event()
+    wake = wake or asyncio.Event()
 
     async def reader() -> None:
         while True:
@@ -47,8 +54,15 @@ async def push(send: Callable[[str], Awaitable[None]], receive: Callable[[], Awa
     last = time.monotonic()
     try:
         while not task.done():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(resync.wait()), interval_s)
+            waits = [asyncio.ensure_future(e.wait()) for e in (resync, wake)]
+            await asyncio.wait(waits, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            if wake.is_set():
+                # Let the burst settle (a turn's end is an event, its slot freed just after): one
+                # delta with all of it, `min_gap_s` after the first change.
+                await asyncio.sleep(min_gap_s)
+                wake.clear()
             if task.done():
                 break
             if resync.is_set():

@@ -140,3 +140,23 @@ def test_sim_context_limit_comes_from_sim_config(make_engine, sim_cfg, turn) -> 
         turn(e, "s", [65] * 64, max_tokens=2)
     st = turn(e, "s", [65] * 63, max_tokens=2).stats
     assert (st.finish_reason, st.completion_tokens) in {("length", 1), ("stop", 0)}
+
+
+def test_prefill_backlog_counts_a_prompt_while_it_prefills(make_engine, sim_cfg, run_turn) -> None:  # type: ignore[no-untyped-def]
+    """While a 20k-token prompt prefills (1 s at the sim's 20k tokens/s), prefill_backlog() says so; after, 0."""
+    import asyncio
+
+    e = make_engine(cfg=sim_cfg(sim=SimConfig(prefill_tps=20_000.0, decode_tps=1000.0), max_context=32768))
+    prompt = e.tokenizer.apply_chat_template([{"role": "user", "content": "x" * 20_000}])
+
+    async def go() -> list[int]:
+        seen: list[int] = []
+        task = asyncio.create_task(run_turn(e, "s", prompt, max_tokens=2))
+        while not task.done():
+            seen.append(e.prefill_backlog())
+            await asyncio.sleep(0.05)
+        await task
+        return seen
+
+    seen = asyncio.run(go())
+    assert max(seen) >= 19_000 and e.prefill_backlog() == 0, seen[:5]

@@ -150,8 +150,10 @@ def test_each_dialect_runs_forwarded_and_moves_warm(make_mesh, make_agent) -> No
     first = agent.turn(m, "a", stream=False)
     home = first.host
     assert first.call == CALL
-    wait_for(lambda: (m.session_info("b", agent.session) or {}).get("home") == home, f"b to see {home} home")
     entry = next(n for n in m.names if n != home)
+    # The entry places the next turn on what it has heard: the home, its turn over and its slot free.
+    wait_for(lambda: (m.session_info(entry, agent.session) or {}).get("home") == home
+             and m.host_info(entry, home)["busy"] == 0, f"{entry} to see {home} home and idle")
     second = agent.turn(m, entry, stream=True)  # forwarded to the home
     assert second.host == home and second.call == CALL and second.call_id != first.call_id
     assert second.cached >= whole_blocks(first.prompt), (second, first)

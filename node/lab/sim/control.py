@@ -3,8 +3,9 @@
 Sizes are measured once by encoding the node's own wire messages (node.mesh.statefeed's deltas and
 heartbeats, a directory answer, a polled `PeerStatus`) with values like the sim's, each as a
 websocket frame (or an HTTP exchange) on the wire; the sim then counts how many of each it sends.
-Pushed load goes to every other host, at most once per push interval and only when it changed
-(else a heartbeat per `heartbeat_s`); a session's changes go to its directory host only (to every
+Pushed load goes to every other host, one delta per burst of changes (node.mesh.statestream sends
+a change's delta `MIN_GAP_S` after it, with whatever else changed meanwhile), else a heartbeat per
+`heartbeat_s`; a session's changes go to its directory host only (to every
 host in a mesh at or under `directory_after_hosts`); a turn whose entry is not its session's
 directory costs one lookup. TCP/IP headers are not counted (as in node.mesh.wirecount).
 """
@@ -72,8 +73,8 @@ class Sizes:
 
 def load_stream_bytes(changes: list[float], duration_s: float, recipients: int, sizes: Sizes,
                       *, interval_s: float, heartbeat_s: float) -> int:
-    """What one host's pushed load costs: a delta per push interval in which it changed, a heartbeat
-    per `heartbeat_s` of silence between them, to each of `recipients`."""
+    """What one host's pushed load costs: a delta per `interval_s` window in which it changed, a
+    heartbeat per `heartbeat_s` of silence between them, to each of `recipients`."""
     ticks = sorted({math.floor(t / interval_s) for t in changes})
     beats, last = 0, 0.0
     for k in ticks:

@@ -25,6 +25,7 @@ from kvmesh.node.lab.sim.cluster import BlockLRU, Cluster, SimHost, StoreLRU
 from kvmesh.node.lab.sim.control import Sizes, load_stream_bytes
 from kvmesh.node.lab.sim.policies import ROUTERS, Route, Router
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
+from kvmesh.node.mesh.statestream import MIN_GAP_S
 from kvmesh.node.protocol import classify
 
 
@@ -42,7 +43,6 @@ class SimParams:
     store_tokens: int = 4_000_000
     replicate_min_tokens: int = 8192
     rtt_s: float = 0.0002
-    push_interval_s: float = 0.25
     heartbeat_s: float = 1.0
     directory_after_hosts: int = 16
     until_s: float | None = None  # no turn is sent after this (closed-loop workloads)
@@ -267,7 +267,7 @@ class Simulation:
         load_aware = p.policy in ("kvmesh", "kv_overlap", "least_loaded")
         control = 0
         if load_aware:
-            control += sum(load_stream_bytes(h.changes, duration_s, n - 1, sizes, interval_s=p.push_interval_s,
+            control += sum(load_stream_bytes(h.changes, duration_s, n - 1, sizes, interval_s=MIN_GAP_S,
                                              heartbeat_s=p.heartbeat_s) for h in self.cluster.hosts.values())
         if p.policy == "kvmesh":
             fanout = 1 if n > p.directory_after_hosts else n - 1
