@@ -81,3 +81,35 @@ def test_past_the_directory_threshold_only_the_directory_host_mirrors_a_session(
     prev = conv.turns[-1].prompt_tokens
     t = m.turn(conv, bystander)
     assert t.host == home and t.handoff == "none" and t.cached >= prev - 256, t
+
+
+def test_the_state_stream_needs_the_secret_and_answers_a_resync_with_a_snapshot(shared_mesh: Mesh) -> None:
+    """/v1/peer/state: refused without the mesh secret (HTTP 403 at the handshake); with it, a snapshot first,
+    and a fresh snapshot (a later seq) whenever the subscriber says "resync"."""
+    import asyncio
+
+    import websockets
+    from websockets.asyncio.client import connect
+
+    from kvmesh.node.protocol import STATE_ADAPTER, StateSnapshot
+
+    url = shared_mesh.api("a").replace("http://", "ws://") + "/v1/peer/state?subscriber=b"
+
+    async def go() -> tuple[int, int, int]:
+        try:
+            async with connect(url, open_timeout=5):
+                pass
+            refused = 0
+        except websockets.InvalidStatus as e:
+            refused = e.response.status_code
+        async with connect(url, additional_headers=shared_mesh.peer_headers(), open_timeout=5) as ws:
+            first = STATE_ADAPTER.validate_json(await ws.recv())
+            assert isinstance(first, StateSnapshot) and first.status.host.name == "a"
+            await ws.send("resync")
+            while True:
+                msg = STATE_ADAPTER.validate_json(await asyncio.wait_for(ws.recv(), 5))
+                if isinstance(msg, StateSnapshot):
+                    return refused, first.seq, msg.seq
+
+    refused, seq0, seq1 = asyncio.run(go())
+    assert refused == 403 and seq1 > seq0
