@@ -130,6 +130,10 @@ class KVShare:
             return 0, None
         return m.num_tokens, m.updated
 
+    def rehomed(self, session: str) -> None:
+        """The session's home is another host now: this host's stored copy is a replica (evicted first)."""
+        self.store.mark_own(session, False)
+
     def store_sessions(self) -> list[str]:
         return self.store.sessions()
 

@@ -56,6 +56,9 @@ class ReplicaView(Protocol):
 
     def store_sessions(self) -> list[str]: ...
 
+    def rehomed(self, session: str) -> None:
+        """The session's home moved to another host: what this host stores of it is a replica now."""
+
     def inbound(self, session: str) -> tuple[int, float | None, int]:
         """(tokens of a replica landing here, seconds until it is whole, tokens of it landed so far)."""
 
@@ -85,7 +88,7 @@ class Mesh:
         self.secrets = secrets
         self.peers = PeerTable(cfg.peers, token=self.peer_token, poll_interval_s=cfg.poll_interval_s,
                                stale_after_s=cfg.stale_after_s, publish=publish, verify=verify,
-                               subscriber=name if cfg.push_state else None)
+                               subscriber=name if cfg.push_state else None, on_sessions=self._heard)
         self.directory_after_hosts = cfg.directory_after_hosts
         self._members: tuple[int, tuple[str, ...]] = (-1, ())  # (peer table version, members)
         self._directory: tuple[tuple[str, ...], dict[str, str]] = ((), {})  # (members, session -> host)
@@ -100,6 +103,14 @@ class Mesh:
 
     async def start(self) -> None:
         await self.peers.start()
+
+    def _heard(self, peer: str, sessions: list[SessionHolding]) -> None:
+        """A peer reported these sessions: one homed there since it was last homed here is not ours any more."""
+        for sh in sessions:
+            rec = self.book.records.get(sh.session)
+            if rec is not None and rec.home_seq and sh.home_seq > rec.home_seq and not rec.rehomed:
+                rec.rehomed = True
+                self.replicas.rehomed(sh.session)
 
     async def stop(self) -> None:
         await self.peers.stop()

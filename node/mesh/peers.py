@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from kvmesh.node.config import PeerConfig
 from kvmesh.node.mesh.auth import PEER_HEADER
+from kvmesh.node.mesh.statefeed import StateMirror
 from kvmesh.node.mesh.statestream import StreamRefused, subscribe
 from kvmesh.node.mesh.wirecount import PEER_STATUS, CountingTransport, WireCounts
 from kvmesh.node.protocol import (
@@ -54,8 +55,11 @@ class Peer:
 
 class PeerTable:
     def __init__(self, peers: list[PeerConfig], *, token: str | None, poll_interval_s: float, stale_after_s: float,
-                 publish: Callable[[Event], object], verify: ssl.SSLContext | bool = True, subscriber: str | None = None):
-        """`subscriber`: this node's name, to subscribe to peers' pushed state under (None: poll only)."""
+                 publish: Callable[[Event], object], verify: ssl.SSLContext | bool = True, subscriber: str | None = None,
+                 on_sessions: Callable[[str, list[SessionHolding]], None] | None = None):
+        """`subscriber`: this node's name, to subscribe to peers' pushed state under (None: poll only);
+        `on_sessions` is told what a peer reported of the sessions that changed (a poll: all of them)."""
+        self._on_sessions = on_sessions
         self.peers = {p.name: Peer(p) for p in peers}
         self._subscriber = subscriber
         self._streams: dict[str, tuple[Peer, asyncio.Task[None]]] = {}
@@ -133,9 +137,9 @@ class PeerTable:
         url = str(api.copy_with(scheme="wss" if api.scheme == "https" else "ws", path="/v1/peer/state",
                                 params={"subscriber": self._subscriber or ""}))
 
-        def streamed(status: PeerStatus, _mirror: object) -> None:
+        def streamed(status: PeerStatus, mirror: StateMirror) -> None:
             peer.streaming = True
-            self.update(peer, status)
+            self.update(peer, status, [mirror.sessions[s] for s in mirror.changed if s in mirror.sessions])
 
         try:
             await subscribe(url, self._headers, self._verify, silent_after_s=self.stale_after_s, on_status=streamed,
@@ -180,9 +184,11 @@ class PeerTable:
                 self.peers[host].sessions[session] = held
         return True
 
-    def update(self, peer: Peer, status: PeerStatus) -> None:
+    def update(self, peer: Peer, status: PeerStatus, changed: list[SessionHolding] | None = None) -> None:
         peer.status = status
         peer.sessions = {s.session: s for s in status.sessions}
+        if self._on_sessions is not None:
+            self._on_sessions(peer.name, status.sessions if changed is None else changed)
         peer.heard_at = time.monotonic()
         peer.error = ""
         if not peer.reachable:

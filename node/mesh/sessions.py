@@ -17,6 +17,7 @@ from kvmesh.node.protocol import HandoffClass, HandoffCounters, ShortfallReason
 class SessionRecord:
     session: str
     home_seq: int = 0
+    rehomed: bool = False  # a peer is its home now (its stored copy here was made a replica)
     turn_seq: int = 0
     last_turn_at: float = 0.0  # wall time, for display
     turns: int = 0
@@ -68,6 +69,7 @@ class SessionBook:
         rec = self.get(session)
         rec.id_source = source or rec.id_source
         rec.turns += 1
+        rec.rehomed = False
         rec.turn_seq = max(seq, rec.turn_seq + 1)
         rec.home_seq = max(rec.home_seq, rec.turn_seq)
         rec.last_turn_at = time.time()
@@ -88,4 +90,5 @@ class SessionBook:
     def adopt(self, session: str, seq: int) -> None:
         """Make this host the session's home (a migration landed here)."""
         rec = self.get(session)
+        rec.rehomed = False
         rec.home_seq = max(rec.home_seq, seq)

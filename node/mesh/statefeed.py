@@ -117,6 +117,7 @@ class StateMirror:
         self.seq = 0
         self.status: PeerStatus | None = None
         self.sessions: dict[str, SessionHolding] = {}
+        self.changed: list[str] = []  # the sessions the last message applied added or changed
         self.resyncs = 0  # snapshots asked for after a gap
 
     def apply(self, msg: StateSnapshot | StateDelta) -> bool:
@@ -124,10 +125,12 @@ class StateMirror:
             self.epoch, self.seq = msg.epoch, msg.seq
             self.sessions = {s.session: s for s in msg.status.sessions}
             self.status = msg.status
+            self.changed = list(self.sessions)
             return True
         if self.status is None or msg.epoch != self.epoch or msg.seq not in (self.seq, self.seq + 1):
             return False
         if msg.seq == self.seq:
+            self.changed = []
             return _empty(msg)  # a heartbeat carries nothing
         st = self.status
         host = HostInfo.model_validate({**st.host.model_dump(mode="json"), **msg.host}) if msg.host else st.host
@@ -149,6 +152,7 @@ class StateMirror:
         self.status = (PeerStatus.model_validate({**fields, "host": host, "links": links}) if fields is not None
                        else st.model_copy(update={"host": host, "links": links}))
         self.status.sessions = list(self.sessions.values())
+        self.changed = list(msg.sessions)
         self.seq = msg.seq
         return True
 

@@ -26,6 +26,7 @@ from kvmesh.node.protocol import (
     HostInfo,
     LinkInfo,
     PeerStatus,
+    SessionHolding,
     TurnFinished,
     TurnStarted,
 )
@@ -62,6 +63,7 @@ class FakeReplicas:
     def __init__(self) -> None:
         self.imported: list[str] = []
         self.after: list[tuple[str, str | None]] = []
+        self.rehomed_sessions: list[str] = []
 
     def store_tokens(self, session: str) -> tuple[int, float | None]:
         return 0, None
@@ -74,6 +76,9 @@ class FakeReplicas:
 
     def inbound_sessions(self) -> list[str]:
         return []
+
+    def rehomed(self, session: str) -> None:
+        self.rehomed_sessions.append(session)
 
     def inflight_to(self, session: str) -> str | None:
         return None
@@ -154,3 +159,26 @@ def test_relay_action_reads_the_answer_or_says_why_not(engine: Engine) -> None:
         await mesh.peers.client.aclose()
 
     asyncio.run(calls())
+
+
+def test_a_session_homed_on_a_peer_since_makes_this_hosts_copy_a_replica(engine: Engine) -> None:
+    """A peer reporting a session homed there after its last turn here demotes the store's copy, once; an older
+    report, or a session this host never homed, does nothing."""
+    replicas, events = FakeReplicas(), list[Event]()
+    mesh = _mesh(engine, replicas, events)
+    mesh.book.turn_served("s", 100, None, 3)
+    b = mesh.peers.peers["b"]
+    status = PeerStatus(host=HostInfo(name="b", slots=2, prefill_tps=1e6))
+
+    def report(seq: int, session: str = "s") -> None:
+        mesh.peers.update(b, status.model_copy(update={"sessions": [SessionHolding(session=session, home_seq=seq)]}))
+
+    report(2)
+    report(4, "other")
+    assert replicas.rehomed_sessions == []
+    report(4)
+    report(5)
+    assert replicas.rehomed_sessions == ["s"]
+    mesh.book.turn_served("s", 100, None, 6)  # it came back: homed here again
+    report(7)
+    assert replicas.rehomed_sessions == ["s", "s"]

@@ -80,6 +80,12 @@ class StoreLRU:
             n += 1
         return n
 
+    def demote(self, blocks: tuple[int, ...]) -> None:
+        """The session moved away: its blocks here are a replica now (evicted before own sessions)."""
+        held = [b for b in blocks if b in self.own]
+        self.own.drop(held)
+        self.replicas.add(held)
+
     def add(self, blocks: tuple[int, ...], *, own: bool) -> None:
         if own:
             self.replicas.drop(blocks)

@@ -168,6 +168,11 @@ class Simulation:
     def _account_reuse(self, req: TraceRequest, host: str, reused: int) -> None:
         prev = self._last_host.get(req.session)
         self._last_host[req.session] = host
+        if prev is not None and prev != host:
+            # The old home hears it is home no more: its copy is a replica now (a real node does so
+            # when a peer reports the session homed there: Mesh._heard).
+            old = self.cluster.holding(req.session, prev)
+            self.cluster.hosts[prev].store.demote(old.stored)
         if req.turn == 0 or req.shared <= 0:
             return
         cls = classify(min(1.0, reused / req.shared))
