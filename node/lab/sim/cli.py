@@ -107,6 +107,11 @@ def run_sim(args: argparse.Namespace) -> int:
         print(f"kvmesh sim: --load is a utilisation per host, 0-1.5; got {args.load}", file=sys.stderr)
         return 2
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimParams) if hasattr(args, f.name)}
+    bad = [f"--{k.replace('_', '-')} must be above 0, got {v}" for k, v in kw.items()
+           if isinstance(v, int | float) and not isinstance(v, bool) and v <= 0 and k not in ("replicate_min_tokens", "seed")]
+    if bad or args.duration <= 0:
+        print(f"kvmesh sim: {'; '.join(bad or [f'--duration must be above 0, got {args.duration}'])}", file=sys.stderr)
+        return 2
     p = SimParams(**{**kw, "hosts": args.hosts, "policy": args.policy})
     try:
         reqs, span, what, p = workload(args, p)

@@ -113,3 +113,10 @@ def test_the_cli_refuses_a_missing_trace_with_a_clear_error() -> None:
     out = subprocess.run([sys.executable, "-m", "kvmesh", "sim", "--trace", "/nonexistent/t.jsonl", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "/nonexistent/t.jsonl" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_cli_refuses_a_host_without_slots() -> None:
+    """A model parameter at 0: exit 2 naming the flag, no traceback."""
+    out = subprocess.run([sys.executable, "-m", "kvmesh", "sim", "--slots", "0", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--slots must be above 0" in out.stderr and "Traceback" not in out.stderr
