@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_sim(sub: Subparsers) -> None:
-    from kvmesh.node.lab.sim.cli import add_parser
+    from kvmesh.node.lab.sim.params import add_parser
 
     add_parser(sub)
 

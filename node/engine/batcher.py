@@ -48,6 +48,8 @@ class _Run:
         self.paused = False  # left out of batches until its consumer catches up
 
     def send(self, item: int | BaseException | None) -> None:
+        if self.loop.is_closed():
+            return  # its consumer's loop is gone (a run left behind when the loop ended): nobody to tell
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
@@ -160,7 +162,8 @@ class DecodeBatcher:
             pending, self._pending = self._pending, []
             runs, self._runs = self._runs, []
         for _, fut, loop in pending:
-            loop.call_soon_threadsafe(fut.cancel)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(fut.cancel)
         for r in runs:
             r.stopped = True
             r.send(asyncio.CancelledError())

@@ -20,31 +20,11 @@ import sys
 import time
 from collections import defaultdict
 
-from kvmesh.node.lab.sim.policies import POLICIES
-from kvmesh.node.lab.sim.run import SimParams, Simulation
+from kvmesh.node.lab.sim.params import SimParams
+from kvmesh.node.lab.sim.run import Simulation
 from kvmesh.node.lab.workload import TraceRequest, agent_trace, read_mooncake
 
 AGENT_SHAPE = {"tool_tokens": (300, 4000), "reply_tokens": 64, "think_s": (0.5, 2.0)}  # agent_trace's defaults
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    s = sub.add_parser("sim", help="placement at 2-256 hosts in virtual time, on a Mooncake trace or the agent workload")
-    s.add_argument("--hosts", type=int, default=8)
-    s.add_argument("--policy", choices=POLICIES, default="kvmesh")
-    src = s.add_mutually_exclusive_group()
-    src.add_argument("--trace", help="a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids; "
-                     "plain or .gz), or `mooncake`: the one kvmesh ships")
-    src.add_argument("--agents", action="store_true", help="the built-in coding-agent workload (the default)")
-    s.add_argument("--load", type=float, default=None, help="offered utilisation per host, 0-1 (default: the workload once)")
-    s.add_argument("--duration", type=float, default=300.0, help="agent workload: seconds of virtual time")
-    s.add_argument("--agents-per-host", type=float, default=None, help="agent workload without --load (default 4)")
-    for f in dataclasses.fields(SimParams):
-        if f.name in ("hosts", "policy", "until_s", "seed"):
-            continue
-        s.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)  # type: ignore[arg-type]
-    s.add_argument("--seed", type=int, default=1)
-    s.add_argument("--json", action="store_true", help="only the JSON line")
-    s.set_defaults(func=run_sim)
 
 
 def scale_trace(requests: list[TraceRequest], factor: float, span_s: float, rng: random.Random) -> list[TraceRequest]:

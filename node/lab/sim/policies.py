@@ -17,11 +17,10 @@ import random
 from dataclasses import dataclass
 
 from kvmesh.node.lab.sim.cluster import Cluster
+from kvmesh.node.lab.sim.params import POLICIES
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
 from kvmesh.node.mesh.directory import directory_host
 from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, predict_next
-
-POLICIES = ("kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -125,3 +124,4 @@ class RoundRobinRouter(Router):
 
 ROUTERS: dict[str, type[Router]] = {r.name: r for r in (KvmeshRouter, SessionHashRouter, KvOverlapRouter,
                                                          LeastLoadedRouter, RoundRobinRouter)}
+assert tuple(ROUTERS) == POLICIES, "params.POLICIES names every router, in order"

@@ -23,30 +23,11 @@ from dataclasses import dataclass, field
 from kvmesh.node.kvshare.pushorder import PushFacts, push_key
 from kvmesh.node.lab.sim.cluster import BlockLRU, Cluster, SimHost, StoreLRU
 from kvmesh.node.lab.sim.control import Sizes, load_stream_bytes
+from kvmesh.node.lab.sim.params import SimParams
 from kvmesh.node.lab.sim.policies import ROUTERS, Route, Router
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
 from kvmesh.node.mesh.statestream import MIN_GAP_S
 from kvmesh.node.protocol import classify
-
-
-@dataclass(frozen=True)
-class SimParams:
-    hosts: int
-    policy: str = "kvmesh"
-    slots: int = 8
-    prefill_tps: float = 10_000.0
-    decode_tps: float = 50.0
-    kv_bytes_per_token: int = 131_072  # an 8B-class model's bf16 KV (32 layers x 8 KV heads x 128 x 2 x 2)
-    link_gbps: float = 100.0  # an inference cluster's host network (RoCE/InfiniBand)
-    import_gbps: float = 200.0  # replica store (host RAM) -> engine
-    engine_tokens: int = 400_000
-    store_tokens: int = 4_000_000
-    replicate_min_tokens: int = 8192
-    rtt_s: float = 0.0002
-    heartbeat_s: float = 1.0
-    directory_after_hosts: int = 16
-    until_s: float | None = None  # no turn is sent after this (closed-loop workloads)
-    seed: int = 1
 
 
 @dataclass

@@ -1,0 +1,58 @@
+"""`kvmesh sim`'s parameters and its command line, importing nothing heavy (`kvmesh --help` builds every
+parser, in an install that may lack the sim's dependencies)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+POLICIES = ("kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class SimParams:
+    hosts: int
+    policy: str = "kvmesh"
+    slots: int = 8
+    prefill_tps: float = 10_000.0
+    decode_tps: float = 50.0
+    kv_bytes_per_token: int = 131_072  # an 8B-class model's bf16 KV (32 layers x 8 KV heads x 128 x 2 x 2)
+    link_gbps: float = 100.0  # an inference cluster's host network (RoCE/InfiniBand)
+    import_gbps: float = 200.0  # replica store (host RAM) -> engine
+    engine_tokens: int = 400_000
+    store_tokens: int = 4_000_000
+    replicate_min_tokens: int = 8192
+    rtt_s: float = 0.0002
+    heartbeat_s: float = 1.0
+    directory_after_hosts: int = 16
+    until_s: float | None = None  # no turn is sent after this (closed-loop workloads)
+    seed: int = 1
+
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    s = sub.add_parser("sim", help="placement at 2-256 hosts in virtual time, on a Mooncake trace or the agent workload")
+    s.add_argument("--hosts", type=int, default=8)
+    s.add_argument("--policy", choices=POLICIES, default="kvmesh")
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--trace", help="a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids; "
+                     "plain or .gz), or `mooncake`: the one kvmesh ships")
+    src.add_argument("--agents", action="store_true", help="the built-in coding-agent workload (the default)")
+    s.add_argument("--load", type=float, default=None, help="offered utilisation per host, 0-1 (default: the workload once)")
+    s.add_argument("--duration", type=float, default=300.0, help="agent workload: seconds of virtual time")
+    s.add_argument("--agents-per-host", type=float, default=None, help="agent workload without --load (default 4)")
+    for f in dataclasses.fields(SimParams):
+        if f.name in ("hosts", "policy", "until_s", "seed"):
+            continue
+        s.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)  # type: ignore[arg-type]
+    s.add_argument("--seed", type=int, default=1)
+    s.add_argument("--json", action="store_true", help="only the JSON line")
+    s.set_defaults(func=_run)
+
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvmesh.node.lab.sim.cli import run_sim
+
+    return run_sim(args)
