@@ -125,7 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_sim(sub: Subparsers) -> None:
     from kvmesh.node.lab.sim.params import add_parser
 
-    add_parser(sub)
+    add_parser(sub).set_defaults(func=cmd_sim)
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from kvmesh.node.lab.sim.cli import run_sim
+
+    return run_sim(args)
 
 
 def _add_node(sub: Subparsers) -> None:

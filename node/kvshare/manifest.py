@@ -76,8 +76,8 @@ class Manifest:
         return self.segments[k]
 
 
-def common_prefix(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    """How many leading block hashes `a` and `b` share."""
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items (block hashes, block ids) `a` and `b` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

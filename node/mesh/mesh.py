@@ -90,8 +90,9 @@ class Mesh:
                                stale_after_s=cfg.stale_after_s, publish=publish, verify=verify,
                                subscriber=name if cfg.push_state else None, on_sessions=self._heard)
         self.directory_after_hosts = cfg.directory_after_hosts
-        self._members: tuple[int, tuple[str, ...]] = (-1, ())  # (peer table version, members)
-        self._directory: tuple[tuple[str, ...], dict[str, str]] = ((), {})  # (members, session -> host)
+        # Every host's name and the sessions' directory hosts, as of the peer table's `version`.
+        self._members_version, self._members = -1, tuple[str, ...]()
+        self._directory: dict[str, str] = {}
         self.book = SessionBook()
         self.draining = False
         self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, engine.kv_bytes_per_token)
@@ -154,7 +155,7 @@ class Mesh:
     def holdings(self, session: str) -> dict[str, Holding]:
         out: dict[str, Holding] = {}
         mine = self.local_holding(session)
-        if mine.resident_tokens or mine.store_tokens or mine.home_seq or mine.inbound_tokens:
+        if _holds(mine):
             out[self.name] = _holding(mine)
         for p in self.peers.peers.values():
             sh = p.sessions.get(session)
@@ -201,21 +202,18 @@ class Mesh:
 
     def members(self) -> tuple[str, ...]:
         """Every host's name, this one's included (reachable or not: a directory must not flap)."""
-        version, members = self._members
-        if version != self.peers.version:
-            members = tuple(sorted([self.name, *self.peers.peers]))
-            self._members = (self.peers.version, members)
-        return members
+        if self._members_version != self.peers.version:
+            self._members_version = self.peers.version
+            self._members = tuple(sorted([self.name, *self.peers.peers]))
+            self._directory = {}  # the member set changed: every directory host is chosen again
+        return self._members
 
     def directory_of(self, session: str) -> str | None:
         """The session's directory host once the mesh is past `directory_after_hosts`, else None."""
         members = self.members()
         if len(members) <= self.directory_after_hosts:
             return None
-        known, cache = self._directory
-        if known != members:
-            cache = {}
-            self._directory = (members, cache)
+        cache = self._directory
         host = cache.get(session)
         if host is None:
             if len(cache) >= 4 * self.book.cap:
@@ -236,7 +234,7 @@ class Mesh:
         """What this host knows every host holds of `session` (the directory's answer)."""
         held = {p.name: p.sessions[session] for p in self.peers.peers.values() if session in p.sessions}
         mine = self.local_holding(session)
-        if mine.resident_tokens or mine.store_tokens or mine.home_seq or mine.inbound_tokens:
+        if _holds(mine):
             held[self.name] = mine
         return DirectoryEntry(session=session, held=held)
 
@@ -320,6 +318,11 @@ class Mesh:
         return ClusterSnapshot(node=self.name, ts=now, hosts=sorted(hosts, key=lambda h: h.name),
                                sessions=sessions, links=sorted(links.values(), key=lambda li: (li.src, li.dst)),
                                counters=counters)
+
+
+def _holds(sh: SessionHolding) -> bool:
+    """Whether this host holds anything of the session (or is or was its home)."""
+    return bool(sh.resident_tokens or sh.store_tokens or sh.home_seq or sh.inbound_tokens)
 
 
 def _holding(sh: SessionHolding) -> Holding:

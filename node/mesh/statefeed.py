@@ -72,7 +72,7 @@ class StateFeed:
         """The whole (scoped) status: the stream's first message, and the answer to a resync."""
         self._sent = _flat(status, self._scope)
         self.seq += 1
-        sessions = [SessionHolding.model_validate(s) for s in self._sent.sessions.values()]
+        sessions = [s for s in status.sessions if s.session in self._sent.sessions]
         return StateSnapshot(epoch=self.epoch, seq=self.seq,
                              status=status.model_copy(update={"sessions": sessions}))
 

@@ -30,8 +30,8 @@ class SimParams:
     seed: int = 1
 
 
-
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """`kvmesh sim`'s arguments; the caller sets the function it runs."""
     s = sub.add_parser("sim", help="placement at 2-256 hosts in virtual time, on a Mooncake trace or the agent workload")
     s.add_argument("--hosts", type=int, default=8)
     s.add_argument("--policy", choices=POLICIES, default="kvmesh")
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     src.add_argument("--trace", help="a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids; "
                      "plain or .gz), or `mooncake`: the one kvmesh ships")
     src.add_argument("--agents", action="store_true", help="the built-in coding-agent workload (the default)")
-    s.add_argument("--load", type=float, default=None, help="offered utilisation per host, 0-1 (default: the workload once)")
+    s.add_argument("--load", type=float, default=None, help="offered utilisation per host, above 0 and at most 1.5 (default: the workload once)")
     s.add_argument("--duration", type=float, default=300.0, help="agent workload: seconds of virtual time")
     s.add_argument("--agents-per-host", type=float, default=None, help="agent workload without --load (default 4)")
     for f in dataclasses.fields(SimParams):
@@ -48,11 +48,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         s.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)  # type: ignore[arg-type]
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--json", action="store_true", help="only the JSON line")
-    s.set_defaults(func=_run)
-
-
-
-def _run(args: argparse.Namespace) -> int:
-    from kvmesh.node.lab.sim.cli import run_sim
-
-    return run_sim(args)
+    return s

@@ -20,6 +20,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvmesh.node.kvshare.manifest import common_prefix
 from kvmesh.node.kvshare.pushorder import PushFacts, push_key
 from kvmesh.node.lab.sim.cluster import BlockLRU, Cluster, SimHost, StoreLRU
 from kvmesh.node.lab.sim.control import Sizes, load_stream_bytes
@@ -125,7 +126,7 @@ class Simulation:
             begin = held.inbound_eta  # placement counted the replica landing here: the turn waits for it
         engine = host.engine.prefix(req.blocks)
         store = host.store.prefix(req.blocks) if begin == now else max(host.store.prefix(req.blocks),
-                                                                       _prefix(held.inbound, req.blocks))
+                                                                       common_prefix(held.inbound, req.blocks))
         reused = min(max(engine, store) * TRACE_BLOCK_TOKENS, req.input_length - 1)
         imported = max(0, store - engine) * TRACE_BLOCK_TOKENS if store > engine else 0
         start = max(begin, host.prefill_free_at)
@@ -278,15 +279,6 @@ class Simulation:
             "forwards_per_turn": round(f.forwards / f.turns, 3) if f.turns else 0.0,
             "duration_s": round(duration_s, 1),
         }
-
-
-def _prefix(held: tuple[int, ...], blocks: tuple[int, ...]) -> int:
-    n = 0
-    for a, b in zip(held, blocks, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 def _pct(xs: list[float], q: float) -> float | None:
