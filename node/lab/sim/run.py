@@ -128,7 +128,7 @@ class Simulation:
         store = host.store.prefix(req.blocks) if begin == now else max(host.store.prefix(req.blocks),
                                                                        common_prefix(held.inbound, req.blocks))
         reused = min(max(engine, store) * TRACE_BLOCK_TOKENS, req.input_length - 1)
-        imported = max(0, store - engine) * TRACE_BLOCK_TOKENS if store > engine else 0
+        imported = max(0, store - engine) * TRACE_BLOCK_TOKENS
         start = max(begin, host.prefill_free_at)
         prefill_s = imported * self.p.kv_bytes_per_token / host.import_bps + (req.input_length - reused) / host.prefill_tps
         host.prefill_free_at = start + prefill_s
@@ -136,7 +136,7 @@ class Simulation:
         host.backlog += turn.todo
         c.changed(host)
         turn.ttft += start + prefill_s - turn.sent
-        self.fig.prefill_tokens += req.input_length - reused
+        self.fig.prefill_tokens += turn.todo
         self.fig.prompt_tokens += req.input_length
         self._account_reuse(req, host.name, reused)
         seq = 1 + max((max(h.home_seq, h.turn_seq) for h in c.held[req.session].values()), default=0)
