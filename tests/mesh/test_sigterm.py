@@ -53,27 +53,30 @@ def test_sigterm_drains_warm_under_load(make_mesh) -> None:  # type: ignore[no-u
             long_out["error"] = repr(e)
 
     stop, failures = threading.Event(), []
-    agents = [threading.Thread(target=_agent, args=(m, c, survivors, stop, failures)) for c in others]
-    lt = threading.Thread(target=long_turn)
+    # Daemon threads, told to stop in `finally`: a failed step must not leave agents running (pytest would hang).
+    agents = [threading.Thread(target=_agent, args=(m, c, survivors, stop, failures), daemon=True) for c in others]
+    lt = threading.Thread(target=long_turn, daemon=True)
     lt.start()
     for t in agents:
         t.start()
-    wait_for(lambda: m.host_info(victim, victim)["busy"] >= 1 or long_out, "the long turn to run on the victim")
-    assert not long_out, long_out
+    try:
+        wait_for(lambda: m.host_info(victim, victim)["busy"] >= 1 or long_out, "the long turn to run on the victim")
+        assert not long_out, long_out
 
-    proc = m.nodes[victim]
-    turns_before = sum(len(c.turns) for c in others)
-    t0 = time.monotonic()
-    proc.terminate()
-    api = proc.api
-    ready = wait_for(lambda: (r := httpx.get(api + "/ready", timeout=2)).status_code == 503 and r, "/ready to say 503",
-                     timeout=5)
-    assert ready.json()["status"] == "stopping" and httpx.get(api + "/health", timeout=2).status_code == 200
-    assert proc.proc is not None
-    code = proc.proc.wait(60)
-    took = time.monotonic() - t0
-    lt.join(30)
-    stop.set()
+        proc = m.nodes[victim]
+        turns_before = sum(len(c.turns) for c in others)
+        t0 = time.monotonic()
+        proc.terminate()
+        api = proc.api
+        ready = wait_for(lambda: (r := httpx.get(api + "/ready", timeout=2)).status_code == 503 and r, "/ready to say 503",
+                         timeout=5)
+        assert ready.json()["status"] == "stopping" and httpx.get(api + "/health", timeout=2).status_code == 200
+        assert proc.proc is not None
+        code = proc.proc.wait(60)
+        took = time.monotonic() - t0
+        lt.join(30)
+    finally:
+        stop.set()
     for t in agents:
         t.join(60)
 
