@@ -171,6 +171,7 @@ class KVShare:
             "address": self.address,
             **self.links.stats(),
             "import_bps": self.import_bps(),
+            "pushes_pending": self.pushes_pending(),
             "store_bytes": self.store.usage_bytes(),
             "store_budget_bytes": self.store.budget_bytes,
             "store_evictions": self.store.evictions,

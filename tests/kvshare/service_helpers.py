@@ -147,10 +147,11 @@ class Pair(LocalMesh):
             s.close()
 
     def wait_quiet(self, name: str) -> None:
-        """Wait until `name` has no replica push in flight (a push pins the session's blocks)."""
+        """Wait until `name` has no replica push in flight or queued (a push pins the session's blocks)."""
         def quiet() -> bool:
             r = self.http.get(self.api(name) + "/v1/peer/status", headers=self.peer_headers())
-            return all(s["inflight_to"] is None for s in r.json()["sessions"])
+            return (all(s["inflight_to"] is None for s in r.json()["sessions"])
+                    and self.stats(name)["kvshare"]["pushes_pending"] == 0)
         wait_for(quiet, f"{name} to finish its replica pushes")
 
     def temp_files(self, name: str) -> list[Path]:

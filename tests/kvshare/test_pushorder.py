@@ -107,20 +107,28 @@ def test_queued_pushes_start_by_value_not_arrival(serial_pair: Pair) -> None:
         wait_for(lambda: len(ev_a.live(ReplicaSent, session=soon.session)) >= 1, "soon's first replica to land")
         # late's first push too, so only the pushes queued below wait behind the big one (a loaded box is slow)
         wait_for(lambda: len(ev_a.live(ReplicaSent, session=late.session)) >= 1, "late's first replica to land")
+        p.wait_quiet("a")  # soon's later pushes too: one still going would hold the link instead of the big one
         p.proxy.reset_counts()  # count only the big push's connection below
         p.proxy.pause()
         try:
             p.turn("a", big)
-            wait_for(lambda: p.proxy.connections >= 1, "the big push to hold the link")
+            wait_for(lambda: p.proxy.connections >= 1 and ev_a.live(ReplicaStarted, session=big.session),
+                     "the big push to hold the link")
             p.turn("a", late, grow=300)  # queued first...
             p.turn("a", soon, grow=300)  # ...queued second, but its next turn is due sooner
             time.sleep(0.3)  # both are queued behind the big push
         finally:
             p.proxy.resume()
         ev_a.wait_live(ReplicaSent, session=big.session)
-        wait_for(lambda: len(ev_a.live(ReplicaSent, session=late.session)) >= 2, "late's second replica to land")
-        # The first start of the big push is the one that held the link (a loaded box may retry it later).
-        big_at = ev_a.received().index(ev_a.live(ReplicaStarted, session=big.session)[0])
-        after = [e.session for e in ev_a.received()[big_at + 1:]
-                 if isinstance(e, ReplicaStarted) and e.session in (soon.session, late.session)]
+
+        def started_after_big() -> list[str]:
+            # The first start of the big push is the one that held the link (a loaded box may retry it later).
+            # Counting starts after it, not sends: a session may have had more than one replica land before.
+            got = ev_a.received()
+            big_at = got.index(ev_a.live(ReplicaStarted, session=big.session)[0])
+            return [e.session for e in got[big_at + 1:]
+                    if isinstance(e, ReplicaStarted) and e.session in (soon.session, late.session)]
+
+        wait_for(lambda: {soon.session, late.session} <= set(started_after_big()), "both queued pushes to start")
+        after = started_after_big()
     assert after[:2] == [soon.session, late.session], after
