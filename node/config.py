@@ -87,6 +87,11 @@ class EngineConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_context: int = Field(32768, ge=64, description="context limit per slot (tokens), torch and llamacpp engines")
+    reuse_tail: bool | None = Field(None, description="a session's next turn reuses its own partial last block "
+                                    "token by token. false: whole blocks only, as a replica holds, so a turn that "
+                                    "moved computes exactly what it would have computed where it was, at up to "
+                                    "block_size-1 more tokens of prefill per turn. Unset: false for llamacpp (its "
+                                    "logits move with the shape of the batches that computed a position), else true")
     prefill_chunk: int = Field(2048, ge=16)
     first_chunk: int = Field(16384, ge=16)
     sim: SimConfig = SimConfig()
@@ -115,6 +120,10 @@ class EngineConfig(_Strict):
         """Whether a request naming `name` is for this model: its id, a served name or glob, or any name."""
         return self.accept_any_model or name == self.served_model or any(
             fnmatch.fnmatchcase(name, pattern) for pattern in self.served_names)
+
+    @property
+    def tail_reused(self) -> bool:
+        return self.reuse_tail if self.reuse_tail is not None else self.kind != "llamacpp"
 
     @property
     def served_model(self) -> str:

@@ -128,7 +128,7 @@ class Engine:
         # the session's next block may still match part-way (its unhashed tail, or a
         # full block the prompt only partly repeats).
         same_prefix = seq is not None and (full == 0 or (full <= len(seq.hashes) and seq.hashes[full - 1] == hashes[full - 1]))
-        if seq is not None and same_prefix and full < len(seq.block_ids) and n < len(tokens):
+        if self.cfg.tail_reused and seq is not None and same_prefix and full < len(seq.block_ids) and n < len(tokens):
             theirs = seq.tokens[n : n + bs]
             ours = tokens[n : n + len(theirs)]
             diff = np.flatnonzero(theirs[: len(ours)] != ours)

@@ -109,16 +109,17 @@ def close(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_prefix_reuse_in_slot_and_from_pool_equals_full_prefill(llama) -> None:  # type: ignore[no-untyped-def]
-    """Logits after reusing a cached prefix (kept in the slot, or restored from pool blocks) equal a full prefill."""
+    """Logits after reusing a cached prefix (kept in the slot, or restored from pool blocks) equal a full prefill
+    (with `reuse_tail`, the session's partial last block too)."""
     p1, p2 = prompt(300), prompt(300) + prompt(90, seed=1)[1:]
     ref = full_prefill(llama, p2)
-    e = llama()
+    e = llama(reuse_tail=True)
     cap = Capture(e)
     cap.turn("s", p1)
     got, done = cap.turn("s", p2)  # same slot: the sequence still holds p1
     assert done.stats.cached_tokens == 300 and close(got, ref) <= TOL
     p3 = p2 + prompt(5, seed=3)[1:]
-    home = llama()
+    home = llama(reuse_tail=True)
     hcap = Capture(home)
     hcap.turn("s", p1)
     hcap.turn("s", p2)
@@ -128,6 +129,20 @@ def test_prefix_reuse_in_slot_and_from_pool_equals_full_prefill(llama) -> None: 
     assert done.stats.cached_tokens == len(p2) and isinstance(e.runner, LlamaRunner) and e.runner.restored_blocks >= 6
     assert torch.equal(got, in_slot)  # restored from pool blocks: bit-identical
     assert close(got, full_prefill(llama, p3)) <= TOL
+
+
+def test_a_llamacpp_session_reuses_whole_blocks_only_by_default(llama) -> None:  # type: ignore[no-untyped-def]
+    """Unset `reuse_tail`: the next turn recomputes the session's partial last block, as a host holding its replica
+    would, so the logits are bit-identical to that host's."""
+    p1, p2 = prompt(300), prompt(300) + prompt(90, seed=1)[1:]
+    home, away = llama(), llama()
+    Capture(home).turn("s", p1)
+    toks, hashes, data = _export(home, "s")
+    assert away.import_blocks("s", home.fingerprint, toks, hashes, data) == (300 // BS) * BS
+    on_home, done = Capture(home).turn("s", p2)
+    moved, moved_done = Capture(away).turn("s", p2)
+    assert done.stats.cached_tokens == moved_done.stats.cached_tokens == (300 // BS) * BS
+    assert torch.equal(on_home, moved)
 
 
 def _export(e: Engine, session: str) -> tuple[np.ndarray, list[bytes], list[bytes]]:
