@@ -207,7 +207,7 @@ class Node:
             kv_cache_used_bytes=(e.pool.num_blocks - e.blocks.num_free) * e.block_bytes,
             store_bytes=self.kvshare.store_bytes(), kvshare_in_bps=in_bps, kvshare_out_bps=out_bps,
             prefill_tps=e.prefill_rate(), prefill_backlog_tokens=e.prefill_backlog(), last_seen=time.time(),
-            block_size=e.block_size,
+            block_size=e.block_size, no_replicas=e.inexact_reason or "",
         )
 
     def stats(self) -> dict[str, object]:

@@ -139,6 +139,9 @@ class HostInfo(_Model):
     # Tokens per KV block in this host's engine; replicas move whole blocks only, so a replica
     # missing just the partial last block is as fresh as it can be. 0: not reported (older node).
     block_size: int = 0
+    # Why this host's model keeps no blocks and sends or takes no replicas (a recurrent or hybrid
+    # model: node.engine.live); empty when it replicates.
+    no_replicas: str = ""
 
 
 class SessionInfo(_Model):

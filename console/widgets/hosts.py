@@ -67,7 +67,9 @@ class HostsTable(KeyedTable):
             cell(slot_bar(info.busy, info.slots, glyphs)),
             cell(str(info.queued) if info.queued else "0", palette.warn if info.queued else None),
             cell(fmt_mem(info.mem_used_bytes, info.mem_total_bytes)),
-            cell(fmt_bps(info.kvshare_in_bps)),
-            cell(fmt_bps(info.kvshare_out_bps)),
+            *((cell("none", palette.warn),) * 2 if info.no_replicas else
+              (cell(fmt_bps(info.kvshare_in_bps)), cell(fmt_bps(info.kvshare_out_bps)))),
         )
+        if info.no_replicas and not note:
+            note = f"{name}: no replicas ({info.no_replicas})"
         return cells, note

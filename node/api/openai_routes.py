@@ -36,7 +36,12 @@ def models_list(node: NodeDep) -> dict[str, Any]:
     """The served model, and the other exact names it answers to (globs are not model ids)."""
     cfg = node.cfg.engine
     names = [cfg.served_model, *(n for n in cfg.served_names if not any(c in n for c in "*?["))]
-    data = [{"id": n, "object": "model", "created": int(node.started), "owned_by": "kvmesh"} for n in dict.fromkeys(names)]
+    e = node.engine
+    # kvmesh's own facts beside OpenAI's: whether sessions of this model move warm between hosts.
+    facts = {"replicas": e.inexact_reason is None, "no_replicas_reason": e.inexact_reason,
+             "max_context": e.max_context, "block_size": e.block_size}
+    data = [{"id": n, "object": "model", "created": int(node.started), "owned_by": "kvmesh", "kvmesh": facts}
+            for n in dict.fromkeys(names)]
     return {"object": "list", "data": data}
 
 

@@ -43,6 +43,7 @@ class Backend:
     block_size: int  # tokens per block: engine.block_size, or for llama.cpp one chosen from the context
     checkpoint: Checkpoint | None = None  # kind "torch": the checkpoint its weights load from
     llama: LlamaRunner | None = None  # kind "llamacpp": the runner, its model loaded
+    inexact_reason: str | None = None  # why its cache cannot be cut into blocks: live caches only (node.engine.live)
 
 
 def _pick_device(want: str) -> torch.device:
@@ -136,7 +137,8 @@ def _open_llamacpp(cfg: EngineConfig) -> Backend:
         raise
     return Backend(model.tokenizer, ModelConfig(name=model.path.stem, vocab_size=model.n_vocab, max_context=ctx),
                    torch.uint8, torch.device("cpu"), (runner.block_bytes,), runner.block_bytes,
-                   -(-runner.block_bytes // bs), llama_fingerprint(model, cfg.llamacpp, runner.layout, bs), bs, llama=runner)
+                   runner.kv_bytes_per_token, llama_fingerprint(model, cfg.llamacpp, None if model.inexact else runner.layout, bs), bs,
+                   llama=runner, inexact_reason=model.inexact)
 
 
 def make_runner(cfg: EngineConfig, backend: Backend, pool: BlockPool, seed_hash: bytes) -> Runner:

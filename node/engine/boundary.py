@@ -124,6 +124,10 @@ class EngineAPI(Protocol):
     def model_name(self) -> str: ...
 
     @property
+    def inexact_reason(self) -> str | None:
+        """Why this model's cache cannot be cut into blocks (then it has no replicas), or None."""
+
+    @property
     def tokenizer(self) -> Tokenizer: ...
 
     @property

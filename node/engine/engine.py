@@ -29,6 +29,7 @@ from kvmesh.node.engine.blocks import BlockManager, BlockPool
 from kvmesh.node.engine.export_import import ExportedBlock, ImportTxn, PinnedBlocks
 from kvmesh.node.engine.hashing import as_tokens, block_hashes, chain_seed
 from kvmesh.node.engine.hf import Checkpoint
+from kvmesh.node.engine.live import LiveCaches
 from kvmesh.node.engine.llamacpp import RestoreFailed
 from kvmesh.node.engine.model import ModelConfig
 from kvmesh.node.engine.runner import Runner, blocks_for
@@ -40,18 +41,8 @@ from kvmesh.node.engine.tokenizer import Tokenizer
 from kvmesh.node.engine.turns import EngineCounters, GenerateRequest, TextDelta, TurnBegin, TurnDone, TurnStats
 from kvmesh.node.errors import ContextLengthExceeded, ImportRefused, InvalidRequest
 
-__all__ = [
-    "Engine",
-    "EngineCounters",
-    "ExportedBlock",
-    "GenerateRequest",
-    "ImportTxn",
-    "PinnedBlocks",
-    "TextDelta",
-    "TurnBegin",
-    "TurnDone",
-    "TurnStats",
-]
+__all__ = ["Engine", "EngineCounters", "ExportedBlock", "GenerateRequest", "ImportTxn", "PinnedBlocks", "TextDelta",
+           "TurnBegin", "TurnDone", "TurnStats"]
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -86,6 +77,13 @@ class Engine:
         self.seed_hash = chain_seed(self.fingerprint)
         # A pool in tokens is sized from this model's own bytes per token (a bench need not know them).
         num_blocks = max(4, -(-cfg.cache_tokens // self.block_size) if cfg.cache_tokens else cfg.cache_bytes // self.block_bytes)
+        # A model whose cache cannot be cut into blocks reuses only what its slot still holds (node.engine.live).
+        self.inexact_reason = backend.inexact_reason
+        if self.inexact_reason is not None:
+            num_blocks = 4  # no block is ever written
+            log.warning("%s: %s, so it is served without blocks or replicas: a session reuses only the cache "
+                        "its slot still holds, and a turn that moves host recomputes its prompt",
+                        self.model_name, self.inexact_reason)
         self.pool = BlockPool(num_blocks, backend.block_shape, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, self.block_size)
         runner = make_runner(cfg, backend, self.pool, self.seed_hash)
@@ -93,6 +91,7 @@ class Engine:
             # Test only (node.engine.scripted): the real sim runner with its logits replaced by a fixed reply.
             runner = ScriptedRunner(runner, self.tokenizer.encode(cfg.sim.scripted_reply), self.tokenizer.eos_id)
         self.runner: Runner = runner
+        self.live = LiveCaches(cfg.slots, backend.llama.held_tokens) if backend.llama and self.inexact_reason else None
         self.slots = SlotScheduler(cfg.slots, cfg.queue_max, cfg.queue_timeout_s)
         self.sessions: collections.OrderedDict[str, Sequence] = collections.OrderedDict()  # LRU first
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
@@ -107,9 +106,13 @@ class Engine:
 
     # ---- what the engine holds ------------------------------------------------
 
-    def _match(self, session: str, tokens: np.ndarray) -> Match:
+    def _match(self, session: str, tokens: np.ndarray, slot: int | None = None) -> Match:
         """Longest resident prefix of `tokens`: whole blocks by hash chain (any session's),
-        then the session's own last block token by token. No side effects."""
+        then the session's own last block token by token (live caches: what its slot holds,
+        on `slot` if given). No side effects."""
+        if self.live is not None:
+            n = self.live.cached_prefix(session, tokens) if slot is None else self.live.reusable(session, slot, tokens)
+            return Match(tokens=n, block_ids=[], full_blocks=0, hashes=[])
         bs = self.block_size
         hashes = block_hashes(self.seed_hash, tokens, bs)
         seq = self.sessions.get(session)
@@ -143,6 +146,8 @@ class Engine:
         return self._match(session, as_tokens(token_ids)).tokens
 
     def resident_tokens(self, session: str) -> int:
+        if self.live is not None:
+            return self.live.resident(session)
         seq = self.sessions.get(session)
         return seq.num_tokens if seq else 0
 
@@ -152,6 +157,8 @@ class Engine:
         return seq.hashes[i] if seq is not None and 0 <= i < len(seq.hashes) else None
 
     def session_tokens(self, session: str) -> np.ndarray | None:
+        if self.live is not None:
+            return None if (t := self.live.tokens(session)) is None else t.copy()
         seq = self.sessions.get(session)
         return None if seq is None else seq.tokens
 
@@ -168,15 +175,15 @@ class Engine:
         return True
 
     def _drop(self, session: str) -> None:
-        seq = self.sessions.pop(session)
-        self.blocks.release(seq.block_ids)
+        if (seq := self.sessions.pop(session, None)) is not None:
+            self.blocks.release(seq.block_ids)
         if self.on_evict is not None:
             self.on_evict(session)
 
     def evict(self, session: str) -> bool:
         """Drop a session's resident cache (its blocks stay addressable until reused)."""
         seq = self.sessions.get(session)
-        if seq is None or seq.busy:
+        if not (self.live.drop(session) if self.live is not None else seq is not None and not seq.busy):
             return False
         self._drop(session)
         self.counters.evicted_sessions += 1
@@ -185,6 +192,8 @@ class Engine:
     def evict_all(self) -> int:
         """Drop every idle session and forget every unreferenced block: a cold cache."""
         n = 0
+        for s in self.live.sessions() if self.live is not None else []:
+            n += self.evict(s)
         for s in [s for s, q in self.sessions.items() if not q.busy]:
             self._drop(s)
             n += 1
@@ -211,7 +220,7 @@ class Engine:
         """Run one turn: wait for a slot, reuse what is cached, prefill the rest, decode."""
         tokens = self.validate(req)
         t0 = time.monotonic()
-        slot = await self.slots.acquire()
+        slot = await self.slots.acquire(self.live.preference(req.session) if self.live is not None else ())
         # One turn per session at a time; the lock lives while anyone holds or awaits it.
         lock, users = self._locks.get(req.session, (asyncio.Lock(), 0))
         self._locks[req.session] = (lock, users + 1)
@@ -232,7 +241,7 @@ class Engine:
     async def _turn(self, slot: int, req: GenerateRequest, tokens: np.ndarray, t0: float) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
         bs = self.block_size
         stats = TurnStats(req.session, prompt_tokens=len(tokens), cached_tokens=0, queue_s=time.monotonic() - t0)
-        match = self._match(req.session, tokens)
+        match = self._match(req.session, tokens, slot)
         reuse = min(match.tokens, len(tokens) - 1)  # at least one token is computed, for logits
         load_ids = match.block_ids[: blocks_for(reuse, bs)]
         for bid in load_ids:
@@ -380,6 +389,11 @@ class Engine:
 
         Owns `pinned` from the call on. Bookkeeping changes only after every new block is
         written, so a cancelled or failed commit leaves the previous table as it was."""
+        if self.live is not None:  # the slot holds the turn's cache; nothing is cut into blocks
+            if (overwritten := self.live.wrote(slot, session)) is not None:
+                self._drop(overwritten)
+                self.counters.evicted_sessions += 1
+            return
         bs = self.block_size
         keep = reuse // bs  # leading blocks reused whole: their pins become the new table's refs
         table = list(pinned[:keep])
@@ -451,6 +465,9 @@ class Engine:
         """Check a replica's fingerprint and hash chain, then reserve blocks for what is missing."""
         bs = self.block_size
         tokens = as_tokens(tokens)
+        if self.inexact_reason is not None:
+            self.counters.imports_refused += 1
+            raise ImportRefused(f"this engine keeps no blocks: {self.inexact_reason}", reason="inexact")
         if fingerprint != self.fingerprint:
             self.counters.imports_refused += 1
             raise ImportRefused(f"model fingerprint {fingerprint[:12]} is not this engine's {self.fingerprint[:12]}", reason="fingerprint")

@@ -15,8 +15,10 @@ Vocabularies:
   vocabulary-only GGUFs (`node.engine.vocab`), so the engine runs a real Llama or Qwen tokenizer
   and chat template; the model takes the vocabulary file's architecture.
 
-Presets: `tiny` (2 layers, for tests) and `bench` (a real model's proportions scaled down: GQA
-with 4 query heads per KV head, head_dim 64, an FFN 3.5x wide). `ensure_model` writes a preset
+Presets: `tiny` (2 layers, for tests), `bench` (a real model's proportions scaled down: GQA
+with 4 query heads per KV head, head_dim 64, an FFN 3.5x wide), `moe-tiny` (tiny's attention, 4
+experts) and `hybrid-tiny` (architecture `lfm2`: short-convolution layers, whose state is recurrent,
+between attention layers, as LFM2, Granite 4.0-H and Qwen3-Next mix them). `ensure_model` writes a preset
 once into a cache folder and returns its path.
 
     python -m kvmesh.node.engine.gguf_gen tiny /tmp/tiny.gguf
@@ -57,6 +59,10 @@ class GGUFSpec:
     name: str = "kvmesh-tiny"
     n_expert: int = 0  # > 0: a mixture of experts (Mixtral's layout under arch llama), n_expert_used routed a token
     n_expert_used: int = 0
+    # Arch lfm2 (LFM2's hybrid layout): these layers are short convolutions with a recurrent state of
+    # `conv_cache` positions, not attention; the others are attention with q/k norms.
+    conv_layers: tuple[int, ...] = ()
+    conv_cache: int = 3
 
     @property
     def head_dim(self) -> int:
@@ -70,6 +76,8 @@ PRESETS: dict[str, GGUFSpec] = {
     "bench": GGUFSpec(n_layers=4, n_embd=512, n_head=8, n_head_kv=2, n_ff=1792, name="kvmesh-bench"),
     # tiny's attention (so the same KV per token) with 4 experts, 2 routed per token.
     "moe-tiny": GGUFSpec(n_expert=4, n_expert_used=2, name="kvmesh-moe-tiny"),
+    # A hybrid model (LFM2's layout): 4 layers, short-conv layers 0 and 2 with recurrent state, attention 1 and 3.
+    "hybrid-tiny": GGUFSpec(n_layers=4, conv_layers=(0, 2), name="kvmesh-hybrid-tiny"),
 }
 
 
@@ -132,7 +140,7 @@ def _copy_vocab(w: Any, name: str) -> int:
 def _weights(spec: GGUFSpec, arch: str, n_vocab: int) -> dict[str, np.ndarray]:
     """Seeded random weights in numpy's (out, in) order; the gguf writer reverses to ggml's."""
     rng = np.random.default_rng(spec.seed)
-    d, hd, kv = spec.n_embd, spec.head_dim, spec.n_head_kv * spec.head_dim
+    d = spec.n_embd
 
     def mat(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
         # 1/sqrt(fan_in) keeps activations O(1) through the layers, so attention really mixes.
@@ -143,16 +151,17 @@ def _weights(spec: GGUFSpec, arch: str, n_vocab: int) -> dict[str, np.ndarray]:
         "output_norm.weight": np.ones(d, dtype=np.float32),
         "output.weight": mat(n_vocab, d, spec.logit_scale),
     }
+    if spec.conv_layers:  # lfm2 names the final norm after the embeddings
+        t["token_embd_norm.weight"] = t.pop("output_norm.weight")
     for i in range(spec.n_layers):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = np.ones(d, dtype=np.float32)
-        t[p + "attn_q.weight"] = mat(spec.n_head * hd, d, 2.0)
-        t[p + "attn_k.weight"] = mat(kv, d, 2.0)
-        t[p + "attn_v.weight"] = mat(kv, d)
-        t[p + "attn_output.weight"] = mat(d, spec.n_head * hd)
-        if arch == "qwen2":
-            for n, size in (("q", spec.n_head * hd), ("k", kv), ("v", kv)):
-                t[p + f"attn_{n}.bias"] = (rng.standard_normal(size, dtype=np.float32) * 0.1).astype(np.float32)
+        if i in spec.conv_layers:
+            t[p + "shortconv.conv.weight"] = mat(d, spec.conv_cache).astype(np.float32)  # ggml_ssm_conv reads f32
+            t[p + "shortconv.in_proj.weight"] = mat(3 * d, d)
+            t[p + "shortconv.out_proj.weight"] = mat(d, d)
+        else:
+            t.update(_attention(p, spec, arch, rng, mat))
         t[p + "ffn_norm.weight"] = np.ones(d, dtype=np.float32)
         if spec.n_expert:
             t.update(_experts(p, spec, mat))
@@ -160,6 +169,20 @@ def _weights(spec: GGUFSpec, arch: str, n_vocab: int) -> dict[str, np.ndarray]:
         t[p + "ffn_gate.weight"] = mat(spec.n_ff, d)
         t[p + "ffn_up.weight"] = mat(spec.n_ff, d)
         t[p + "ffn_down.weight"] = mat(d, spec.n_ff)
+    return t
+
+
+def _attention(p: str, spec: GGUFSpec, arch: str, rng: np.random.Generator, mat: Any) -> dict[str, np.ndarray]:
+    """One attention layer's projections (and qwen2's biases, lfm2's q/k norms)."""
+    d, hd, kv = spec.n_embd, spec.head_dim, spec.n_head_kv * spec.head_dim
+    t = {p + "attn_q.weight": mat(spec.n_head * hd, d, 2.0), p + "attn_k.weight": mat(kv, d, 2.0),
+         p + "attn_v.weight": mat(kv, d), p + "attn_output.weight": mat(d, spec.n_head * hd)}
+    if arch == "qwen2":
+        for n, size in (("q", spec.n_head * hd), ("k", kv), ("v", kv)):
+            t[p + f"attn_{n}.bias"] = (rng.standard_normal(size, dtype=np.float32) * 0.1).astype(np.float32)
+    if spec.conv_layers:
+        t[p + "attn_q_norm.weight"] = np.ones(hd, dtype=np.float32)
+        t[p + "attn_k_norm.weight"] = np.ones(hd, dtype=np.float32)
     return t
 
 
@@ -182,7 +205,7 @@ def write_gguf(path: str | Path, spec: GGUFSpec) -> Path:
     os.close(fd)
     try:
         if spec.vocab == "byte":
-            arch, n_vocab = "llama", len(_byte_vocab()[0])
+            arch, n_vocab = "lfm2" if spec.conv_layers else "llama", len(_byte_vocab()[0])
             w = gguf.GGUFWriter(tmp, arch)
             _write_byte_vocab(w)
         else:
@@ -215,7 +238,11 @@ def _write_hparams(w: Any, spec: GGUFSpec, n_vocab: int) -> None:
     w.add_block_count(spec.n_layers)
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count(spec.n_head)
-    w.add_head_count_kv(spec.n_head_kv)
+    if spec.conv_layers:  # lfm2: a layer without KV heads is a short convolution
+        w.add_head_count_kv([0 if i in spec.conv_layers else spec.n_head_kv for i in range(spec.n_layers)])
+        w.add_uint32(f"{w.arch}.shortconv.l_cache", spec.conv_cache)
+    else:
+        w.add_head_count_kv(spec.n_head_kv)
     w.add_rope_dimension_count(spec.head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)

@@ -104,8 +104,21 @@ class LlamaRunner:
         self.restored_blocks = 0  # blocks restored from the pool (a slot that still held them restores none)
         # On the compute thread like every other decode: llama.cpp's OpenMP team belongs to the thread that
         # first computes, and a second team left idle on the main thread cost a third of decode speed here.
-        self.layout = self._exec.submit(self._probe_layout).result()
-        self.block_bytes = self.layout.size(block_size)
+        # A model with recurrent state keeps no blocks (node.engine.live): no layout, a state size per token.
+        self._layout = self._exec.submit(self._probe_layout).result() if model.inexact is None else None
+        self.kv_bytes_per_token = (-(-self.layout.size(block_size) // block_size) if self._layout is not None
+                                   else self._exec.submit(self._probe_growth).result())
+        self.block_bytes = self.kv_bytes_per_token * block_size if self._layout is None else self.layout.size(block_size)
+
+    @property
+    def layout(self) -> llamastate.Layout:
+        if self._layout is None:
+            raise RuntimeError(f"{self.model.path.name} keeps no blocks: {self.model.inexact}")
+        return self._layout
+
+    def held_tokens(self, slot: int) -> np.ndarray:
+        """The tokens whose KV (and recurrent state) the slot's sequence holds now."""
+        return self.held[slot].tokens
 
     def _new_context(self) -> Any:
         lib, cfg = self.lib, self.cfg
@@ -139,6 +152,15 @@ class LlamaRunner:
         blob = self._state(seq)
         self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
         return llamastate.learn(blob.data, self.model.n_layer)
+
+    def _probe_growth(self) -> int:
+        """Bytes a position adds to a sequence's state (its attention KV; the recurrent state is per sequence)."""
+        self._decode([1 % self.model.n_vocab], [0], [0], logits_last=False)
+        one = self.lib.llama_state_seq_get_size(self.ctx, 0)
+        self._decode([1 % self.model.n_vocab], [0], [1], logits_last=False)
+        two = self.lib.llama_state_seq_get_size(self.ctx, 0)
+        self.lib.llama_memory_seq_rm(self.mem, 0, -1, -1)
+        return max(1, int(two - one))
 
     def _state(self, seq: int) -> np.ndarray:
         """The sequence's whole state in the one-stream form blocks use (`llamastate.one_stream`)."""

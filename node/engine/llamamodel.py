@@ -133,6 +133,9 @@ class LlamaModel:
     tokenizer: LlamaTokenizer
     n_ctx_train: int  # the context the model was trained for (GGUF `context_length`)
     n_swa: int = 0  # the sliding window of its SWA layers (0: none)
+    # Why its cache cannot be cut into blocks (recurrent state), or None: such a model is served with
+    # live caches only (node.engine.live), no blocks and no replicas.
+    inexact: str | None = None
 
     @classmethod
     def open(cls, path: str | Path, cfg: LlamaCppConfig) -> LlamaModel:
@@ -149,11 +152,6 @@ class LlamaModel:
         handle = lib.llama_model_load_from_file(str(p).encode(), mp)
         if not handle:
             raise CheckpointError(f"llama.cpp could not load {p}: {llama_error('see the log')}", path=str(p))
-        reason = inexact_reason(lib, handle)
-        if reason is not None:
-            lib.llama_model_free(handle)
-            raise CheckpointError(f"{p} cannot be served by kvmesh: {reason}, so llama.cpp cannot restore its KV "
-                                  "cache block by block exactly and replicas would be wrong", path=str(p))
         vocab = lib.llama_model_get_vocab(handle)
         template = lib.llama_model_chat_template(handle, None)
         if not template:  # a base model (Gemma 3 270M): chats still render, in a plain role-tag form
@@ -161,7 +159,8 @@ class LlamaModel:
         tok = LlamaTokenizer(lib, vocab, chat_template=template.decode("utf-8") if template else None,
                              allowed=_allowed_tokens(p))
         return cls(p, lib, handle, vocab, int(lib.llama_model_n_layer(handle)), int(lib.llama_vocab_n_tokens(vocab)),
-                   gguf_digest(p), tok, int(lib.llama_model_n_ctx_train(handle)), int(lib.llama_model_n_swa(handle)))
+                   gguf_digest(p), tok, int(lib.llama_model_n_ctx_train(handle)), int(lib.llama_model_n_swa(handle)),
+                   inexact_reason(lib, handle))
 
     def close(self) -> None:
         if self.handle:
@@ -181,9 +180,12 @@ def _allowed_tokens(path: Path) -> list[int] | None:
     return None if f is None else [int(x) for x in f.contents()]
 
 
-def fingerprint(model: LlamaModel, cfg: LlamaCppConfig, layout: llamastate.Layout, block_size: int) -> str:
+def fingerprint(model: LlamaModel, cfg: LlamaCppConfig, layout: llamastate.Layout | None, block_size: int) -> str:
     """Names what makes two llama.cpp caches interchangeable: the GGUF bytes, KV types, V layout,
-    the state format (ours and the binding's version), the block size."""
+    the state format (ours and the binding's version), the block size. A model with live caches only
+    (no layout) has blocks nowhere, and its fingerprint says so."""
+    if layout is None:
+        return hashlib.sha256(json.dumps({"arch": "llamacpp/live", "gguf": model.digest}).encode()).hexdigest()[:32]
     blob = json.dumps({"arch": "llamacpp/v1", "gguf": model.digest, "type_k": cfg.type_k, "type_v": cfg.type_v,
                        "flash_attn": cfg.flash_attn, "v_trans": layout.v_trans, "cell_ext": layout.ext,
                        "state": STATE_FORMAT, "binding": getattr(model.lib, "__version__", "?"), "block": block_size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Sequence
 
 from kvmesh.node.errors import Overloaded
 
@@ -44,9 +45,12 @@ class SlotScheduler:
     def can_admit(self) -> bool:
         return self.has_free_slot() or self.queued < self.queue_max
 
-    async def acquire(self) -> int:
+    async def acquire(self, prefer: Sequence[int] = ()) -> int:
+        """A free slot (the first of `prefer` that is free), else one once freed, in arrival order."""
         if self.has_free_slot():
-            return self._take(self._free.pop())
+            slot = next((s for s in prefer if s in self._free), self._free[-1])
+            self._free.remove(slot)
+            return self._take(slot)
         if not self.can_admit():
             raise Overloaded(
                 f"all {self.slots} slots busy and {self.queued} turns already queued", retry_after_s=self.expected_wait_s()

@@ -195,6 +195,8 @@ class KVShare:
     def worth_replicating(self, session: str) -> bool:
         """Whether the session's cache here is big enough to replicate (and to keep on disk)."""
         e = self.engine
+        if e.inexact_reason is not None:
+            return False  # its cache is live only (node.engine.live): nothing to cut into blocks
         return e.resident_tokens(session) >= max(self.cfg.replicate_min_tokens, e.block_size)
 
     def after_turn(self, session: str, target: str | None, turn_s: float = 0.0) -> None:

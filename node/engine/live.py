@@ -1,0 +1,71 @@
+"""Live caches: how an engine reuses KV for a model whose cache cannot be cut into blocks.
+
+A recurrent or hybrid model (Mamba, LFM2, Granite 4.0-H, Qwen3-Next) keeps, beside its attention
+KV, a recurrent state that exists only at the end of a sequence: it cannot be cut at a block
+boundary, restored at another position or rolled back. Such a model is served without blocks and
+without replicas: a session's cache is what the slot that ran it last still holds, and a turn
+reuses it only if its prompt extends every token of it. The truth is the runner's own record of
+what each slot's sequence holds (`held`), asked each time, never a copy kept here; this class only
+remembers which session wrote each slot last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+
+class LiveCaches:
+    """Which session's cache each slot holds now, and what a turn of it may reuse."""
+
+    def __init__(self, slots: int, held: Callable[[int], np.ndarray]):
+        self.slots = slots
+        self._held = held  # the tokens slot i's sequence holds now (the runner's record)
+        self._owner: dict[int, str] = {}  # slot -> the session whose turn wrote it last, least recent first
+
+    def slot_of(self, session: str) -> int | None:
+        return next((slot for slot, s in self._owner.items() if s == session), None)
+
+    def preference(self, session: str) -> list[int]:
+        """Slots for a turn of `session`, best first: its own, then slots nobody's cache is in, then the
+        least recently written (whose cache is the least likely to be asked for again)."""
+        own = self.slot_of(session)
+        return [*([own] if own is not None else []), *(i for i in range(self.slots) if i not in self._owner),
+                *(i for i in self._owner if i != own)]
+
+    def tokens(self, session: str) -> np.ndarray | None:
+        slot = self.slot_of(session)
+        return None if slot is None else self._held(slot)
+
+    def resident(self, session: str) -> int:
+        toks = self.tokens(session)
+        return 0 if toks is None else len(toks)
+
+    def cached_prefix(self, session: str, tokens: np.ndarray) -> int:
+        """Tokens of `tokens` a turn of `session` would reuse: all the slot holds, if the prompt extends it."""
+        held = self.tokens(session)
+        if held is None or not 0 < len(held) < len(tokens) or not np.array_equal(tokens[: len(held)], held):
+            return 0
+        return len(held)
+
+    def reusable(self, session: str, slot: int, tokens: np.ndarray) -> int:
+        """What a turn of `session` on `slot` reuses: the session's cache only if it is on this slot."""
+        return self.cached_prefix(session, tokens) if self._owner.get(slot) == session else 0
+
+    def wrote(self, slot: int, session: str) -> str | None:
+        """A turn of `session` ran on `slot`; returns the session whose cache it overwrote, if another."""
+        before = self._owner.pop(slot, None)
+        self._owner[slot] = session  # now the most recent
+        return before if before is not None and before != session else None
+
+    def drop(self, session: str) -> bool:
+        """Forget the session's cache (its slot's tokens are recomputed on its next turn)."""
+        slot = self.slot_of(session)
+        if slot is None:
+            return False
+        del self._owner[slot]
+        return True
+
+    def sessions(self) -> list[str]:
+        return list(self._owner.values())

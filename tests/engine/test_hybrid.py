@@ -1,0 +1,114 @@
+"""A hybrid GGUF (generated, LFM2's layout: short-convolution layers with recurrent state between attention
+layers) is served with live caches only: reuse by extending its slot's sequence, no blocks, no replicas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from test_llamacpp import Capture, prompt
+
+from kvmesh.node.config import EngineConfig, LlamaCppConfig
+from kvmesh.node.engine import gguf_gen
+from kvmesh.node.engine.engine import Engine
+from kvmesh.node.errors import ImportRefused
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return gguf_gen.write_gguf(tmp_path_factory.mktemp("hybrid") / "hybrid.gguf", gguf_gen.spec_for("hybrid-tiny"))
+
+
+def _engine(path: Path, slots: int = 1) -> Engine:
+    return Engine(EngineConfig(model=str(path), slots=slots, block_size=64, max_context=2048, cache_tokens=2048,
+                               llamacpp=LlamaCppConfig(threads=2, n_batch=256)))
+
+
+def test_the_generated_model_is_hybrid(hybrid: Path) -> None:
+    """The file is arch lfm2 with KV heads only on its attention layers, and llama.cpp loads it as hybrid."""
+    fields = gguf.GGUFReader(hybrid).fields
+    assert fields["general.architecture"].contents() == "lfm2"
+    assert list(fields["lfm2.attention.head_count_kv"].contents()) == [0, 2, 0, 2]
+    e = _engine(hybrid)
+    try:
+        assert e.inexact_reason is not None and "hybrid" in e.inexact_reason
+        assert e.live is not None and e.kv_bytes_per_token > 0
+    finally:
+        e.close()
+
+
+def test_a_turn_that_extends_the_slot_reuses_it_and_equals_a_cold_turn(hybrid: Path) -> None:
+    """The second turn reuses every token its slot holds; its logits equal a cold engine's full prefill
+    to within chunking noise, and a prompt that edits an earlier token recomputes from the start."""
+    home, cold = _engine(hybrid), _engine(hybrid)
+    try:
+        cap = Capture(home)
+        p1 = prompt(300)
+        cap.turn("s", p1, max_tokens=4)
+        held = home.session_tokens("s")
+        assert held is not None and home.resident_tokens("s") == len(held) == 300 + 3
+        p2 = [int(t) for t in held] + prompt(40, seed=1)[1:]
+        got, done = cap.turn("s", p2)
+        assert done.stats.cached_tokens == len(held)
+        ref, ref_done = Capture(cold).turn("s", p2)
+        assert ref_done.stats.cached_tokens == 0
+        assert float((got - ref).abs().max()) <= 2e-2 and int(got.argmax()) == int(ref.argmax())
+        edited = [*p2[:10], p2[10] + 1, *p2[11:]]
+        _, done = cap.turn("s", edited)
+        assert done.stats.cached_tokens == 0  # a recurrent state cannot roll back to position 10
+    finally:
+        home.close()
+        cold.close()
+
+
+def test_another_session_on_the_slot_takes_its_cache(hybrid: Path) -> None:
+    """One slot, two sessions: the second's turn overwrites the first's cache, which is reported gone (evicted,
+    resident 0) and recomputed on its next turn, never reused from a memory of it."""
+    e = _engine(hybrid)
+    gone: list[str] = []
+    e.on_evict = gone.append
+    try:
+        cap = Capture(e)
+        cap.turn("a", prompt(200))
+        assert e.resident_tokens("a") == 200
+        cap.turn("b", prompt(150, seed=2))
+        assert gone == ["a"] and e.resident_tokens("a") == 0 and e.resident_tokens("b") == 150
+        _, done = cap.turn("a", prompt(200) + prompt(20, seed=3)[1:])
+        assert done.stats.cached_tokens == 0
+    finally:
+        e.close()
+
+
+def test_a_session_returns_to_its_own_slot(hybrid: Path) -> None:
+    """Two slots: each session's next turn takes the slot that holds its cache, so both reuse."""
+    e = _engine(hybrid, slots=2)
+    try:
+        cap = Capture(e)
+        pa, pb = prompt(120), prompt(130, seed=4)
+        cap.turn("a", pa)
+        cap.turn("b", pb)
+        for s, p in (("a", pa), ("b", pb), ("a", pa)):
+            held = e.session_tokens(s)
+            assert held is not None
+            _, done = cap.turn(s, [*map(int, held), *prompt(10, seed=5)[1:]])
+            assert done.stats.cached_tokens == len(held), s
+    finally:
+        e.close()
+
+
+def test_it_has_no_blocks_to_send_or_take(hybrid: Path) -> None:
+    """No pin, no export and an import refused with the reason: a replica of a recurrent state would be wrong."""
+    e = _engine(hybrid)
+    try:
+        Capture(e).turn("s", prompt(300))
+        assert e.pin("s") is None
+        with e.export("s") as blocks:
+            assert blocks == []
+        with pytest.raises(ImportRefused, match="keeps no blocks") as err:
+            e.import_blocks("s", e.fingerprint, np.asarray(prompt(64), dtype=np.int32), [b"x" * 16], [b""])
+        assert err.value.reason == "inexact"
+        assert e.evict("s") and e.resident_tokens("s") == 0
+    finally:
+        e.close()
