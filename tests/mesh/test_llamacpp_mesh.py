@@ -123,3 +123,38 @@ def test_smollm2_session_moves_warm_and_answers_as_if_it_never_moved(smollm2_mes
     never_moved, _ = pinned_turn(m, "a", s, follow, max_tokens=24, model=SMOL)  # the same turn where the session began
     assert body["choices"][0]["message"]["content"] == never_moved
     assert body["model"] == SMOL
+
+
+@pytest.fixture
+def hybrid_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Two nodes serving the generated hybrid model (LFM2's layout) by its alias: live caches only."""
+    engine = {"model": "hybrid-tiny", "slots": 2, "cache_tokens": 8192, "max_context": 4096, "llamacpp": {"threads": 1}}
+    m = _start(tmp_path / "mesh", engine, {"replicate_min_tokens": 256})
+    yield m
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        print(m.logs())
+    m.stop()
+
+
+def test_a_hybrid_model_is_served_without_replicas_and_says_so(hybrid_mesh: Mesh) -> None:
+    """A hybrid model is served, never refused: a session's next turn on its host reuses the slot's cache; no replica
+    is sent; a turn on the other host recomputes and answers what the home answers; /v1/models and the host's
+    status say why there are no replicas."""
+    import random
+
+    m, s = hybrid_mesh, "hybrid-conv"
+    rng = random.Random(13)
+    model = m.http.get(m.api("a") + "/v1/models", timeout=10).json()["data"][0]
+    assert model["kvmesh"]["replicas"] is False and "hybrid" in model["kvmesh"]["no_replicas_reason"]
+    msgs = [{"role": "system", "content": text(rng, 900)}, {"role": "user", "content": text(rng, 300)}]
+    r1, cached1 = pinned_turn(m, "a", s, msgs, model=model["id"])
+    follow = [*msgs, {"role": "assistant", "content": r1}, {"role": "user", "content": text(rng, 80)}]
+    on_a, cached_a = pinned_turn(m, "a", s, follow, model=model["id"])
+    assert cached1 == 0 and cached_a > 900  # the slot's live cache, extended
+    on_b, cached_b = pinned_turn(m, "b", s, follow, model=model["id"])  # the session moves
+    assert cached_b == 0 and on_b == on_a  # recomputed on b, never a wrong replica
+    for host in ("a", "b"):
+        stats = m.http.get(m.api(host) + "/v1/stats", timeout=10).json()
+        assert stats["kvshare"]["out"] == {} or all(v.get("transfers", 0) == 0 for v in stats["kvshare"]["out"].values())
+    status = m.http.get(m.api("a") + "/v1/peer/status", headers=m.peer_headers(), timeout=10).json()
+    assert "hybrid" in status["host"]["no_replicas"]
