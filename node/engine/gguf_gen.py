@@ -63,6 +63,7 @@ class GGUFSpec:
     # `conv_cache` positions, not attention; the others are attention with q/k norms.
     conv_layers: tuple[int, ...] = ()
     conv_cache: int = 3
+    ssm_state: int = 0  # > 0: arch mamba (recurrent only, no attention, no FFN), this state size per channel
 
     @property
     def head_dim(self) -> int:
@@ -78,6 +79,8 @@ PRESETS: dict[str, GGUFSpec] = {
     "moe-tiny": GGUFSpec(n_expert=4, n_expert_used=2, name="kvmesh-moe-tiny"),
     # A hybrid model (LFM2's layout): 4 layers, short-conv layers 0 and 2 with recurrent state, attention 1 and 3.
     "hybrid-tiny": GGUFSpec(n_layers=4, conv_layers=(0, 2), name="kvmesh-hybrid-tiny"),
+    # A recurrent model (Mamba's layout): 2 selective-state-space layers, no attention at all.
+    "mamba-tiny": GGUFSpec(ssm_state=16, name="kvmesh-mamba-tiny"),
 }
 
 
@@ -156,6 +159,9 @@ def _weights(spec: GGUFSpec, arch: str, n_vocab: int) -> dict[str, np.ndarray]:
     for i in range(spec.n_layers):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = np.ones(d, dtype=np.float32)
+        if spec.ssm_state:
+            t.update(_mamba(p, spec, rng, mat))
+            continue
         if i in spec.conv_layers:
             t[p + "shortconv.conv.weight"] = mat(d, spec.conv_cache).astype(np.float32)  # ggml_ssm_conv reads f32
             t[p + "shortconv.in_proj.weight"] = mat(3 * d, d)
@@ -186,6 +192,22 @@ def _attention(p: str, spec: GGUFSpec, arch: str, rng: np.random.Generator, mat:
     return t
 
 
+def _mamba(p: str, spec: GGUFSpec, rng: np.random.Generator, mat: Any) -> dict[str, np.ndarray]:
+    """One Mamba layer: input and output projections, a causal conv, the selective scan's parameters."""
+    d, inner, n, rank = spec.n_embd, 2 * spec.n_embd, spec.ssm_state, _dt_rank(spec)
+    f32 = np.float32
+    return {p + "ssm_in.weight": mat(2 * inner, d), p + "ssm_conv1d.weight": mat(inner, 4).astype(f32),
+            p + "ssm_conv1d.bias": np.zeros(inner, dtype=f32), p + "ssm_x.weight": mat(rank + 2 * n, inner),
+            p + "ssm_dt.weight": mat(inner, rank), p + "ssm_dt.bias": np.full(inner, -2.0, dtype=f32),
+            # A = -exp(A_log), stored negated: a decaying state
+            p + "ssm_a": -np.tile(np.arange(1, n + 1, dtype=f32), (inner, 1)),
+            p + "ssm_d": np.ones(inner, dtype=f32), p + "ssm_out.weight": mat(d, inner)}
+
+
+def _dt_rank(spec: GGUFSpec) -> int:
+    return -(-spec.n_embd // 16)
+
+
 def _experts(p: str, spec: GGUFSpec, mat: Any) -> dict[str, np.ndarray]:
     """One layer's router and stacked experts (ggml's [n_expert, rows, cols] tensors)."""
     d, ff, n = spec.n_embd, spec.n_ff, spec.n_expert
@@ -205,7 +227,8 @@ def write_gguf(path: str | Path, spec: GGUFSpec) -> Path:
     os.close(fd)
     try:
         if spec.vocab == "byte":
-            arch, n_vocab = "lfm2" if spec.conv_layers else "llama", len(_byte_vocab()[0])
+            arch = "mamba" if spec.ssm_state else "lfm2" if spec.conv_layers else "llama"
+            n_vocab = len(_byte_vocab()[0])
             w = gguf.GGUFWriter(tmp, arch)
             _write_byte_vocab(w)
         else:
@@ -236,9 +259,13 @@ def _write_hparams(w: Any, spec: GGUFSpec, n_vocab: int) -> None:
     w.add_context_length(spec.context_length)
     w.add_embedding_length(spec.n_embd)
     w.add_block_count(spec.n_layers)
-    w.add_feed_forward_length(spec.n_ff)
-    w.add_head_count(spec.n_head)
-    if spec.conv_layers:  # lfm2: a layer without KV heads is a short convolution
+    w.add_feed_forward_length(0 if spec.ssm_state else spec.n_ff)
+    w.add_head_count(0 if spec.ssm_state else spec.n_head)
+    if spec.ssm_state:  # mamba: no attention heads; its scan's sizes
+        for key, v in (("conv_kernel", 4), ("inner_size", 2 * spec.n_embd), ("state_size", spec.ssm_state),
+                       ("time_step_rank", _dt_rank(spec))):
+            w.add_uint32(f"{w.arch}.ssm.{key}", v)
+    elif spec.conv_layers:  # lfm2: a layer without KV heads is a short convolution
         w.add_head_count_kv([0 if i in spec.conv_layers else spec.n_head_kv for i in range(spec.n_layers)])
         w.add_uint32(f"{w.arch}.shortconv.l_cache", spec.conv_cache)
     else:

@@ -82,7 +82,7 @@ def model_dir() -> Path:
 
 
 # Random-weight models that no package ships (node.engine.gguf_gen presets), written once on first use.
-GENERATED = {"moe-tiny": "moe-tiny", "hybrid-tiny": "hybrid-tiny"}
+GENERATED = {"moe-tiny": "moe-tiny", "hybrid-tiny": "hybrid-tiny", "mamba-tiny": "mamba-tiny"}
 
 
 def is_gguf(model: str | Path) -> bool:

@@ -1,5 +1,6 @@
-"""A hybrid GGUF (generated, LFM2's layout: short-convolution layers with recurrent state between attention
-layers) is served with live caches only: reuse by extending its slot's sequence, no blocks, no replicas."""
+"""Hybrid and recurrent GGUFs (generated: LFM2's layout, short-convolution layers with recurrent state between
+attention layers; Mamba's, recurrent only) are served with live caches only: reuse by extending the slot's
+sequence, no blocks, no replicas."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from kvmesh.node.engine.engine import Engine
 from kvmesh.node.errors import ImportRefused
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_gen.write_gguf(tmp_path_factory.mktemp("hybrid") / "hybrid.gguf", gguf_gen.spec_for("hybrid-tiny"))
+@pytest.fixture(scope="module", params=["hybrid-tiny", "mamba-tiny"])
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return gguf_gen.write_gguf(tmp_path_factory.mktemp("live") / f"{request.param}.gguf", gguf_gen.spec_for(request.param))
 
 
 def _engine(path: Path, slots: int = 1) -> Engine:
@@ -26,17 +27,23 @@ def _engine(path: Path, slots: int = 1) -> Engine:
                                llamacpp=LlamaCppConfig(threads=2, n_batch=256)))
 
 
-def test_the_generated_model_is_hybrid(hybrid: Path) -> None:
-    """The file is arch lfm2 with KV heads only on its attention layers, and llama.cpp loads it as hybrid."""
-    fields = gguf.GGUFReader(hybrid).fields
+def test_the_generated_models_are_hybrid_and_recurrent(tmp_path: Path) -> None:
+    """hybrid-tiny is arch lfm2 with KV heads only on its attention layers and loads as hybrid; mamba-tiny is arch
+    mamba and loads as recurrent, its state the same size at any length."""
+    hy = gguf_gen.write_gguf(tmp_path / "h.gguf", gguf_gen.spec_for("hybrid-tiny"))
+    fields = gguf.GGUFReader(hy).fields
     assert fields["general.architecture"].contents() == "lfm2"
     assert list(fields["lfm2.attention.head_count_kv"].contents()) == [0, 2, 0, 2]
-    e = _engine(hybrid)
+    ma = gguf_gen.write_gguf(tmp_path / "m.gguf", gguf_gen.spec_for("mamba-tiny"))
+    assert gguf.GGUFReader(ma).fields["general.architecture"].contents() == "mamba"
+    h, m = _engine(hy), _engine(ma)
     try:
-        assert e.inexact_reason is not None and "hybrid" in e.inexact_reason
-        assert e.live is not None and e.kv_bytes_per_token > 0
+        assert h.inexact_reason is not None and "hybrid" in h.inexact_reason and h.live is not None
+        assert m.inexact_reason is not None and "recurrent" in m.inexact_reason and m.live is not None
+        assert h.kv_bytes_per_token > 100 and m.kv_bytes_per_token == 1  # only lfm2's attention layers grow
     finally:
-        e.close()
+        h.close()
+        m.close()
 
 
 def test_a_turn_that_extends_the_slot_reuses_it_and_equals_a_cold_turn(hybrid: Path) -> None:

@@ -102,6 +102,12 @@ def run_ttft(args: argparse.Namespace) -> int:
 
         async def scenario() -> dict[str, object]:
             home = Engine(cfg)
+            if home.inexact_reason is not None:  # nothing to measure, and the JSON says why
+                home.close()
+                why = (f"{cfg.served_model} has no replicas: {home.inexact_reason}, so kvmesh serves it with live "
+                       "caches only and a turn that moves host recomputes its prompt")
+                return {"engine": cfg.kind, "model": cfg.served_model, "replicas": False, "errors": 1,
+                        "error_samples": [why]}
             prompt = home.tokenizer.apply_chat_template(msgs)
             cold_s, reply = await _ttft(home, prompt, max_tokens=16)
             # Export the home engine's cache of this conversation to a replica file.
