@@ -19,7 +19,8 @@ CLASS_WORDS: dict[str, HandoffWord] = {"warm": "WARM", "partial": "PART", "cold"
 
 # Why a handoff reused less than predicted, in words (node.protocol.ShortfallReason; "none" has none).
 SHORTFALL_WORDS: dict[str, str] = {"prompt_diverged": "diverged", "replica_in_flight": "in flight",
-                                   "replica_refused": "refused", "evicted": "evicted", "unexplained": "unexplained"}
+                                   "replica_refused": "refused", "evicted": "evicted", "no_replicas": "no replicas",
+                                   "unexplained": "unexplained"}
 
 
 def fmt_shortfall(counts: Mapping[str, int]) -> str:

@@ -32,9 +32,11 @@ HandoffClass = Literal["warm", "partial", "cold"]
 # predicted point; replica_in_flight: a replica of the session was still landing when the turn ran;
 # replica_refused: this host refused the session's latest replica; evicted: this host held more of
 # the session (engine or store) and evicted it; unexplained: a gap nobody could explain (counted, not hidden).
-ShortfallReason = Literal["none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "unexplained"]
+# "no_replicas": the model keeps no blocks (recurrent or hybrid: node.engine.live), so a move recomputes.
+ShortfallReason = Literal["none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "no_replicas",
+                          "unexplained"]
 SHORTFALL_REASONS: tuple[ShortfallReason, ...] = (
-    "none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "unexplained")
+    "none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "no_replicas", "unexplained")
 
 
 def session_id_problem(value: object) -> str | None:

@@ -125,7 +125,8 @@ class HandoffNotes:
         """Why a turn of `session` that moved here reused `reused` tokens when placement predicted
         `predicted`: one reason, checked in order. The prompt diverged from what was held before
         the predicted point; else a replica was still landing when the turn ran; else this host
-        refused the session's latest replica; else it evicted the session; else unexplained."""
+        refused the session's latest replica; else it evicted the session; else unexplained. A model
+        that keeps no replicas (node.engine.live) says so first."""
         e = self.engine
         before = self._before.pop(session, None)
         m = self.store.manifest(session)
@@ -137,6 +138,8 @@ class HandoffNotes:
         stale = usable >= 0.9 * len(prompt) and reused < 0.9 * len(prompt)
         mismatch = before.mismatch if before is not None else None
         base = ReuseExplained(mismatch_token=mismatch, stale_state=stale, replica_age_s=age)
+        if e.inexact_reason is not None and reused < 0.9 * len(prompt):
+            return dataclasses.replace(base, shortfall="no_replicas")  # nothing could have come with it
         # Reuse comes in whole blocks: a prediction inside the last block is met by the block before it.
         expected = (predicted or 0) // e.block_size * e.block_size
         if reused >= expected:

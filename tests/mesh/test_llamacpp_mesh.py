@@ -57,9 +57,10 @@ def smollm2_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignor
 
 
 def pinned_turn(m: Mesh, host: str, session: str, messages: list[dict[str, str]], max_tokens: int = 12,
-                model: str = "tiny") -> tuple[str, int]:
-    """One greedy turn computed on `host` itself; returns (reply, cached_tokens)."""
-    headers = {"X-Session-Id": session, "X-Kvmesh-Forwarded": "1", **m.peer_headers()}
+                model: str = "tiny", prev_host: str | None = None) -> tuple[str, int]:
+    """One greedy turn computed on `host` itself (moved there from `prev_host`); returns (reply, cached_tokens)."""
+    headers = {"X-Session-Id": session, "X-Kvmesh-Forwarded": "1", **m.peer_headers(),
+               **({"X-Kvmesh-Prev-Host": prev_host} if prev_host else {})}
     r = m.http.post(m.api(host) + "/v1/chat/completions", headers=headers, timeout=120,
                     json={"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
     assert r.status_code == 200, r.text
@@ -151,10 +152,12 @@ def test_a_hybrid_model_is_served_without_replicas_and_says_so(hybrid_mesh: Mesh
     follow = [*msgs, {"role": "assistant", "content": r1}, {"role": "user", "content": text(rng, 80)}]
     on_a, cached_a = pinned_turn(m, "a", s, follow, model=model["id"])
     assert cached1 == 0 and cached_a > 900  # the slot's live cache, extended
-    on_b, cached_b = pinned_turn(m, "b", s, follow, model=model["id"])  # the session moves
+    on_b, cached_b = pinned_turn(m, "b", s, follow, model=model["id"], prev_host="a")  # the session moves
     assert cached_b == 0 and on_b == on_a  # recomputed on b, never a wrong replica
     for host in ("a", "b"):
         stats = m.http.get(m.api(host) + "/v1/stats", timeout=10).json()
         assert stats["kvshare"]["out"] == {} or all(v.get("transfers", 0) == 0 for v in stats["kvshare"]["out"].values())
+    moved = m.http.get(m.api("b") + "/v1/stats", timeout=10).json()["handoffs"]
+    assert moved["cold"] >= 1 and moved["shortfall"].get("no_replicas", 0) >= 1, moved  # the handoff says why
     status = m.http.get(m.api("a") + "/v1/peer/status", headers=m.peer_headers(), timeout=10).json()
     assert "hybrid" in status["host"]["no_replicas"]

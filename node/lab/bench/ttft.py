@@ -23,10 +23,12 @@ from pathlib import Path
 from kvmesh.node.config import EngineConfig, LlamaCppConfig, SimConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
 from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
+from kvmesh.node.engine.ggufmeta import read_facts
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.engine.hf import open_checkpoint
 from kvmesh.node.engine.llamacpp import LlamaRunner
 from kvmesh.node.engine.llamamodel import LlamaModel
+from kvmesh.node.engine.models import resolve as resolve_model
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.lab.bench.common import emit
@@ -53,6 +55,11 @@ def _engine_cfg(kind: str, tokens: int, model: Path | None = None, block_size: i
         # --model: a GGUF file; without it, the generated GGUF with a real model's proportions.
         gguf = model if model is not None else ensure_model(spec_for("bench"))
         block = {"block_size": block_size} if block_size else {}  # unset: chosen from the model's context
+        try:  # within the model's trained context when the conversation fits it
+            trained = read_facts(resolve_model(gguf)).context
+            ctx = trained if ctx > trained >= tokens + 512 else ctx
+        except (OSError, ValueError):
+            pass  # a file whose metadata says less: the context as computed
         return EngineConfig(kind="llamacpp", model=str(gguf), slots=1, max_context=ctx, cache_tokens=ctx + 1024, **block)
     if model is not None:
         # KV bytes per token at fp32 bound the bf16 a GPU would use; the context is capped
