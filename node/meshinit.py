@@ -82,12 +82,15 @@ def _sized(plan: MeshPlan) -> tuple[str, str]:
         return (f"# KV pool: the byte budget for resident session caches (LRU beyond it).\ncache_bytes = {1 << 30}\n",
                 "# Sessions shorter than this are not replicated (recomputing them is cheap).\n"
                 f"replicate_min_tokens = {REPLICATE_MIN_TOKENS}\n")
-    pool = 2 * plan.slots * f.context * f.kv_bytes_per_token
+    pool = max(64 << 20, 2 * plan.slots * f.context * f.kv_bytes_per_token)  # a recurrent-only model has no KV
     window = f", sliding window {f.sliding_window}" if f.sliding_window else ""
+    live = (f"# {f.recurrent_layers} of its {f.layers} layers hold recurrent state: kvmesh serves it with live caches\n"
+            "# only (a session reuses what its slot still holds), no replicas; the node says so at start.\n"
+            if f.recurrent_layers else "")
     replicate = KVShareConfig().for_context(f.context).replicate_min_tokens  # the node's own rule
     return (f"# From {f.name} ({f.arch}{window}): trained for {f.context} tokens, {f.kv_bytes_per_token} bytes of f16 KV\n"
             f"# per token ({f.context * f.kv_bytes_per_token / 2**20:.0f} MiB per full context).\n"
-            f"# Context per slot: the model's trained context.\nmax_context = {f.context}\n"
+            f"{live}# Context per slot: the model's trained context.\nmax_context = {f.context}\n"
             f"# KV pool: two full contexts per slot ({pool / 2**30:.2f} GiB), so idle sessions stay resident.\n"
             f"cache_bytes = {pool}\n",
             f"# Sessions shorter than this are not replicated (recomputing them is cheap): 8192, at most a\n"

@@ -20,6 +20,7 @@ class GGUFFacts:
     layers: int
     kv_bytes_per_token: int  # K and V of every layer at f16 (the engine's default cache type)
     sliding_window: int | None
+    recurrent_layers: int = 0  # layers with no KV heads: recurrent state (Mamba, LFM2's convolutions)
 
 
 def read_facts(path: Path) -> GGUFFacts:
@@ -39,12 +40,12 @@ def read_facts(path: Path) -> GGUFFacts:
     arch = str(value("general.architecture") or "")
     layers, heads, width, context = (ints(f"{arch}.{k}") for k in ("block_count", "attention.head_count",
                                                                     "embedding_length", "context_length"))
-    if not (arch and layers and heads and width and context):
-        raise ValueError(f"{path.name} lacks block_count, head_count, embedding_length or context_length for {arch!r}")
-    head = width[0] // max(heads)
+    if not (arch and layers and width and context):
+        raise ValueError(f"{path.name} lacks block_count, embedding_length or context_length for {arch!r}")
+    head = width[0] // max(heads) if heads and max(heads) else 0  # no heads at all: a recurrent-only model
     k_dim, v_dim = (ints(f"{arch}.attention.{k}") or [head] for k in ("key_length", "value_length"))
-    kv_heads = ints(f"{arch}.attention.head_count_kv") or heads
+    kv_heads = ints(f"{arch}.attention.head_count_kv") or heads or [0]
     per_layer = kv_heads if len(kv_heads) > 1 else kv_heads * layers[0]
     window = ints(f"{arch}.attention.sliding_window")
     return GGUFFacts(path.stem, arch, context[0], layers[0], sum(per_layer) * (k_dim[0] + v_dim[0]) * F16_BYTES,
-                     window[0] if window else None)
+                     window[0] if window else None, sum(1 for n in per_layer if n == 0))
