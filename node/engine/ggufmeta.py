@@ -42,7 +42,8 @@ def read_facts(path: Path) -> GGUFFacts:
                                                                     "embedding_length", "context_length"))
     if not (arch and layers and width and context):
         raise ValueError(f"{path.name} lacks block_count, embedding_length or context_length for {arch!r}")
-    head = width[0] // max(heads) if heads and max(heads) else 0  # no heads at all: a recurrent-only model
+    most = max(heads, default=0)
+    head = width[0] // most if most else 0  # no heads at all: a recurrent-only model
     k_dim, v_dim = (ints(f"{arch}.attention.{k}") or [head] for k in ("key_length", "value_length"))
     kv_heads = ints(f"{arch}.attention.head_count_kv") or heads or [0]
     per_layer = kv_heads if len(kv_heads) > 1 else kv_heads * layers[0]
