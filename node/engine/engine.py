@@ -242,6 +242,10 @@ class Engine:
         bs = self.block_size
         stats = TurnStats(req.session, prompt_tokens=len(tokens), cached_tokens=0, queue_s=time.monotonic() - t0)
         match = self._match(req.session, tokens, slot)
+        # A live cache's slot is this session's from now on, whatever becomes of the turn.
+        if self.live is not None and (overwritten := self.live.take(slot, req.session)) is not None:
+            self._drop(overwritten)
+            self.counters.evicted_sessions += 1
         reuse = min(match.tokens, len(tokens) - 1)  # at least one token is computed, for logits
         load_ids = match.block_ids[: blocks_for(reuse, bs)]
         for bid in load_ids:
@@ -390,10 +394,7 @@ class Engine:
         Owns `pinned` from the call on. Bookkeeping changes only after every new block is
         written, so a cancelled or failed commit leaves the previous table as it was."""
         if self.live is not None:  # the slot holds the turn's cache; nothing is cut into blocks
-            if (overwritten := self.live.wrote(slot, session)) is not None:
-                self._drop(overwritten)
-                self.counters.evicted_sessions += 1
-            return
+            return self.live.wrote(slot, session)
         bs = self.block_size
         keep = reuse // bs  # leading blocks reused whole: their pins become the new table's refs
         table = list(pinned[:keep])

@@ -53,11 +53,19 @@ class LiveCaches:
         """What a turn of `session` on `slot` reuses: the session's cache only if it is on this slot."""
         return self.cached_prefix(session, tokens) if self._owner.get(slot) == session else 0
 
-    def wrote(self, slot: int, session: str) -> str | None:
-        """A turn of `session` ran on `slot`; returns the session whose cache it overwrote, if another."""
-        before = self._owner.pop(slot, None)
-        self._owner[slot] = session  # now the most recent
-        return before if before is not None and before != session else None
+    def take(self, slot: int, session: str) -> str | None:
+        """A turn of `session` starts on `slot`: its sequence changes from now on. Returns the other session
+        whose cache it held, now nobody's; the slot is `session`'s again only once the turn ends well (`wrote`)."""
+        owner = self._owner.get(slot)
+        if owner is None or owner == session:
+            return None
+        del self._owner[slot]
+        return owner
+
+    def wrote(self, slot: int, session: str) -> None:
+        """A turn of `session` ended well on `slot`: the slot holds its cache (the most recent)."""
+        self._owner.pop(slot, None)
+        self._owner[slot] = session
 
     def drop(self, session: str) -> bool:
         """Forget the session's cache (its slot's tokens are recomputed on its next turn)."""

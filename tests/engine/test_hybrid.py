@@ -4,6 +4,7 @@ sequence, no blocks, no replicas."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import gguf
@@ -13,7 +14,7 @@ from test_llamacpp import Capture, prompt
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine import gguf_gen
-from kvmesh.node.engine.engine import Engine
+from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnBegin
 from kvmesh.node.errors import ImportRefused
 
 
@@ -117,5 +118,27 @@ def test_it_has_no_blocks_to_send_or_take(hybrid: Path) -> None:
             e.import_blocks("s", e.fingerprint, np.asarray(prompt(64), dtype=np.int32), [b"x" * 16], [b""])
         assert err.value.reason == "inexact"
         assert e.evict("s") and e.resident_tokens("s") == 0
+    finally:
+        e.close()
+
+
+def test_a_turn_that_ends_badly_leaves_the_slot_nobodys(hybrid: Path) -> None:
+    """A turn abandoned on another session's slot takes that session's cache away (resident 0) and claims none
+    itself: what the slot holds is nobody's until a turn ends well there."""
+    e = _engine(hybrid)
+    gone: list[str] = []
+    e.on_evict = gone.append
+
+    async def abandoned() -> None:
+        turn = e.generate(GenerateRequest("b", prompt(150, seed=2), max_tokens=4))
+        assert isinstance(await anext(turn), TurnBegin)
+        await turn.aclose()  # the client went away before the prefill
+
+    try:
+        Capture(e).turn("a", prompt(200))
+        asyncio.run(abandoned())
+        assert gone == ["a"] and e.resident_tokens("a") == 0 and e.resident_tokens("b") == 0
+        _, done = Capture(e).turn("b", prompt(150, seed=2) + prompt(10, seed=6)[1:])
+        assert done.stats.cached_tokens == 0 and e.resident_tokens("b") > 150
     finally:
         e.close()
