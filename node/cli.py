@@ -187,6 +187,9 @@ def _add_bench(sub: Subparsers) -> None:
     h.add_argument("--time-scale", type=float, default=1.0, help="multiplies think times (compression < 1)")
     h.add_argument("--seed", type=int, default=1)
     h.add_argument("--cold-move-after", type=float, default=30.0, help="mesh.cold_move_after_s for both nodes")
+    h.add_argument("--min-handoffs", type=int, help="after --duration, run on until this many handoffs "
+                   "(default: 20 with llama.cpp, else 0); fewer by --max-duration is an error")
+    h.add_argument("--max-duration", type=float, default=1500.0, help="seconds at most, with --min-handoffs")
     h.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio", help="the nodes' api.event_loop")
     h.add_argument("--replicate-min-tokens", type=int, help="kvshare.replicate_min_tokens (default: the node's, from its context)")
     h.add_argument("--engine", choices=["sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else sim; "

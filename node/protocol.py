@@ -32,7 +32,7 @@ HandoffClass = Literal["warm", "partial", "cold"]
 # predicted point; replica_in_flight: a replica of the session was still landing when the turn ran;
 # replica_refused: this host refused the session's latest replica; evicted: this host held more of
 # the session (engine or store) and evicted it; unexplained: a gap nobody could explain (counted, not hidden).
-# "no_replicas": the model keeps no blocks (recurrent or hybrid: node.engine.live), so a move recomputes.
+# no_replicas: the model keeps no blocks (recurrent or hybrid: node.engine.live), so a move recomputes.
 ShortfallReason = Literal["none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "no_replicas",
                           "unexplained"]
 SHORTFALL_REASONS: tuple[ShortfallReason, ...] = (
@@ -141,9 +141,7 @@ class HostInfo(_Model):
     # Tokens per KV block in this host's engine; replicas move whole blocks only, so a replica
     # missing just the partial last block is as fresh as it can be. 0: not reported (older node).
     block_size: int = 0
-    # Why this host's model keeps no blocks and sends or takes no replicas (a recurrent or hybrid
-    # model: node.engine.live); empty when it replicates.
-    no_replicas: str = ""
+    no_replicas: str = ""  # why its model keeps no blocks, so no replicas (recurrent or hybrid: node.engine.live)
 
 
 class SessionInfo(_Model):

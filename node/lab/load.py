@@ -17,6 +17,7 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -150,7 +151,9 @@ class LoadRunner:
             r = await client.get(f"{self.nodes[0]}/v1/models")
             self.model = r.json()["data"][0]["id"]
 
-    async def run(self, duration_s: float) -> LoadStats:
+    async def run(self, duration_s: float, *, until: Callable[[], Awaitable[bool]] | None = None,
+                  max_s: float = 0.0) -> LoadStats:
+        """Agents for `duration_s`, then, with `until`, on until it holds or `max_s` in all (checked every 5 s)."""
         self._t0 = time.monotonic()
         limits = httpx.Limits(max_connections=self.shape.sessions * 2 + 8)
         # A mesh with client keys (kvmesh init writes one) wants it: KVMESH_API_KEY, as the node reads it.
@@ -160,6 +163,8 @@ class LoadRunner:
             await self._discover_model(client)
             agents = [asyncio.create_task(self._agent(client, i)) for i in range(self.shape.sessions)]
             await self._sleep(duration_s)
+            while until is not None and time.monotonic() - self._t0 < max_s and not await until():
+                await self._sleep(min(5.0, max_s - (time.monotonic() - self._t0)))
             self._stop.set()
             # Let turns in flight finish: a turn is never abandoned half-way.
             await asyncio.gather(*agents, return_exceptions=True)

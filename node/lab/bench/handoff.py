@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,16 @@ import httpx
 from kvmesh.node.lab.bench.common import emit, llama_shape, llamacpp_engine, start_mesh
 from kvmesh.node.lab.launcher import wait_peers
 from kvmesh.node.lab.load import LoadRunner, LoadShape
+
+
+def _reached(api: str, want: int) -> Callable[[], Awaitable[bool]]:
+    """Whether the mesh's handoff counters (its cluster view) have reached `want`."""
+    async def reached() -> bool:
+        async with httpx.AsyncClient(timeout=10) as c:
+            n = (await c.get(f"{api}/v1/cluster")).json()["counters"]
+        return int(n["warm"] + n["partial"] + n["cold"]) >= want
+
+    return reached
 
 
 def run_handoff(args: argparse.Namespace) -> int:
@@ -40,8 +51,11 @@ def run_handoff(args: argparse.Namespace) -> int:
             shape = LoadShape(sessions=args.sessions, seed=args.seed, max_tokens=args.max_tokens,
                               **{"target_tokens": args.target_tokens, **overrides})
             runner = LoadRunner([n.api for n in nodes], shape, time_scale=args.time_scale)
+            # A real model on a small box moves few sessions a minute: run on until the handoffs asked for.
+            want = args.min_handoffs if args.min_handoffs is not None else (20 if engine is not None else 0)
             t0 = time.monotonic()
-            stats = asyncio.run(runner.run(args.duration))
+            stats = asyncio.run(runner.run(args.duration, until=_reached(nodes[0].api, want) if want else None,
+                                           max_s=args.max_duration))
             elapsed = time.monotonic() - t0
             time.sleep(1.0)  # two status polls: every node's counters are in the cluster view
             cluster = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=10).json()
@@ -71,5 +85,9 @@ def run_handoff(args: argparse.Namespace) -> int:
         "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
         "cold_move_after_s": args.cold_move_after, "replicate_min_tokens": replicate_from,
         "engine": getattr(args, "engine", "sim"), "shape": said, "event_loop": getattr(args, "event_loop", "asyncio"),
+        "min_handoffs": want,
     }
+    if total < want:  # the run is too short to say what it claims
+        result["errors"] += 1
+        result["error_samples"] = [*result["error_samples"], f"{total} handoffs in {elapsed:.0f} s, {want} asked for"]
     return emit(result, args)  # non-zero when a turn failed: its counters describe a run that lost turns

@@ -99,6 +99,12 @@ def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict
         target = max(64, int(target * tokens / max(1, n)))
     return msgs, rng
 
+def _no_replicas(cfg: EngineConfig, reason: str) -> dict[str, object]:
+    why = (f"{cfg.served_model} has no replicas: {reason}, so kvmesh serves it with live caches only and a turn "
+           "that moves host recomputes its prompt")
+    return {"engine": cfg.kind, "model": cfg.served_model, "replicas": False, "errors": 1, "error_samples": [why]}
+
+
 def run_ttft(args: argparse.Namespace) -> int:
     model = getattr(args, "model", None)
     msgs, rng = _conversation(args.tokens, model, args.engine)
@@ -111,10 +117,7 @@ def run_ttft(args: argparse.Namespace) -> int:
             home = Engine(cfg)
             if home.inexact_reason is not None:  # nothing to measure, and the JSON says why
                 home.close()
-                why = (f"{cfg.served_model} has no replicas: {home.inexact_reason}, so kvmesh serves it with live "
-                       "caches only and a turn that moves host recomputes its prompt")
-                return {"engine": cfg.kind, "model": cfg.served_model, "replicas": False, "errors": 1,
-                        "error_samples": [why]}
+                return _no_replicas(cfg, home.inexact_reason)
             prompt = home.tokenizer.apply_chat_template(msgs)
             cold_s, reply = await _ttft(home, prompt, max_tokens=16)
             # Export the home engine's cache of this conversation to a replica file.
