@@ -94,12 +94,9 @@ def test_closing_early_stops_the_run(executor: concurrent.futures.ThreadPoolExec
 def test_batch_error_reaches_every_run_and_on_error(executor: concurrent.futures.ThreadPoolExecutor) -> None:
     """A failed llama_decode: on_error sees the steps, each running turn raises it, none hangs."""
     erased: list[int] = []
-    calls = 0
 
     def run_batch(steps: list[DecodeStep]) -> list[torch.Tensor]:
-        nonlocal calls
-        calls += 1
-        if calls == 3:
+        if len(steps) == 2:  # the first batch both runs are in (a loaded box may run a few alone first)
             raise RuntimeError("llama_decode returned 1")
         return _rows(steps)
 

@@ -156,7 +156,11 @@ async def sc_evict_all(d: Drill) -> None:
     # Running turns keep their blocks (at most one per slot); every idle cache must be gone.
     d.fault["hit"] = bool(before) and not any(c.session in after for c in keep) and len(before & after) <= 2
     # Restores from this host's own store: one while the flood's replica is still on the wire ...
-    pushing = any(px.active() for px in (d.proxies[(v, n)] for n in NAMES if n != v))
+    # (the push may still be queued behind the load's own pushes: it is given a few seconds to start)
+    for _ in range(50):
+        if pushing := any(px.active() for px in (d.proxies[(v, n)] for n in NAMES if n != v)):
+            break
+        await asyncio.sleep(0.1)
     e0 = (await d.get(v, "/v1/stats"))["engine"]
     during = await d.turn(v, keep[0], pin=True)
     e1 = (await d.get(v, "/v1/stats"))["engine"]
