@@ -78,12 +78,11 @@ class Engine:
         # A pool in tokens is sized from this model's own bytes per token (a bench need not know them).
         num_blocks = max(4, -(-cfg.cache_tokens // self.block_size) if cfg.cache_tokens else cfg.cache_bytes // self.block_bytes)
         # A model whose cache cannot be cut into blocks reuses only what its slot still holds (node.engine.live).
-        self.inexact_reason = backend.inexact_reason
-        if self.inexact_reason is not None:
+        if (reason := backend.inexact_reason) is not None:
             num_blocks = 4  # no block is ever written
-            log.warning("%s: %s, so it is served without blocks or replicas: a session reuses only the cache "
-                        "its slot still holds, and a turn that moves host recomputes its prompt",
-                        self.model_name, self.inexact_reason)
+            log.warning("%s: %s, so it is served without blocks or replicas: a session reuses only the cache its "
+                        "slot still holds, and a turn that moves host recomputes its prompt", self.model_name, reason)
+        self.inexact_reason = reason
         self.pool = BlockPool(num_blocks, backend.block_shape, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, self.block_size)
         runner = make_runner(cfg, backend, self.pool, self.seed_hash)
@@ -91,7 +90,10 @@ class Engine:
             # Test only (node.engine.scripted): the real sim runner with its logits replaced by a fixed reply.
             runner = ScriptedRunner(runner, self.tokenizer.encode(cfg.sim.scripted_reply), self.tokenizer.eos_id)
         self.runner: Runner = runner
-        self.live = LiveCaches(cfg.slots, backend.llama.held_tokens) if backend.llama and self.inexact_reason else None
+        # Which session each llama.cpp slot holds: a turn goes back to its own slot (no restore), others to empty
+        # or least recently used ones. For a model without blocks that is its cache itself (node.engine.live).
+        self.slot_caches = LiveCaches(cfg.slots, backend.llama.held_tokens) if backend.llama else None
+        self.live = self.slot_caches if self.inexact_reason else None
         self.slots = SlotScheduler(cfg.slots, cfg.queue_max, cfg.queue_timeout_s)
         self.sessions: collections.OrderedDict[str, Sequence] = collections.OrderedDict()  # LRU first
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
@@ -101,8 +103,7 @@ class Engine:
         self._stop_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.model_cfg.eos_ids)
         self.counters = EngineCounters()
         self._prefill_backlog = 0  # tokens of prompts being prefilled now (placement's TTFT estimate)
-        # Called with the session id whenever a resident cache is dropped.
-        self.on_evict: Callable[[str], None] | None = None
+        self.on_evict: Callable[[str], None] | None = None  # called with the session whenever a cache is dropped
 
     # ---- what the engine holds ------------------------------------------------
 
@@ -220,7 +221,7 @@ class Engine:
         """Run one turn: wait for a slot, reuse what is cached, prefill the rest, decode."""
         tokens = self.validate(req)
         t0 = time.monotonic()
-        slot = await self.slots.acquire(self.live.preference(req.session) if self.live is not None else ())
+        slot = await self.slots.acquire(self.slot_caches.preference(req.session) if self.slot_caches else ())
         # One turn per session at a time; the lock lives while anyone holds or awaits it.
         lock, users = self._locks.get(req.session, (asyncio.Lock(), 0))
         self._locks[req.session] = (lock, users + 1)
@@ -243,7 +244,8 @@ class Engine:
         stats = TurnStats(req.session, prompt_tokens=len(tokens), cached_tokens=0, queue_s=time.monotonic() - t0)
         match = self._match(req.session, tokens, slot)
         # A live cache's slot is this session's from now on, whatever becomes of the turn.
-        if self.live is not None and (overwritten := self.live.take(slot, req.session)) is not None:
+        overwritten = self.slot_caches.take(slot, req.session) if self.slot_caches is not None else None
+        if self.live is not None and overwritten is not None:
             self._drop(overwritten)
             self.counters.evicted_sessions += 1
         reuse = min(match.tokens, len(tokens) - 1)  # at least one token is computed, for logits
@@ -393,8 +395,10 @@ class Engine:
 
         Owns `pinned` from the call on. Bookkeeping changes only after every new block is
         written, so a cancelled or failed commit leaves the previous table as it was."""
+        if self.slot_caches is not None:
+            self.slot_caches.wrote(slot, session)
         if self.live is not None:  # the slot holds the turn's cache; nothing is cut into blocks
-            return self.live.wrote(slot, session)
+            return
         bs = self.block_size
         keep = reuse // bs  # leading blocks reused whole: their pins become the new table's refs
         table = list(pinned[:keep])

@@ -329,3 +329,20 @@ def test_config_needs_a_gguf_and_serves_its_name() -> None:
     with pytest.raises(ValidationError, match="needs engine.model: the path of a GGUF file"):
         EngineConfig(kind="llamacpp")
     assert EngineConfig(kind="llamacpp", model="/m/qwen2.5-7b-q4.gguf").served_model == "qwen2.5-7b-q4"
+
+
+def test_a_session_goes_back_to_the_slot_that_holds_it(llama) -> None:  # type: ignore[no-untyped-def]
+    """Two slots, two sessions taking turns: each turn takes the slot still holding its session, so no turn
+    restores a block from the pool (a newcomer takes the empty slot, not the one just freed)."""
+    e = llama(slots=2)
+    cap = Capture(e)
+    pa, pb = prompt(300), prompt(300, seed=7)
+    cap.turn("a", pa)
+    cap.turn("b", pb)
+    for _ in range(2):
+        for s, p in (("a", pa), ("b", pb)):
+            held = e.session_tokens(s)
+            assert held is not None
+            p[:] = [*map(int, held), *prompt(20, seed=8)[1:]]
+            cap.turn(s, p)
+    assert isinstance(e.runner, LlamaRunner) and e.runner.restored_blocks == 0
