@@ -59,6 +59,9 @@ class HostsTable(KeyedTable):
             return Cell(text, style=base or style or "", no_wrap=True)  # type: ignore[arg-type]
 
         since_text = fmt_clock(since, utc) if (stale and since) else ""
+        # A host whose model keeps no replicas moves no KV: say so, not 0 B/s.
+        kv = ((cell("none", palette.warn),) * 2 if info.no_replicas
+              else (cell(fmt_bps(info.kvshare_in_bps)), cell(fmt_bps(info.kvshare_out_bps))))
         note = f"{name} {word}, stale since {since_text}" if stale and since_text else ""
         cells = (
             Cell.assemble((mark, palette.marked), (truncate(name, 10, glyphs), base or palette.bold), no_wrap=True),
@@ -67,8 +70,7 @@ class HostsTable(KeyedTable):
             cell(slot_bar(info.busy, info.slots, glyphs)),
             cell(str(info.queued) if info.queued else "0", palette.warn if info.queued else None),
             cell(fmt_mem(info.mem_used_bytes, info.mem_total_bytes)),
-            *((cell("none", palette.warn),) * 2 if info.no_replicas else
-              (cell(fmt_bps(info.kvshare_in_bps)), cell(fmt_bps(info.kvshare_out_bps)))),
+            *kv,
         )
         if info.no_replicas and not note:
             note = f"{name}: no replicas ({info.no_replicas})"

@@ -243,7 +243,7 @@ class Engine:
         bs = self.block_size
         stats = TurnStats(req.session, prompt_tokens=len(tokens), cached_tokens=0, queue_s=time.monotonic() - t0)
         match = self._match(req.session, tokens, slot)
-        # A live cache's slot is this session's from now on, whatever becomes of the turn.
+        # Another session's cache in this slot is gone from here on; the slot is this session's once it commits.
         overwritten = self.slot_caches.take(slot, req.session) if self.slot_caches is not None else None
         if self.live is not None and overwritten is not None:
             self._drop(overwritten)

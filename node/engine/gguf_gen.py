@@ -17,8 +17,9 @@ Vocabularies:
 
 Presets: `tiny` (2 layers, for tests), `bench` (a real model's proportions scaled down: GQA
 with 4 query heads per KV head, head_dim 64, an FFN 3.5x wide), `moe-tiny` (tiny's attention, 4
-experts) and `hybrid-tiny` (architecture `lfm2`: short-convolution layers, whose state is recurrent,
-between attention layers, as LFM2, Granite 4.0-H and Qwen3-Next mix them). `ensure_model` writes a preset
+experts), `hybrid-tiny` (architecture `lfm2`: short-convolution layers, whose state is recurrent,
+between attention layers, as LFM2, Granite 4.0-H and Qwen3-Next mix them) and `mamba-tiny`
+(architecture `mamba`: recurrent layers only). `ensure_model` writes a preset
 once into a cache folder and returns its path.
 
     python -m kvmesh.node.engine.gguf_gen tiny /tmp/tiny.gguf
@@ -160,7 +161,7 @@ def _weights(spec: GGUFSpec, arch: str, n_vocab: int) -> dict[str, np.ndarray]:
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = np.ones(d, dtype=np.float32)
         if spec.ssm_state:
-            t.update(_mamba(p, spec, rng, mat))
+            t.update(_mamba(p, spec, mat))
             continue
         if i in spec.conv_layers:
             t[p + "shortconv.conv.weight"] = mat(d, spec.conv_cache).astype(np.float32)  # ggml_ssm_conv reads f32
@@ -192,7 +193,7 @@ def _attention(p: str, spec: GGUFSpec, arch: str, rng: np.random.Generator, mat:
     return t
 
 
-def _mamba(p: str, spec: GGUFSpec, rng: np.random.Generator, mat: Any) -> dict[str, np.ndarray]:
+def _mamba(p: str, spec: GGUFSpec, mat: Any) -> dict[str, np.ndarray]:
     """One Mamba layer: input and output projections, a causal conv, the selective scan's parameters."""
     d, inner, n, rank = spec.n_embd, 2 * spec.n_embd, spec.ssm_state, _dt_rank(spec)
     f32 = np.float32

@@ -7,6 +7,9 @@ without replicas: a session's cache is what the slot that ran it last still hold
 reuses it only if its prompt extends every token of it. The truth is the runner's own record of
 what each slot's sequence holds (`held`), asked each time, never a copy kept here; this class only
 remembers which session wrote each slot last.
+
+Every llama.cpp engine also uses it to choose a turn's slot (`preference`): the one still holding
+the session, so a block model's turn skips restoring from the pool too.
 """
 
 from __future__ import annotations

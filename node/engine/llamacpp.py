@@ -105,10 +105,14 @@ class LlamaRunner:
         # On the compute thread like every other decode: llama.cpp's OpenMP team belongs to the thread that
         # first computes, and a second team left idle on the main thread cost a third of decode speed here.
         # A model with recurrent state keeps no blocks (node.engine.live): no layout, a state size per token.
-        self._layout = self._exec.submit(self._probe_layout).result() if model.inexact is None else None
-        self.kv_bytes_per_token = (-(-self.layout.size(block_size) // block_size) if self._layout is not None
-                                   else self._exec.submit(self._probe_growth).result())
-        self.block_bytes = self.kv_bytes_per_token * block_size if self._layout is None else self.layout.size(block_size)
+        self._layout: llamastate.Layout | None = None
+        if model.inexact is None:
+            self._layout = self._exec.submit(self._probe_layout).result()
+            self.block_bytes = self._layout.size(block_size)
+            self.kv_bytes_per_token = -(-self.block_bytes // block_size)
+        else:
+            self.kv_bytes_per_token = self._exec.submit(self._probe_growth).result()
+            self.block_bytes = self.kv_bytes_per_token * block_size
 
     @property
     def layout(self) -> llamastate.Layout:

@@ -99,6 +99,7 @@ def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict
         target = max(64, int(target * tokens / max(1, n)))
     return msgs, rng
 
+
 def _no_replicas(cfg: EngineConfig, reason: str) -> dict[str, object]:
     why = (f"{cfg.served_model} has no replicas: {reason}, so kvmesh serves it with live caches only and a turn "
            "that moves host recomputes its prompt")
