@@ -74,13 +74,40 @@ def _die_with_parent() -> None:
         pass
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (peers' addresses must be known before they start)."""
+    """A port that was free a moment ago and that this process has not handed out before.
+
+    Peers' addresses must be known before they start, so a port is chosen, not bound. It is drawn
+    below the kernel's ephemeral range: a port from bind(0) is one the kernel may hand again to the
+    next bind(0) or to any client's outgoing connection before the node binds it (CI lost a mesh
+    to exactly that: node c's kv_share port was node a's API port)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    low = max(1024, min(_ephemeral_low(), 65536) - 22000)
+    high = min(_ephemeral_low(), 65536) - 1
+    for _ in range(200):
+        port = random.randint(low, high)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port on {host} in {low}-{high} after 200 tries")
 
 
 def pinned(cores: Collection[int] | None) -> list[str]:

@@ -24,6 +24,8 @@ from typing import Any
 import pytest
 from websockets.sync.client import ClientConnection, connect
 
+from kvmesh.node.lab.launcher import free_port
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -51,12 +53,6 @@ SCREEN_TEXT = """(() => {
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="no chromium binary (Debian package 'chromium'; `make test` installs it as root)"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, timeout: float) -> None:

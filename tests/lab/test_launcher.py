@@ -81,3 +81,16 @@ def test_nodes_named_last_start_once_the_others_are_ready(tmp_path: Path) -> Non
     mesh.start(last=["late"])
     mesh.stop()
     assert early_ready_at_start == {"early": False, "late": True}
+
+
+def test_free_port_never_repeats_and_stays_out_of_the_ephemeral_range() -> None:
+    """Ports handed out are distinct, bindable and below the kernel's ephemeral range (where clients' own ports come from)."""
+    import socket
+
+    from kvmesh.node.lab.launcher import _ephemeral_low
+
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < _ephemeral_low() for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))
