@@ -66,6 +66,14 @@ class LlamaCppConfig(_Strict):
     type_k: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] = "f16"
     type_v: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] = "f16"
     use_mmap: bool = True
+    swa: Literal["full", "window"] = Field("full", description="a sliding-window model's cache (Gemma 2/3, gpt-oss): "
+                                           "'full' keeps every position of its window layers, so blocks restore "
+                                           "exactly at a full-attention cache's memory; 'window' keeps the last "
+                                           "window only (llama.cpp's default): blocks hold the full-attention "
+                                           "layers, and the window layers travel as a snapshot at each prompt's "
+                                           "last block boundary (node.engine.windows)")
+    window_snapshot_mib: int = Field(512, ge=16, description="swa 'window': memory for window snapshots, this "
+                                     "host's and its peers', least recently used dropped first")
 
 
 class EngineConfig(_Strict):

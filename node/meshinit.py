@@ -88,11 +88,15 @@ def _sized(plan: MeshPlan) -> tuple[str, str]:
             "# only (a session reuses what its slot still holds), no replicas; the node says so at start.\n"
             if f.recurrent_layers else "")
     replicate = KVShareConfig().for_context(f.context).replicate_min_tokens  # the node's own rule
+    swa = (f"[engine.llamacpp]\n# Its window layers: \"full\" keeps every position (blocks restore exactly, also from disk\n"
+           f"# after a restart; a full cache's memory); \"window\" keeps the last {f.sliding_window} (llama.cpp's default) and a\n"
+           "# replica is bare blocks plus a snapshot of the window, sent after them (memory only).\nswa = \"full\"\n"
+           if f.sliding_window else "")
     return (f"# From {f.name} ({f.arch}{window}): trained for {f.context} tokens, {f.kv_bytes_per_token} bytes of f16 KV\n"
             f"# per token ({f.context * f.kv_bytes_per_token / 2**20:.0f} MiB per full context).\n"
             f"{live}# Context per slot: the model's trained context.\nmax_context = {f.context}\n"
             f"# KV pool: two full contexts per slot ({pool / 2**30:.2f} GiB), so idle sessions stay resident.\n"
-            f"cache_bytes = {pool}\n",
+            f"cache_bytes = {pool}\n{swa}",
             f"# Sessions shorter than this are not replicated (recomputing them is cheap): 8192, at most a\n"
             f"# quarter of the model's {f.context}-token context, so sessions do replicate.\nreplicate_min_tokens = {replicate}\n")
 

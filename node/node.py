@@ -35,8 +35,10 @@ from kvmesh.node.protocol import (
     HostStatus,
     PeerUp,
     ReplicaEvicted,
+    ReplicaSent,
 )
 from kvmesh.node.tls import client_context
+from kvmesh.node.windowship import WindowShipper
 
 log = logging.getLogger("kvmesh.node")
 
@@ -67,10 +69,13 @@ class Node:
                          verify=client_context(cfg.api.tls) if cfg.api.tls else True)
         self.turns = TurnPath(cfg.name, self.engine, self.mesh, self.kvshare, publish=self.hub.publish,
                               forward_timeout_s=cfg.mesh.forward_timeout_s, on_resumed=self.metrics.resumed.inc)
+        peers = self.mesh.peers
+        self.windows = (WindowShipper(self.engine.windows, self.engine.fingerprint, client=lambda: peers.client,
+                                      api_of=self._peer_api, tokens_of=self.engine.session_tokens)
+                        if self.engine.windows is not None else None)  # window mode's half of a replica
         self.operator = Operator(cfg.name, self.engine, self.mesh, push=self.kvshare.push, publish=self.hub.publish)
         self.discovery: Discovery | None = None
         if cfg.mesh.discovery != "static":
-            peers = self.mesh.peers
             source = DnsSource(cfg.mesh, self.api_port) if cfg.mesh.discovery == "dns" else KubeSource(cfg.mesh)
             self.discovery = Discovery(cfg.name, source, interval_s=cfg.mesh.discovery_interval_s,
                                        secrets_=cfg.mesh.secrets(), client=lambda: peers.client, admit=peers.add,
@@ -91,6 +96,10 @@ class Node:
     def _on_event(self, ev: Event) -> None:
         if isinstance(ev, PeerUp):
             self.reoffer_replicas()
+        elif isinstance(ev, ReplicaSent) and ev.src == self.name and self.windows is not None:
+            task = asyncio.ensure_future(self.windows.ship(ev.session, ev.dst, ev.tokens))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def reoffer_replicas(self) -> int:
         """A peer came (back) up: push each session homed here whose predicted next host lacks its
@@ -122,6 +131,10 @@ class Node:
         """A peer's kv_share address: from the peer table, which DNS discovery may change at run time."""
         p = self.mesh.peers.peers.get(name)
         return p.cfg.kvshare if p is not None else None
+
+    def _peer_api(self, name: str) -> str | None:
+        p = self.mesh.peers.peers.get(name)
+        return p.cfg.api if p is not None else None
 
     def api_port(self) -> int:
         """The port the API listens on (known once bound; the configured one before)."""
@@ -226,8 +239,9 @@ class Node:
                        "imported_blocks": self.engine.counters.imported_blocks,
                        "prefill_tps": round(self.engine.prefill_rate(), 1)},
             "kvshare": self.kvshare.stats(),
+            "windows": self.windows.stats() if self.windows is not None else None,
             "replicate_min_tokens": self.kv_cfg.replicate_min_tokens, "max_context": self.engine.max_context,
-            "block_size": self.engine.block_size,
+            "block_size": self.engine.block_size, "fingerprint": self.engine.fingerprint,
             "peer_wire": m.peers.wire_by_peer(),
             # How each peer's state arrives: "pushed" (its /v1/peer/state stream) or "polled".
             "peer_state": {p.name: "pushed" if p.streaming else "polled" for p in m.peers.peers.values()},

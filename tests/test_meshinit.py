@@ -150,6 +150,15 @@ def test_init_says_a_model_with_recurrent_state_has_no_replicas(tmp_path: Path, 
     assert load_config(tmp_path / "m" / "a.toml").engine.cache_bytes >= 64 << 20
 
 
+def test_init_names_a_sliding_window_models_two_cache_modes(tmp_path: Path) -> None:
+    """Gemma 3's config writes [engine.llamacpp] swa = "full", explaining "window" and its 512-token window; it loads."""
+    r = _init("--host", "a=10.0.0.1", "--model", "gemma3-270m", "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "m" / "a.toml").read_text()
+    assert '"window" keeps the last 512' in text
+    assert load_config(tmp_path / "m" / "a.toml").engine.llamacpp.swa == "full"
+
+
 def test_init_with_a_gguf_not_on_this_machine_says_its_sizes_are_defaults(tmp_path: Path) -> None:
     """A GGUF path that only the hosts hold is written as given, with the default sizes and a comment saying so."""
     r = _init("--host", "a=10.0.0.1", "--model", "/models/qwen3-8b-q4_k_m.gguf", "--out", str(tmp_path / "m"))

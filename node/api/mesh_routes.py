@@ -38,6 +38,7 @@ from kvmesh.node.protocol import (
     SnapshotEvent,
     session_id_problem,
 )
+from kvmesh.node.windowship import DIGEST_HEADER, FINGERPRINT_HEADER, MAX_BODY_BYTES
 
 # A host action answers at once (a drain runs on after it), so a relay of one waits briefly.
 HOST_RELAY_TIMEOUT_S = 10.0
@@ -181,6 +182,18 @@ async def peer_hello(body: HelloRequest, node: PeerNode) -> PeerHello:
     kvshare_port = int(node.kvshare.address.rsplit(":", 1)[1])
     return hello(node.name, node.api_port(), kvshare_port, "https" if node.cfg.api.tls else "http", secrets[0],
                  body.nonce)
+
+
+@router.post("/v1/peer/windows")
+async def peer_windows(request: Request, node: PeerNode) -> dict[str, Any]:
+    """A window snapshot of a session a peer replicated here (node.windowship)."""
+    if node.windows is None:
+        raise Conflict(f"{node.name} keeps no window snapshots: its model is not served with llamacpp.swa = \"window\"")
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise InvalidRequest(f"a window snapshot over {MAX_BODY_BYTES} bytes")
+    pos = await node.windows.accept(await request.body(), request.headers.get(FINGERPRINT_HEADER),
+                                    request.headers.get(DIGEST_HEADER))
+    return {"accepted": True, "pos": pos}
 
 
 @router.get("/v1/peer/sessions/{session:path}")

@@ -39,7 +39,9 @@ def models_list(node: NodeDep) -> dict[str, Any]:
     e = node.engine
     # kvmesh's own facts beside OpenAI's: whether sessions of this model move warm between hosts.
     facts = {"replicas": e.inexact_reason is None, "no_replicas_reason": e.inexact_reason,
-             "max_context": e.max_context, "block_size": e.block_size}
+             "max_context": e.max_context, "block_size": e.block_size,
+             # a sliding-window model's cache: "full" (every position) or "window" (snapshots beside the blocks)
+             "swa": e.swa}
     data = [{"id": n, "object": "model", "created": int(node.started), "owned_by": "kvmesh", "kvmesh": facts}
             for n in dict.fromkeys(names)]
     return {"object": "list", "data": data}

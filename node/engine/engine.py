@@ -64,16 +64,13 @@ class Engine:
         self.model_name = cfg.served_model
         backend = open_backend(cfg, model_cfg)
         self.block_size = backend.block_size
-        # kind "torch": a Hugging Face checkpoint directory; its config carries the
-        # checkpoint digest, so the fingerprint names these exact weights.
+        # kind "torch": a Hugging Face checkpoint directory; its digest is in the fingerprint.
         self.checkpoint: Checkpoint | None = backend.checkpoint
         self.tokenizer: Tokenizer = backend.tokenizer
         self.model_cfg = backend.model_cfg
         self.dtype, self.device = backend.dtype, backend.device
-        self.kv_bytes_per_token = backend.kv_bytes_per_token
-        self.block_bytes = backend.block_bytes
-        self.fingerprint = backend.fingerprint
-        self.max_context = self.model_cfg.max_context
+        self.kv_bytes_per_token, self.block_bytes = backend.kv_bytes_per_token, backend.block_bytes
+        self.fingerprint, self.max_context = backend.fingerprint, self.model_cfg.max_context
         self.seed_hash = chain_seed(self.fingerprint)
         # A pool in tokens is sized from this model's own bytes per token (a bench need not know them).
         num_blocks = max(4, -(-cfg.cache_tokens // self.block_size) if cfg.cache_tokens else cfg.cache_bytes // self.block_bytes)
@@ -94,6 +91,8 @@ class Engine:
         # or least recently used ones. For a model without blocks that is its cache itself (node.engine.live).
         self.slot_caches = LiveCaches(cfg.slots, backend.llama.held_tokens) if backend.llama else None
         self.live = self.slot_caches if self.inexact_reason else None
+        self.windows = backend.llama.windows if backend.llama else None  # window mode's snapshots (node.engine.windows)
+        self.swa = cfg.llamacpp.swa if backend.llama is not None and backend.llama.model.n_swa else None  # its mode
         self.slots = SlotScheduler(cfg.slots, cfg.queue_max, cfg.queue_timeout_s)
         self.sessions: collections.OrderedDict[str, Sequence] = collections.OrderedDict()  # LRU first
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
@@ -126,6 +125,8 @@ class Engine:
             if bid is None:
                 break
             ids.append(bid)
+        if self.windows is not None:  # a window-mode model resumes at a snapshot of its window (node.engine.windows)
+            ids = ids[: self.windows.usable(tokens, len(ids) * bs) // bs]
         full = len(ids)
         n = full * bs
         # Same prefix as the session's own sequence up to here (the chain hash says so):
@@ -209,10 +210,8 @@ class Engine:
         if len(tokens) == 0:
             raise InvalidRequest("the prompt is empty", param="messages")
         if len(tokens) >= self.max_context:
-            raise ContextLengthExceeded(
-                f"the prompt is {len(tokens)} tokens; this model's context is {self.max_context} tokens",
-                param="messages",
-            )
+            raise ContextLengthExceeded(f"the prompt is {len(tokens)} tokens; this model's context is "
+                                        f"{self.max_context} tokens", param="messages")
         if req.max_tokens < 1:
             raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
         return tokens
@@ -286,7 +285,8 @@ class Engine:
         and the tokens really reused (0 when a block did not restore)."""
         t1 = time.monotonic()
         try:
-            await self.runner.load(slot, load_ids, tokens[:reuse])
+            if (held := await self.runner.load(slot, load_ids, tokens[:reuse])) is not None and held < reuse:
+                reuse = stats.cached_tokens = held  # resumed at an earlier window snapshot
         except RestoreFailed as e:
             # The runner erased the slot's sequence: nothing half-restored. The blocks from the
             # bad one on stop being advertised, and this turn computes its whole prompt.

@@ -12,6 +12,9 @@ The Engine keeps its block bookkeeping (pool, chained hashes, pins, LRU, export,
   sequence (id `slots`): a block is cut by sharing its positions with the scratch sequence
   (`llama_memory_seq_cp` shares cells) and writing the scratch's state; a restore goes through
   the scratch block by block and hands its cells to the slot (`seq_cp`);
+- in window mode (`swa = "window"`) such a model's window layers keep their last window only: a
+  block is bare (the full-attention cache), and a sequence resumes from its blocks plus a window
+  snapshot (`node.engine.windows`), or from its own slot where the window there is still whole;
 - a block that does not check or does not restore leaves the slot's sequence erased and raises
   `RestoreFailed`: never half-restored;
 - prefill runs in chunks of `n_batch`; running slots decode ahead on the compute thread, every
@@ -27,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -38,9 +43,11 @@ from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.batcher import DecodeBatcher, DecodeStep
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.llamamodel import LlamaModel, llama_error
+from kvmesh.node.engine.windows import WindowSnapshots
 from kvmesh.node.errors import CheckpointError
 
 _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+log = logging.getLogger("kvmesh.engine")
 
 
 class RestoreFailed(RuntimeError):
@@ -92,6 +99,8 @@ class LlamaRunner:
         # joined into, the sequence's whole state (llamastate.cut/join). A sliding-window model's two
         # caches keep the unified stream and a scratch sequence blocks pass through (seq_cp shares cells).
         self.streams = model.n_swa == 0
+        self.window = model.n_swa > 0 and cfg.swa == "window"  # the window layers keep their last window only
+        self._partial = getattr(self.lib, "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", 1)
         self.scratch = slots  # unified only: the extra sequence blocks pass through
         self._whole: tuple[int, np.ndarray] | None = None  # (slot, its one-stream state) until the slot changes
         self.ctx = self._new_context()
@@ -108,11 +117,15 @@ class LlamaRunner:
         self._layout: llamastate.Layout | None = None
         if model.inexact is None:
             self._layout = self._exec.submit(self._probe_layout).result()
+            if self.window:
+                self._layout = dataclasses.replace(self._layout, bare=True)
             self.block_bytes = self._layout.size(block_size)
             self.kv_bytes_per_token = -(-self.block_bytes // block_size)
         else:
             self.kv_bytes_per_token = self._exec.submit(self._probe_growth).result()
             self.block_bytes = self.kv_bytes_per_token * block_size
+
+        self.windows = WindowSnapshots(cfg.window_snapshot_mib << 20, self._check_window) if self.window else None
 
     @property
     def layout(self) -> llamastate.Layout:
@@ -139,8 +152,9 @@ class LlamaRunner:
         cp.type_v = _GGML_TYPES[cfg.type_v]
         cp.kv_unified = not self.streams  # unified: one cell pool, so seq_cp shares cells instead of copying
         # Sliding-window layers keep every position, not the last window: a block then restores exactly,
-        # at the memory of a full-attention cache for those layers (llama-server's --swa-full).
-        cp.swa_full = self.model.n_swa > 0
+        # at the memory of a full-attention cache for those layers (llama-server's --swa-full). Window mode
+        # keeps llama.cpp's windowed cache, and its window travels as snapshots (node.engine.windows).
+        cp.swa_full = self.model.n_swa > 0 and not self.window
         cp.no_perf = True
         ctx = lib.llama_init_from_model(self.model.handle, cp)
         if not ctx:
@@ -215,12 +229,18 @@ class LlamaRunner:
         if held.n != start:
             raise RuntimeError(f"slot {slot} holds {held.n} tokens; a forward at {start} does not follow them")
         self._changed(slot)
-        step = self.cfg.n_batch
+        # Window mode: the prompt's last block boundary is a checkpoint, so a chunk ends there for its snapshot.
+        mark = (start + len(tokens)) // self.block_size * self.block_size - start if self.window else 0
         try:
-            for lo in range(0, len(tokens), step):
-                chunk = tokens[lo : lo + step]
-                self._decode(chunk, [slot], np.arange(start + lo, start + lo + len(chunk)), logits_last=lo + step >= len(tokens))
-                held.extend(chunk)
+            lo = 0
+            while lo < len(tokens):
+                hi = min(lo + self.cfg.n_batch, len(tokens))
+                hi = mark if lo < mark < hi else hi
+                self._decode(tokens[lo:hi], [slot], np.arange(start + lo, start + hi), logits_last=hi == len(tokens))
+                held.extend(tokens[lo:hi])
+                if hi == mark:
+                    self._snapshot(slot)
+                lo = hi
         except BaseException:
             self._erase(slot)  # never a sequence that holds part of a chunk
             raise
@@ -235,22 +255,26 @@ class LlamaRunner:
 
     # ---- Runner interface ------------------------------------------------------------------
 
-    async def load(self, slot: int, block_ids: list[int], tokens: np.ndarray) -> None:
-        await self._run(self._load, slot, block_ids, np.ascontiguousarray(tokens, dtype=np.int32))
+    async def load(self, slot: int, block_ids: list[int], tokens: np.ndarray) -> int:
+        return await self._run(self._load, slot, block_ids, np.ascontiguousarray(tokens, dtype=np.int32))  # type: ignore[no-any-return]
 
-    def _load(self, slot: int, block_ids: list[int], tokens: np.ndarray) -> None:
-        """Make the slot's sequence hold exactly the KV of `tokens` (from these pool blocks).
+    def _load(self, slot: int, block_ids: list[int], tokens: np.ndarray) -> int:
+        """Make the slot's sequence hold exactly the KV of `tokens` (from these pool blocks); returns how many
+        it holds, fewer only in window mode, where a sequence resumes at a snapshot of its window.
 
         Where the sequence already holds those tokens (this slot ran the session last), it is
         only trimmed: the pool's blocks were cut from it. Otherwise each block is restored."""
         n, held = len(tokens), self.held[slot]
         self._changed(slot)
-        if held.n >= n and np.array_equal(held.tokens[:n], tokens):
+        own = held.n >= n and np.array_equal(held.tokens[:n], tokens)
+        if self.window and n:
+            return self._from_snapshot(slot, block_ids, tokens, own)
+        if own:
             if held.n > n and not self.lib.llama_memory_seq_rm(self.mem, slot, n, -1):
                 self._erase(slot)
                 raise RestoreFailed(0, "llama.cpp could not trim the sequence")
             held.n = n
-            return
+            return n
         self._erase(slot)
         if self.streams:
             self._restore_joined(slot, block_ids, n)
@@ -261,6 +285,53 @@ class LlamaRunner:
             self._erase(slot)
             raise RestoreFailed(len(block_ids) - 1, "llama.cpp could not trim the last block")
         held.set(tokens)
+        return n
+
+    # ---- window mode (node.engine.windows) -------------------------------------------------------
+
+    def _check_window(self, blob: np.ndarray, pos: int) -> str | None:
+        return llamastate.check_window(blob.data, self.layout, pos, self.model.n_swa)
+
+    def _snapshot(self, slot: int) -> None:
+        """Keep the slot's window cache as the snapshot at the position its sequence stands at."""
+        assert self.windows is not None
+        held = self.held[slot]
+        size = self.lib.llama_state_seq_get_size_ext(self.ctx, slot, self._partial)
+        buf = np.empty(size, dtype=np.uint8)
+        n = self.lib.llama_state_seq_get_data_ext(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size,
+                                                  slot, self._partial)
+        if (why := self.windows.put(held.tokens.copy(), buf[:n])) is not None:
+            log.warning("slot %d: no window snapshot at position %d: %s", slot, held.n, why)
+
+    def _from_snapshot(self, slot: int, block_ids: list[int], tokens: np.ndarray, own: bool) -> int:
+        """The slot's sequence at the newest snapshot `tokens` extend: its full-attention cache from the
+        blocks before it (or, `own`, the slot's own, trimmed), its window cache from the snapshot. Returns
+        the tokens it holds then (0 where no snapshot fits: nothing is restored).
+
+        The slot's own window cache is never kept: llama.cpp's window ring holds its cells out of position
+        order, and attention summed in another order moved Gemma 3's logits by up to 1.5 against a moved
+        session's (measured); restored from the same snapshot, both compute bit-identically."""
+        assert self.windows is not None
+        w = self.windows.newest(tokens)
+        if w is None or not own:
+            self._erase(slot)
+        if w is None:
+            return 0
+        bs = self.block_size
+        for j, bid in enumerate([] if own else block_ids[: -(-w.pos // bs)]):
+            self._restore_block(slot, j, bid, min(bs, w.pos - j * bs))
+        if self.lib.llama_memory_seq_pos_max(self.mem, slot) >= w.pos and not self.lib.llama_memory_seq_rm(self.mem, slot, w.pos, -1):
+            self._erase(slot)
+            raise RestoreFailed(w.pos // bs, "llama.cpp could not trim the last block")
+        ptr = w.blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if self.lib.llama_state_seq_set_data_ext(self.ctx, ptr, w.nbytes, slot, self._partial) != w.nbytes:
+            self._erase(slot)
+            self.windows.drop(w)
+            log.warning("slot %d: the window snapshot at %d did not restore (%s); recomputing", slot, w.pos, llama_error())
+            return 0
+        self.held[slot].set(tokens[: w.pos])
+        self.windows.restored += 1
+        return w.pos
 
     def _check_block(self, j: int, block_id: int, used: int) -> tuple[memoryview, int, str | None]:
         """Block j's bytes, its cell count, and why it must not be restored (None: sound)."""
@@ -324,6 +395,8 @@ class LlamaRunner:
         for i, st in enumerate(steps):
             self.held[st.slot].extend(np.array([st.token], dtype=np.int32))
             rows.append(self._logits(i))
+            if self.window and self.held[st.slot].n % self.block_size == 0:
+                self._snapshot(st.slot)  # a block boundary the reply crossed: a checkpoint as well
         return rows
 
     def _erase_slots(self, steps: list[DecodeStep]) -> None:
@@ -347,7 +420,11 @@ class LlamaRunner:
             return
         self.lib.llama_memory_seq_cp(self.mem, slot, self.scratch, p0, p1)
         try:
-            n = self.lib.llama_state_seq_get_data(self.ctx, self._ptr(block_id), self.block_bytes, self.scratch)
+            if self.window:  # the full-attention cache only: the window's cells travel in snapshots
+                out = np.ctypeslib.as_array(self._ptr(block_id), shape=(self.block_bytes,))
+                n = llamastate.bare_block(self._state(self.scratch), self.layout, p1 - p0, out)
+            else:
+                n = self.lib.llama_state_seq_get_data(self.ctx, self._ptr(block_id), self.block_bytes, self.scratch)
         finally:
             self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
         if n != self.layout.size(p1 - p0):

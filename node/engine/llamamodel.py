@@ -116,7 +116,7 @@ def inexact_reason(lib: ModuleType, model: Any) -> str | None:
         return "it has recurrent layers (a recurrent state is not per position)"
     if hasattr(lib, "llama_model_is_hybrid") and lib.llama_model_is_hybrid(model):
         return "it has hybrid attention/recurrent layers"
-    return None  # sliding-window layers are exact with swa_full (LlamaRunner), at a full cache's memory
+    return None  # sliding-window layers are exact with swa "full" (every position) or "window" (snapshots)
 
 
 @dataclass
@@ -189,8 +189,9 @@ def fingerprint(model: LlamaModel, cfg: LlamaCppConfig, layout: llamastate.Layou
     blob = json.dumps({"arch": "llamacpp/v1", "gguf": model.digest, "type_k": cfg.type_k, "type_v": cfg.type_v,
                        "flash_attn": cfg.flash_attn, "v_trans": layout.v_trans, "cell_ext": layout.ext,
                        "state": STATE_FORMAT, "binding": getattr(model.lib, "__version__", "?"), "block": block_size,
-                       # a sliding-window model's blocks hold its two caches, every position of both (swa_full)
-                       **({"swa_full": True, "caches": len(layout.sections)} if model.n_swa else {})},
+                       # a sliding-window model's blocks hold its two caches, every position of both (swa "full"),
+                       # or the full-attention cache alone, the window travelling as snapshots (swa "window")
+                       **({"swa": cfg.swa, "caches": len(layout.sections)} if model.n_swa else {})},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

@@ -14,7 +14,10 @@
 A model with sliding-window layers (iSWA) has two caches, and its blob holds two such sections
 after the magic and seq id, each from `n_stream` on: the full-attention layers', then the
 window layers'. With `swa_full` both hold every position, so a block's blob has the same cells
-in both sections; `Layout.extra` describes the sections after the first.
+in both sections; `Layout.extra` describes the sections after the first. In window mode a block is
+`bare`: its later sections are empty (n_stream 1, cell count 0), and the window layers' last
+positions travel as a snapshot (`llama_state_seq_get_data_ext` with PARTIAL_ONLY: magic, seq id,
+then the window section alone; `check_window`).
 
 It is layer-major and in cell order, so a 256-position block is not a byte range of a
 sequence's blob. A kvmesh block is the blob of a sequence holding exactly that block's
@@ -38,6 +41,7 @@ EXT_BYTES = 12  # llama_kv_cell_ext: x, y, tok (i32 each)
 MAGIC = 0xAF143CD8  # llama-context.cpp io_magic
 _SEQ_HEAD = 8  # magic, source seq id: then one section per cache, each from its n_stream
 _H = _SEQ_HEAD + 8  # ... n_stream, cell_count: the first section's cell meta starts here
+_EMPTY = 8  # an empty cache section: n_stream 1, cell count 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Layout:
     k: tuple[tuple[int, int], ...]  # per layer (ggml type, row bytes)
     v: tuple[tuple[int, int, int], ...]  # per layer (ggml type, row bytes or element bytes, n_embd_v (trans) else 0)
     extra: tuple[Layout, ...] = ()  # the caches after the first (iSWA: the window layers'), the same cells
+    bare: bool = False  # a block carries the first cache only; the others' sections are empty
 
     @property
     def cell_meta(self) -> int:
@@ -71,6 +76,8 @@ class Layout:
 
     def size(self, cells: int) -> int:
         """Bytes of a blob of `cells` cells."""
+        if self.bare:
+            return _SEQ_HEAD + self.section_size(cells) + _EMPTY * len(self.extra)
         return _SEQ_HEAD + sum(sec.section_size(cells) for sec in self.sections)
 
     @property
@@ -150,6 +157,11 @@ def check(blob: bytes | memoryview, lay: Layout, first_pos: int, cells: int) -> 
         return f"magic {magic:#x}; expected llama.cpp's"
     off = _SEQ_HEAD
     for k, sec in enumerate(lay.sections):
+        if k and lay.bare:
+            if struct.unpack_from("<II", mv, off) != (1, 0):
+                return f"cache section {k + 1} holds cells; a window-mode block carries the first cache only"
+            off += _EMPTY
+            continue
         why = _check_section(mv, off, sec, first_pos, cells)
         if why is not None:
             return why if k == 0 else f"cache section {k + 1}: {why}"
@@ -174,9 +186,47 @@ def _check_section(mv: memoryview, off: int, sec: Layout, first_pos: int, cells:
     except (struct.error, ValueError):
         return "the per-layer headers are truncated"
     v_trans, nl = struct.unpack_from("<II", mv, meta_end)
-    if (bool(v_trans), nl) != (sec.v_trans, sec.n_layer) or got != dataclasses.replace(sec, extra=()):
+    if (bool(v_trans), nl) != (sec.v_trans, sec.n_layer) or got != dataclasses.replace(sec, extra=(), bare=False):
         return "its K/V types, row sizes or V layout are not this context's"
     return None
+
+
+def bare_block(blob: np.ndarray, lay: Layout, cells: int, out: np.ndarray) -> int:
+    """Write into `out` the bare block of a whole state `blob` of `cells` cells: its header and first
+    cache's section as they are, the later caches' sections empty. Returns its size."""
+    (n,) = struct.unpack_from("<I", blob.data, 12)
+    if n != cells:
+        raise ValueError(f"the state holds {n} cells of its first cache, not {cells}")
+    head = _SEQ_HEAD + lay.section_size(cells)
+    out[:head] = blob[:head]
+    for k in range(len(lay.extra)):
+        struct.pack_into("<II", out.data, head + _EMPTY * k, 1, 0)
+    return head + _EMPTY * len(lay.extra)
+
+
+def window_cells(pos: int, n_swa: int) -> int:
+    """The cells of the window layers a sequence of `pos` positions needs: those not masked for the next one."""
+    return min(pos, n_swa)
+
+
+def window_size(lay: Layout, pos: int, n_swa: int) -> int:
+    """Bytes of a window snapshot at `pos` (magic, seq id, the window cache's section)."""
+    return _SEQ_HEAD + (lay.extra[0].section_size(window_cells(pos, n_swa)) if pos else _EMPTY)
+
+
+def check_window(blob: bytes | memoryview, lay: Layout, pos: int, n_swa: int) -> str | None:
+    """Why a window snapshot must not be restored at `pos`; None when it holds exactly the window cache's
+    cells for positions [pos - min(pos, n_swa), pos) in this context's types and sizes."""
+    if not lay.extra:
+        return "this model has one cache: it takes no window snapshot"
+    mv = memoryview(blob).cast("B")
+    cells = window_cells(pos, n_swa)
+    if pos < 1 or len(mv) != window_size(lay, pos, n_swa):
+        return f"{len(mv)} bytes; a window snapshot at position {pos} is {window_size(lay, pos, n_swa) if pos > 0 else '-'}"
+    if struct.unpack_from("<I", mv, 0)[0] != MAGIC:
+        return "not llama.cpp's sequence state"
+    why = _check_section(mv, _SEQ_HEAD, lay.extra[0], pos - cells, cells)
+    return None if why is None else f"window snapshot: {why}"
 
 
 def _sections(mv: memoryview, cells: int, lay: Layout) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:

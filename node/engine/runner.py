@@ -28,8 +28,9 @@ from kvmesh.node.engine.simkv import fill_block, kv_words, update_digest
 class Runner(Protocol):
     """What the engine needs from an executor of the model."""
 
-    async def load(self, slot: int, block_ids: list[int], tokens: np.ndarray) -> None:
-        """Start the slot's turn from these pool blocks, which hold the KV of `tokens` (reused)."""
+    async def load(self, slot: int, block_ids: list[int], tokens: np.ndarray) -> int | None:
+        """Start the slot's turn from these pool blocks, which hold the KV of `tokens` (reused). Returns the
+        tokens the slot then holds where that can be fewer (a window-mode llama.cpp model), else None."""
 
     async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
         """Compute KV for tokens at start.. and return the last position's logits: [vocab]."""

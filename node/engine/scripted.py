@@ -24,9 +24,9 @@ class ScriptedRunner:
         self.end_id = end_id
         self._step: dict[int, int] = {}  # slot -> index of the script token its next logits pick
 
-    async def load(self, slot: int, block_ids: list[int], tokens: np.ndarray) -> None:
+    async def load(self, slot: int, block_ids: list[int], tokens: np.ndarray) -> int | None:
         self._step[slot] = 0  # a turn begins: the script starts over
-        await self.inner.load(slot, block_ids, tokens)
+        return await self.inner.load(slot, block_ids, tokens)
 
     async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
         logits = await self.inner.forward(slot, tokens, start)

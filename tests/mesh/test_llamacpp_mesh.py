@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from kvmesh.node.engine import gguf_gen
-from kvmesh.node.lab.launcher import write_mesh
+from kvmesh.node.lab.launcher import wait_for, write_mesh
 from kvmesh.node.lab.workload import text
 
 from .helpers import Mesh
@@ -124,6 +125,66 @@ def test_smollm2_session_moves_warm_and_answers_as_if_it_never_moved(smollm2_mes
     never_moved, _ = pinned_turn(m, "a", s, follow, max_tokens=24, model=SMOL)  # the same turn where the session began
     assert body["choices"][0]["message"]["content"] == never_moved
     assert body["model"] == SMOL
+
+
+@pytest.fixture
+def gemma_window_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Two nodes serving the real Gemma 3 270M with llama.cpp's windowed cache (llamacpp.swa = "window")."""
+    engine = {"model": "gemma3-270m", "slots": 1, "max_context": 4096, "cache_tokens": 8192,
+              "llamacpp": {"threads": 1, "swa": "window"}}
+    m = _start(tmp_path / "mesh", engine, {"replicate_min_tokens": 512})
+    yield m
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        print(m.logs())
+    m.stop()
+
+
+def test_gemma3_window_mode_moves_warm_with_its_snapshot_and_answers_as_if_it_never_moved(gemma_window_mesh: Mesh) -> None:
+    """On two real Gemma 3 nodes in window mode, a's replica (bare blocks) lands on b and its window snapshot follows
+    over /v1/peer/windows; b's next turn resumes at the snapshot and answers what a answers where the session began.
+    The route refuses a snapshot of another model, a wrong digest, or a malformed body, and says why."""
+    import hashlib
+    import random
+
+    from kvmesh.node.engine.windows import encode_window
+
+    m, s = gemma_window_mesh, "gemma-window"
+    rng = random.Random(14)
+    msgs = [{"role": "user", "content": "Read this:\n" + text(rng, 7000) + "\nWhat is it about?"}]
+    model = "gemma-3-270m-q4_k_m"
+    r1, cached1 = pinned_turn(m, "a", s, msgs, max_tokens=16, model=model)
+    assert cached1 == 0
+    m.wait_replica(s, "a", 512)
+    received = lambda: m.http.get(m.api("b") + "/v1/stats", timeout=10).json()["windows"]["received"]  # noqa: E731
+    wait_for(lambda: received() >= 1, "b to receive a's window snapshot", 30)
+    sent = m.http.get(m.api("a") + "/v1/stats", timeout=10).json()["windows"]
+    assert sent["sent"] >= 1 and sent["sent_bytes"] > 0 and sent["send_failed"] == 0
+    follow = [*msgs, {"role": "assistant", "content": r1}, {"role": "user", "content": "In one word?"}]
+    moved, cached_b = pinned_turn(m, "b", s, follow, max_tokens=24, model=model, prev_host="a")
+    prompt_b = m.http.get(m.api("b") + "/v1/stats", timeout=10).json()
+    assert cached_b > 0 and prompt_b["windows"]["restored"] >= 1, (cached_b, prompt_b["windows"])
+    never_moved, cached_a = pinned_turn(m, "a", s, follow, max_tokens=24, model=model)
+    assert moved == never_moved and cached_a > 0
+
+    url, fingerprint = m.api("b") + "/v1/peer/windows", prompt_b["fingerprint"]
+    assert m.http.get(m.api("b") + "/v1/models", timeout=10).json()["data"][0]["kvmesh"]["swa"] == "window"
+    body = encode_window(np.arange(512, dtype=np.int32), np.zeros(64, dtype=np.uint8))
+    digest = hashlib.sha256(body).hexdigest()
+    wrong_model = m.http.post(url, content=body, headers={**m.peer_headers(), "x-kvmesh-fingerprint": "0" * 32,
+                                                         "x-kvmesh-digest": digest}, timeout=10)
+    assert wrong_model.status_code == 409 and "fingerprint" in wrong_model.text
+    bad_digest = m.http.post(url, content=body, headers={**m.peer_headers(), "x-kvmesh-fingerprint": fingerprint,
+                                                        "x-kvmesh-digest": "0" * 64}, timeout=10)
+    assert bad_digest.status_code == 409 and "sha256" in bad_digest.text
+    cells = m.http.post(url, content=body, headers={**m.peer_headers(), "x-kvmesh-fingerprint": fingerprint,
+                                                   "x-kvmesh-digest": digest}, timeout=10)
+    assert cells.status_code == 409 and "window snapshot" in cells.text
+    junk = b"junk"
+    malformed = m.http.post(url, content=junk, headers={**m.peer_headers(), "x-kvmesh-fingerprint": fingerprint,
+                                                       "x-kvmesh-digest": hashlib.sha256(junk).hexdigest()}, timeout=10)
+    assert malformed.status_code == 400 and "KVWN" in malformed.text
+    no_secret = m.http.post(url, content=body, timeout=10)
+    assert no_secret.status_code == 401
 
 
 @pytest.fixture

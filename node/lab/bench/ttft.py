@@ -49,7 +49,8 @@ async def _ttft(engine: Engine, prompt: list[int], max_tokens: int = 1) -> tuple
     return ttft, "".join(out)
 
 
-def _engine_cfg(kind: str, tokens: int, model: Path | None = None, block_size: int | None = None) -> EngineConfig:
+def _engine_cfg(kind: str, tokens: int, model: Path | None = None, block_size: int | None = None,
+                swa: str = "full") -> EngineConfig:
     ctx = max(4096, tokens + 2048)
     if kind == "llamacpp":
         # --model: a GGUF file; without it, the generated GGUF with a real model's proportions.
@@ -60,7 +61,8 @@ def _engine_cfg(kind: str, tokens: int, model: Path | None = None, block_size: i
             ctx = trained if ctx > trained >= tokens + 512 else ctx
         except (OSError, ValueError):
             pass  # a file whose metadata says less: the context as computed
-        return EngineConfig(kind="llamacpp", model=str(gguf), slots=1, max_context=ctx, cache_tokens=ctx + 1024, **block)
+        return EngineConfig(kind="llamacpp", model=str(gguf), slots=1, max_context=ctx, cache_tokens=ctx + 1024,
+                            llamacpp=LlamaCppConfig(swa=swa), **block)  # type: ignore[arg-type]
     if model is not None:
         # KV bytes per token at fp32 bound the bf16 a GPU would use; the context is capped
         # by the checkpoint's max_position_embeddings.
@@ -79,7 +81,7 @@ def _swa_facts(engine: Engine, tokens: int) -> dict[str, object]:
     full, *window = runner.layout.sections
     per_cell = [sec.section_size(1) - sec.section_size(0) for sec in (full, *window)]
     windowed = tokens * per_cell[0] + min(tokens, runner.model.n_swa) * sum(per_cell[1:])
-    return {"swa_mode": "full", "swa_window": runner.model.n_swa, "windowed_kv_bytes": windowed}
+    return {"swa_mode": runner.cfg.swa, "swa_window": runner.model.n_swa, "windowed_kv_bytes": windowed}
 
 
 def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict[str, str]], random.Random]:
@@ -109,7 +111,7 @@ def _no_replicas(cfg: EngineConfig, reason: str) -> dict[str, object]:
 def run_ttft(args: argparse.Namespace) -> int:
     model = getattr(args, "model", None)
     msgs, rng = _conversation(args.tokens, model, args.engine)
-    cfg = _engine_cfg(args.engine, args.tokens, model, getattr(args, "block_size", None))
+    cfg = _engine_cfg(args.engine, args.tokens, model, getattr(args, "block_size", None), getattr(args, "swa", "full"))
     with tempfile.TemporaryDirectory(prefix="kvmesh-ttft-") as tmp:
         root = Path(args.store_dir or tmp)
         store = ReplicaStore(root, budget_bytes=1 << 40)
@@ -133,6 +135,8 @@ def run_ttft(args: argparse.Namespace) -> int:
                     for b in blocks:
                         w.write_block(b.index, b.data, payload_digest(b.data))
                     w.commit()
+            # Window mode: the newest window snapshot the blocks reach is the rest of the replica (node.engine.windows).
+            window = home.windows.newest(man_tokens[: n * home.block_size]) if home.windows is not None else None
             swa = _swa_facts(home, n * home.block_size)
             home.close()
             del home
@@ -141,6 +145,9 @@ def run_ttft(args: argparse.Namespace) -> int:
             prompt2 = away.tokenizer.apply_chat_template(follow)
             t0 = time.monotonic()
             store.import_into(away, SESSION)
+            if window is not None and away.windows is not None:
+                if (why := away.windows.put(man_tokens[: window.pos], window.blob, received=True)) is not None:
+                    raise RuntimeError(f"the window snapshot was refused: {why}")
             import_s = time.monotonic() - t0
             gen_s, _ = await _ttft(away, prompt2)
             warm_s = import_s + gen_s
@@ -157,7 +164,9 @@ def run_ttft(args: argparse.Namespace) -> int:
                 "warm_prompt_tokens": len(prompt2),
                 "warm_cached_tokens": cached,
                 "engine": cfg.kind,
-                "block_size": away.block_size, "replica_bytes": n * away.block_bytes, **swa,
+                "block_size": away.block_size, **swa,
+                "replica_bytes": n * away.block_bytes + (window.nbytes if window is not None else 0),
+                **({"window_snapshot_bytes": window.nbytes, "window_pos": window.pos} if window is not None else {}),
                 "errors": len(errors), "error_samples": errors,
                 **({"model": cfg.served_model, "device": str(away.device), "dtype": str(away.dtype).removeprefix("torch.")}
                    if model is not None or cfg.kind == "llamacpp" else {}),

@@ -1,0 +1,71 @@
+"""Window snapshots (node.engine.windows): keyed by the exact tokens they follow, checked, bounded, and sent whole."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvmesh.node.engine.windows import WindowSnapshots, decode_window, encode_window, window_key
+
+
+def _store(budget: int = 1 << 20) -> WindowSnapshots:
+    # A stand-in check: a blob is "sound" when its first byte says the position modulo 256 (the real one parses cells).
+    return WindowSnapshots(budget, lambda blob, pos: None if blob[0] == pos % 256 else f"blob for {blob[0]}, not {pos}")
+
+
+def _blob(pos: int, size: int = 100) -> np.ndarray:
+    b = np.zeros(size, dtype=np.uint8)
+    b[0] = pos % 256
+    return b
+
+
+def test_newest_is_the_furthest_snapshot_the_prompt_extends_exactly() -> None:
+    """Of snapshots at 256 and 512, a prompt extending both gets 512; one that differs at token 300 gets 256; one
+    that differs at token 0 gets none; a limit below 512 gets 256."""
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, 1000, 900).astype(np.int32)
+    w = _store()
+    assert w.put(toks[:256], _blob(256)) is None and w.put(toks[:512], _blob(512)) is None
+    newest = w.newest(toks)
+    assert newest is not None and newest.pos == 512
+    forked = toks.copy()
+    forked[300] += 1
+    got = w.newest(forked)
+    assert got is not None and got.pos == 256
+    other = toks.copy()
+    other[0] += 1
+    assert w.newest(other) is None
+    capped = w.newest(toks, 511)
+    assert capped is not None and capped.pos == 256
+    assert w.usable(toks, 768) == 512 and w.usable(other, 768) == 0
+
+
+def test_a_blob_that_does_not_check_is_refused_and_not_kept() -> None:
+    """put returns the check's reason, keeps nothing, and counts the refusal."""
+    toks = np.arange(256, dtype=np.int32)
+    w = _store()
+    why = w.put(toks, _blob(255))
+    assert why is not None and "not 256" in why
+    assert len(w) == 0 and w.refused == 1 and w.newest(toks) is None
+
+
+def test_the_budget_drops_the_least_recently_used_first() -> None:
+    """Past the byte budget the least recently used snapshot goes; one just used by newest stays."""
+    w = _store(budget=250)
+    seqs = [np.full(256 * (i + 1), i, dtype=np.int32) for i in range(3)]
+    assert w.put(seqs[0], _blob(256)) is None and w.put(seqs[1], _blob(512)) is None
+    assert w.newest(seqs[0]) is not None  # seqs[0] is now the most recently used
+    assert w.put(seqs[2], _blob(768)) is None
+    assert w.bytes == 200 and w.newest(seqs[1]) is None and w.newest(seqs[0]) is not None and w.newest(seqs[2]) is not None
+
+
+def test_the_wire_form_round_trips_and_malformed_bodies_say_why() -> None:
+    """encode/decode give back the tokens and blob; a wrong magic or a body shorter than its tokens is a ValueError."""
+    toks = np.arange(300, dtype=np.int32)
+    blob = np.arange(50, dtype=np.uint8)
+    t2, b2 = decode_window(encode_window(toks, blob))
+    assert np.array_equal(t2, toks) and np.array_equal(b2, blob) and window_key(t2) == window_key(toks)
+    with pytest.raises(ValueError, match="magic"):
+        decode_window(b"XXXX" + encode_window(toks, blob)[4:])
+    with pytest.raises(ValueError, match="needs 300 tokens"):
+        decode_window(encode_window(toks, blob)[: 8 + 4 * 300])
