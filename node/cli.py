@@ -174,9 +174,8 @@ def _add_bench(sub: Subparsers) -> None:
     t.add_argument("--model", type=Path, help="a local Hugging Face checkpoint directory: run the torch engine on it; "
                    "a GGUF file or a packaged model's alias (smollm2, gemma3-270m): llama.cpp (default: a generated GGUF)")
     t.add_argument("--block-size", type=int, help="with llama.cpp: tokens per KV block (default: from the model's context)")
-    t.add_argument("--swa", choices=["full", "window"], default="full",
-                   help="a sliding-window model's cache: every position (full) or the last window, its replica "
-                   "a snapshot of it beside the blocks (window)")
+    t.add_argument("--swa", choices=["full", "window"], default="full", help="a sliding-window model's cache: every "
+                   "position (full) or the last window, its replica a snapshot of it beside the blocks (window)")
     t.set_defaults(engine_default="tiny")
     h = bsub.add_parser("handoff", help="two sim nodes, 16 agent sessions: warm/partial/cold handoffs")
     h.add_argument("--json", action="store_true")

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from kvmesh.node.config import EngineConfig, LlamaCppConfig, SimConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
 from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
@@ -30,6 +32,7 @@ from kvmesh.node.engine.llamacpp import LlamaRunner
 from kvmesh.node.engine.llamamodel import LlamaModel
 from kvmesh.node.engine.models import resolve as resolve_model
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
+from kvmesh.node.engine.windows import Window
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.lab.bench.common import emit
 from kvmesh.node.lab.workload import grow_conversation, text
@@ -102,6 +105,24 @@ def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict
     return msgs, rng
 
 
+def _export(home: Engine, store: ReplicaStore) -> tuple[np.ndarray, int, Window | None]:
+    """The home engine's cache of the conversation to a replica file: (its tokens, whole blocks written, and in
+    window mode the newest window snapshot those blocks reach, the rest of the replica: node.engine.windows)."""
+    man_tokens = home.session_tokens(SESSION)
+    assert man_tokens is not None
+    with home.export(SESSION) as blocks:
+        n = len(blocks)
+        w = store.begin_write(SESSION, fingerprint=home.fingerprint, block_size=home.block_size,
+                              block_bytes=home.block_bytes, tokens=man_tokens[: n * home.block_size],
+                              hashes=[b.hash for b in blocks], first_block=0, generation=1)
+        with w:
+            for b in blocks:
+                w.write_block(b.index, b.data, payload_digest(b.data))
+            w.commit()
+    window = home.windows.newest(man_tokens[: n * home.block_size]) if home.windows is not None else None
+    return man_tokens, n, window
+
+
 def _no_replicas(cfg: EngineConfig, reason: str) -> dict[str, object]:
     why = (f"{cfg.served_model} has no replicas: {reason}, so kvmesh serves it with live caches only and a turn "
            "that moves host recomputes its prompt")
@@ -123,20 +144,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 return _no_replicas(cfg, home.inexact_reason)
             prompt = home.tokenizer.apply_chat_template(msgs)
             cold_s, reply = await _ttft(home, prompt, max_tokens=16)
-            # Export the home engine's cache of this conversation to a replica file.
-            man_tokens = home.session_tokens(SESSION)
-            assert man_tokens is not None
-            with home.export(SESSION) as blocks:
-                n = len(blocks)
-                w = store.begin_write(SESSION, fingerprint=home.fingerprint, block_size=home.block_size,
-                                      block_bytes=home.block_bytes, tokens=man_tokens[: n * home.block_size],
-                                      hashes=[b.hash for b in blocks], first_block=0, generation=1)
-                with w:
-                    for b in blocks:
-                        w.write_block(b.index, b.data, payload_digest(b.data))
-                    w.commit()
-            # Window mode: the newest window snapshot the blocks reach is the rest of the replica (node.engine.windows).
-            window = home.windows.newest(man_tokens[: n * home.block_size]) if home.windows is not None else None
+            man_tokens, n, window = _export(home, store)
             swa = _swa_facts(home, n * home.block_size)
             home.close()
             del home
