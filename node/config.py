@@ -71,9 +71,9 @@ class LlamaCppConfig(_Strict):
                                            "exactly at a full-attention cache's memory; 'window' keeps the last "
                                            "window only (llama.cpp's default): blocks hold the full-attention "
                                            "layers, and the window layers travel as a snapshot at each prompt's "
-                                           "last block boundary (node.engine.windows)")
-    window_snapshot_mib: int = Field(512, ge=16, description="swa 'window': memory for window snapshots, this "
-                                     "host's and its peers', least recently used dropped first")
+                                           "last block boundary (node.engine.snapshots)")
+    snapshot_mib: int = Field(512, ge=16, description="swa 'window' and hybrid models: memory for snapshots "
+                              "(window caches, recurrent states), this host's and its peers', least recently used dropped first")
 
 
 class EngineConfig(_Strict):

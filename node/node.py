@@ -37,8 +37,8 @@ from kvmesh.node.protocol import (
     ReplicaEvicted,
     ReplicaSent,
 )
+from kvmesh.node.snapshotship import SnapshotShipper
 from kvmesh.node.tls import client_context
-from kvmesh.node.windowship import WindowShipper
 
 log = logging.getLogger("kvmesh.node")
 
@@ -70,9 +70,9 @@ class Node:
         self.turns = TurnPath(cfg.name, self.engine, self.mesh, self.kvshare, publish=self.hub.publish,
                               forward_timeout_s=cfg.mesh.forward_timeout_s, on_resumed=self.metrics.resumed.inc)
         peers = self.mesh.peers
-        self.windows = (WindowShipper(self.engine.windows, self.engine.fingerprint, client=lambda: peers.client,
+        self.snapshots = (SnapshotShipper(self.engine.snapshots, self.engine.fingerprint, client=lambda: peers.client,
                                       api_of=self._peer_api, tokens_of=self.engine.session_tokens)
-                        if self.engine.windows is not None else None)  # window mode's half of a replica
+                        if self.engine.snapshots is not None else None)  # window mode's half of a replica
         self.operator = Operator(cfg.name, self.engine, self.mesh, push=self.kvshare.push, publish=self.hub.publish)
         self.discovery: Discovery | None = None
         if cfg.mesh.discovery != "static":
@@ -96,8 +96,8 @@ class Node:
     def _on_event(self, ev: Event) -> None:
         if isinstance(ev, PeerUp):
             self.reoffer_replicas()
-        elif isinstance(ev, ReplicaSent) and ev.src == self.name and self.windows is not None:
-            task = asyncio.ensure_future(self.windows.ship(ev.session, ev.dst, ev.tokens))
+        elif isinstance(ev, ReplicaSent) and ev.src == self.name and self.snapshots is not None:
+            task = asyncio.ensure_future(self.snapshots.ship(ev.session, ev.dst, ev.tokens))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -239,7 +239,7 @@ class Node:
                        "imported_blocks": self.engine.counters.imported_blocks,
                        "prefill_tps": round(self.engine.prefill_rate(), 1)},
             "kvshare": self.kvshare.stats(),
-            "windows": self.windows.stats() if self.windows is not None else None,
+            "snapshots": self.snapshots.stats() if self.snapshots is not None else None,
             "replicate_min_tokens": self.kv_cfg.replicate_min_tokens, "max_context": self.engine.max_context,
             "block_size": self.engine.block_size, "fingerprint": self.engine.fingerprint,
             "peer_wire": m.peers.wire_by_peer(),

@@ -38,7 +38,7 @@ from kvmesh.node.protocol import (
     SnapshotEvent,
     session_id_problem,
 )
-from kvmesh.node.windowship import DIGEST_HEADER, FINGERPRINT_HEADER, MAX_BODY_BYTES
+from kvmesh.node.snapshotship import DIGEST_HEADER, FINGERPRINT_HEADER, MAX_BODY_BYTES
 
 # A host action answers at once (a drain runs on after it), so a relay of one waits briefly.
 HOST_RELAY_TIMEOUT_S = 10.0
@@ -184,14 +184,14 @@ async def peer_hello(body: HelloRequest, node: PeerNode) -> PeerHello:
                  body.nonce)
 
 
-@router.post("/v1/peer/windows")
-async def peer_windows(request: Request, node: PeerNode) -> dict[str, Any]:
-    """A window snapshot of a session a peer replicated here (node.windowship)."""
-    if node.windows is None:
-        raise Conflict(f"{node.name} keeps no window snapshots: its model is not served with llamacpp.swa = \"window\"")
+@router.post("/v1/peer/snapshots")
+async def peer_snapshots(request: Request, node: PeerNode) -> dict[str, Any]:
+    """A snapshot (window or recurrent state) of a session a peer replicated here (node.snapshotship)."""
+    if node.snapshots is None:
+        raise Conflict(f"{node.name} keeps no snapshots: its model is neither hybrid nor served with llamacpp.swa = \"window\"")
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise InvalidRequest(f"a window snapshot over {MAX_BODY_BYTES} bytes")
-    pos = await node.windows.accept(await request.body(), request.headers.get(FINGERPRINT_HEADER),
+        raise InvalidRequest(f"a snapshot over {MAX_BODY_BYTES} bytes")
+    pos = await node.snapshots.accept(await request.body(), request.headers.get(FINGERPRINT_HEADER),
                                     request.headers.get(DIGEST_HEADER))
     return {"accepted": True, "pos": pos}
 

@@ -91,7 +91,7 @@ class Engine:
         # or least recently used ones. For a model without blocks that is its cache itself (node.engine.live).
         self.slot_caches = LiveCaches(cfg.slots, backend.llama.held_tokens) if backend.llama else None
         self.live = self.slot_caches if self.inexact_reason else None
-        self.windows = backend.llama.windows if backend.llama else None  # window mode's snapshots (node.engine.windows)
+        self.snapshots = backend.llama.snapshots if backend.llama else None  # window mode's snapshots (node.engine.snapshots)
         self.swa = cfg.llamacpp.swa if backend.llama is not None and backend.llama.model.n_swa else None  # its mode
         self.slots = SlotScheduler(cfg.slots, cfg.queue_max, cfg.queue_timeout_s)
         self.sessions: collections.OrderedDict[str, Sequence] = collections.OrderedDict()  # LRU first
@@ -125,8 +125,8 @@ class Engine:
             if bid is None:
                 break
             ids.append(bid)
-        if self.windows is not None:  # a window-mode model resumes at a snapshot of its window (node.engine.windows)
-            ids = ids[: self.windows.usable(tokens, len(ids) * bs) // bs]
+        if self.snapshots is not None:  # a window-mode model resumes at a snapshot of its window (node.engine.snapshots)
+            ids = ids[: self.snapshots.usable(tokens, len(ids) * bs) // bs]
         full = len(ids)
         n = full * bs
         # Same prefix as the session's own sequence up to here (the chain hash says so):

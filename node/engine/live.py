@@ -1,10 +1,10 @@
 """Live caches: how an engine reuses KV for a model whose cache cannot be cut into blocks.
 
-A recurrent or hybrid model (Mamba, LFM2, Granite 4.0-H, Qwen3-Next) keeps, beside its attention
-KV, a recurrent state that exists only at the end of a sequence: it cannot be cut at a block
-boundary, restored at another position or rolled back. Such a model is served without blocks and
+A recurrent-only model (Mamba, RWKV) keeps a recurrent state that exists only at the end of a
+sequence and no attention cache to cut into blocks. Such a model is served without blocks and
 without replicas: a session's cache is what the slot that ran it last still holds, and a turn
-reuses it only if its prompt extends every token of it. The truth is the runner's own record of
+reuses it only if its prompt extends every token of it. (A hybrid model, with attention layers
+too, keeps blocks and snapshots of its recurrent state instead: node.engine.snapshots.) The truth is the runner's own record of
 what each slot's sequence holds (`held`), asked each time, never a copy kept here; this class only
 remembers which session wrote each slot last.
 

@@ -12,9 +12,10 @@ The Engine keeps its block bookkeeping (pool, chained hashes, pins, LRU, export,
   sequence (id `slots`): a block is cut by sharing its positions with the scratch sequence
   (`llama_memory_seq_cp` shares cells) and writing the scratch's state; a restore goes through
   the scratch block by block and hands its cells to the slot (`seq_cp`);
-- in window mode (`swa = "window"`) such a model's window layers keep their last window only: a
-  block is bare (the full-attention cache), and a sequence resumes from its blocks plus a window
-  snapshot (`node.engine.windows`), or from its own slot where the window there is still whole;
+- in window mode (`swa = "window"`) such a model's window layers keep their last window only, and a
+  hybrid model's recurrent state exists only where its sequence ends: a block is bare (the attention
+  cache alone), and a sequence resumes at a snapshot of the rest (`node.engine.snapshots`), from its
+  blocks or, on the slot that holds it, from its own attention cache. Both keep the unified stream;
 - a block that does not check or does not restore leaves the slot's sequence erased and raises
   `RestoreFailed`: never half-restored;
 - prefill runs in chunks of `n_batch`; running slots decode ahead on the compute thread, every
@@ -43,7 +44,7 @@ from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.batcher import DecodeBatcher, DecodeStep
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.llamamodel import LlamaModel, llama_error
-from kvmesh.node.engine.windows import WindowSnapshots
+from kvmesh.node.engine.snapshots import Snapshots
 from kvmesh.node.errors import CheckpointError
 
 _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
@@ -98,8 +99,9 @@ class LlamaRunner:
         # 7k-token sessions halved a fourth's prefill and decode (measured). Blocks are then cut from, and
         # joined into, the sequence's whole state (llamastate.cut/join). A sliding-window model's two
         # caches keep the unified stream and a scratch sequence blocks pass through (seq_cp shares cells).
-        self.streams = model.n_swa == 0
-        self.window = model.n_swa > 0 and cfg.swa == "window"  # the window layers keep their last window only
+        self.streams = model.n_swa == 0 and not model.hybrid
+        # A sequence resumes at a snapshot of its window layers' last window, or of its recurrent state.
+        self.snapshotted = model.n_swa > 0 and cfg.swa == "window" or model.hybrid
         self._partial = getattr(self.lib, "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", 1)
         self.scratch = slots  # unified only: the extra sequence blocks pass through
         self._whole: tuple[int, np.ndarray] | None = None  # (slot, its one-stream state) until the slot changes
@@ -117,15 +119,13 @@ class LlamaRunner:
         self._layout: llamastate.Layout | None = None
         if model.inexact is None:
             self._layout = self._exec.submit(self._probe_layout).result()
-            if self.window:
-                self._layout = dataclasses.replace(self._layout, bare=True)
             self.block_bytes = self._layout.size(block_size)
             self.kv_bytes_per_token = -(-self.block_bytes // block_size)
         else:
             self.kv_bytes_per_token = self._exec.submit(self._probe_growth).result()
             self.block_bytes = self.kv_bytes_per_token * block_size
 
-        self.windows = WindowSnapshots(cfg.window_snapshot_mib << 20, self._check_window) if self.window else None
+        self.snapshots = Snapshots(cfg.snapshot_mib << 20, self._check_snapshot) if self.snapshotted else None
 
     @property
     def layout(self) -> llamastate.Layout:
@@ -153,8 +153,8 @@ class LlamaRunner:
         cp.kv_unified = not self.streams  # unified: one cell pool, so seq_cp shares cells instead of copying
         # Sliding-window layers keep every position, not the last window: a block then restores exactly,
         # at the memory of a full-attention cache for those layers (llama-server's --swa-full). Window mode
-        # keeps llama.cpp's windowed cache, and its window travels as snapshots (node.engine.windows).
-        cp.swa_full = self.model.n_swa > 0 and not self.window
+        # keeps llama.cpp's windowed cache, and its window travels as snapshots (node.engine.snapshots).
+        cp.swa_full = self.model.n_swa > 0 and not self.snapshotted
         cp.no_perf = True
         ctx = lib.llama_init_from_model(self.model.handle, cp)
         if not ctx:
@@ -164,12 +164,16 @@ class LlamaRunner:
         return ctx
 
     def _probe_layout(self) -> llamastate.Layout:
-        """Decode one token into a spare sequence and learn the state layout from its blob."""
+        """Decode one token into a spare sequence and learn the state layout from its blob (and, for bare
+        blocks, the other caches' sections from an empty sequence's)."""
         seq = 0 if self.streams else self.scratch
+        empty = self._state(seq)
         self._decode([1 % self.model.n_vocab], [seq], [0], logits_last=False)
         blob = self._state(seq)
         self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
-        return llamastate.learn(blob.data, self.model.n_layer)
+        lay = llamastate.learn(blob.data, self.model.n_layer, hybrid=self.model.hybrid)
+        # an empty sequence's blob: magic, seq id, the first cache's (n_stream 1, 0 cells), then the others'
+        return dataclasses.replace(lay, bare=True, tail=bytes(empty[16:])) if self.snapshotted else lay
 
     def _probe_growth(self) -> int:
         """Bytes a position adds to a sequence's state (its attention KV; the recurrent state is per sequence)."""
@@ -229,8 +233,8 @@ class LlamaRunner:
         if held.n != start:
             raise RuntimeError(f"slot {slot} holds {held.n} tokens; a forward at {start} does not follow them")
         self._changed(slot)
-        # Window mode: the prompt's last block boundary is a checkpoint, so a chunk ends there for its snapshot.
-        mark = (start + len(tokens)) // self.block_size * self.block_size - start if self.window else 0
+        # The prompt's last block boundary is a checkpoint (snapshots): a chunk ends there for its snapshot.
+        mark = (start + len(tokens)) // self.block_size * self.block_size - start if self.snapshotted else 0
         try:
             lo = 0
             while lo < len(tokens):
@@ -267,7 +271,7 @@ class LlamaRunner:
         n, held = len(tokens), self.held[slot]
         self._changed(slot)
         own = held.n >= n and np.array_equal(held.tokens[:n], tokens)
-        if self.window and n:
+        if self.snapshotted and n:
             return self._from_snapshot(slot, block_ids, tokens, own)
         if own:
             if held.n > n and not self.lib.llama_memory_seq_rm(self.mem, slot, n, -1):
@@ -287,32 +291,32 @@ class LlamaRunner:
         held.set(tokens)
         return n
 
-    # ---- window mode (node.engine.windows) -------------------------------------------------------
+    # ---- snapshots: window mode, hybrid models (node.engine.snapshots) ----------------------------
 
-    def _check_window(self, blob: np.ndarray, pos: int) -> str | None:
-        return llamastate.check_window(blob.data, self.layout, pos, self.model.n_swa)
+    def _check_snapshot(self, blob: np.ndarray, pos: int) -> str | None:
+        return llamastate.check_snapshot(blob.data, self.layout, pos, self.model.n_swa)
 
     def _snapshot(self, slot: int) -> None:
-        """Keep the slot's window cache as the snapshot at the position its sequence stands at."""
-        assert self.windows is not None
+        """Keep the slot's window cache or recurrent state as the snapshot at the position its sequence stands at."""
+        assert self.snapshots is not None
         held = self.held[slot]
         size = self.lib.llama_state_seq_get_size_ext(self.ctx, slot, self._partial)
         buf = np.empty(size, dtype=np.uint8)
         n = self.lib.llama_state_seq_get_data_ext(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size,
                                                   slot, self._partial)
-        if (why := self.windows.put(held.tokens.copy(), buf[:n])) is not None:
-            log.warning("slot %d: no window snapshot at position %d: %s", slot, held.n, why)
+        if (why := self.snapshots.put(held.tokens.copy(), buf[:n])) is not None:
+            log.warning("slot %d: no snapshot at position %d: %s", slot, held.n, why)
 
     def _from_snapshot(self, slot: int, block_ids: list[int], tokens: np.ndarray, own: bool) -> int:
-        """The slot's sequence at the newest snapshot `tokens` extend: its full-attention cache from the
-        blocks before it (or, `own`, the slot's own, trimmed), its window cache from the snapshot. Returns
-        the tokens it holds then (0 where no snapshot fits: nothing is restored).
+        """The slot's sequence at the newest snapshot `tokens` extend: its attention cache from the blocks
+        before it (or, `own`, the slot's own, trimmed), the rest from the snapshot. Returns the tokens it
+        holds then (0 where no snapshot fits: nothing is restored).
 
         The slot's own window cache is never kept: llama.cpp's window ring holds its cells out of position
         order, and attention summed in another order moved Gemma 3's logits by up to 1.5 against a moved
         session's (measured); restored from the same snapshot, both compute bit-identically."""
-        assert self.windows is not None
-        w = self.windows.newest(tokens)
+        assert self.snapshots is not None
+        w = self.snapshots.newest(tokens)
         if w is None or not own:
             self._erase(slot)
         if w is None:
@@ -320,17 +324,19 @@ class LlamaRunner:
         bs = self.block_size
         for j, bid in enumerate([] if own else block_ids[: -(-w.pos // bs)]):
             self._restore_block(slot, j, bid, min(bs, w.pos - j * bs))
-        if self.lib.llama_memory_seq_pos_max(self.mem, slot) >= w.pos and not self.lib.llama_memory_seq_rm(self.mem, slot, w.pos, -1):
-            self._erase(slot)
-            raise RestoreFailed(w.pos // bs, "llama.cpp could not trim the last block")
+        # The snapshot before the trim: llama.cpp cannot roll a recurrent state back, but once it stands at
+        # w.pos the trim leaves it be and cuts the attention cache alone.
         ptr = w.blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         if self.lib.llama_state_seq_set_data_ext(self.ctx, ptr, w.nbytes, slot, self._partial) != w.nbytes:
             self._erase(slot)
-            self.windows.drop(w)
-            log.warning("slot %d: the window snapshot at %d did not restore (%s); recomputing", slot, w.pos, llama_error())
+            self.snapshots.drop(w)
+            log.warning("slot %d: the snapshot at %d did not restore (%s); recomputing", slot, w.pos, llama_error())
             return 0
+        if not self.lib.llama_memory_seq_rm(self.mem, slot, w.pos, -1):
+            self._erase(slot)
+            raise RestoreFailed(w.pos // bs, "llama.cpp could not trim the sequence to the snapshot")
         self.held[slot].set(tokens[: w.pos])
-        self.windows.restored += 1
+        self.snapshots.restored += 1
         return w.pos
 
     def _check_block(self, j: int, block_id: int, used: int) -> tuple[memoryview, int, str | None]:
@@ -395,7 +401,7 @@ class LlamaRunner:
         for i, st in enumerate(steps):
             self.held[st.slot].extend(np.array([st.token], dtype=np.int32))
             rows.append(self._logits(i))
-            if self.window and self.held[st.slot].n % self.block_size == 0:
+            if self.snapshotted and self.held[st.slot].n % self.block_size == 0:
                 self._snapshot(st.slot)  # a block boundary the reply crossed: a checkpoint as well
         return rows
 
@@ -420,7 +426,7 @@ class LlamaRunner:
             return
         self.lib.llama_memory_seq_cp(self.mem, slot, self.scratch, p0, p1)
         try:
-            if self.window:  # the full-attention cache only: the window's cells travel in snapshots
+            if self.snapshotted:  # the attention cache alone: the rest travels in snapshots
                 out = np.ctypeslib.as_array(self._ptr(block_id), shape=(self.block_bytes,))
                 n = llamastate.bare_block(self._state(self.scratch), self.layout, p1 - p0, out)
             else:

@@ -110,13 +110,16 @@ def _install_logging(lib: ModuleType) -> None:
     lib.llama_log_set(_log_cb, ctypes.c_void_p())
 
 
+def is_hybrid(lib: ModuleType, model: Any) -> bool:
+    """Attention and recurrent layers: blocks of its attention cache, its recurrent state in snapshots."""
+    return bool(hasattr(lib, "llama_model_is_hybrid") and lib.llama_model_is_hybrid(model))
+
+
 def inexact_reason(lib: ModuleType, model: Any) -> str | None:
     """Why llama.cpp cannot restore this model's cache block by block exactly, or None."""
-    if lib.llama_model_is_recurrent(model):
-        return "it has recurrent layers (a recurrent state is not per position)"
-    if hasattr(lib, "llama_model_is_hybrid") and lib.llama_model_is_hybrid(model):
-        return "it has hybrid attention/recurrent layers"
-    return None  # sliding-window layers are exact with swa "full" (every position) or "window" (snapshots)
+    if lib.llama_model_is_recurrent(model) and not is_hybrid(lib, model):
+        return "it has recurrent layers only (a recurrent state is not per position, and no attention cache holds blocks)"
+    return None  # sliding-window layers: swa "full" (every position) or "window"; hybrids: snapshots
 
 
 @dataclass
@@ -133,6 +136,7 @@ class LlamaModel:
     tokenizer: LlamaTokenizer
     n_ctx_train: int  # the context the model was trained for (GGUF `context_length`)
     n_swa: int = 0  # the sliding window of its SWA layers (0: none)
+    hybrid: bool = False  # attention and recurrent layers (node.engine.snapshots)
     # Why its cache cannot be cut into blocks (recurrent state), or None: such a model is served with
     # live caches only (node.engine.live), no blocks and no replicas.
     inexact: str | None = None
@@ -160,7 +164,7 @@ class LlamaModel:
                              allowed=_allowed_tokens(p))
         return cls(p, lib, handle, vocab, int(lib.llama_model_n_layer(handle)), int(lib.llama_vocab_n_tokens(vocab)),
                    gguf_digest(p), tok, int(lib.llama_model_n_ctx_train(handle)), int(lib.llama_model_n_swa(handle)),
-                   inexact_reason(lib, handle))
+                   is_hybrid(lib, handle), inexact_reason(lib, handle))
 
     def close(self) -> None:
         if self.handle:
@@ -191,7 +195,8 @@ def fingerprint(model: LlamaModel, cfg: LlamaCppConfig, layout: llamastate.Layou
                        "state": STATE_FORMAT, "binding": getattr(model.lib, "__version__", "?"), "block": block_size,
                        # a sliding-window model's blocks hold its two caches, every position of both (swa "full"),
                        # or the full-attention cache alone, the window travelling as snapshots (swa "window")
-                       **({"swa": cfg.swa, "caches": len(layout.sections)} if model.n_swa else {})},
+                       **({"swa": cfg.swa, "caches": len(layout.sections)} if model.n_swa else {}),
+                       **({"hybrid": layout.recurrent} if model.hybrid else {})},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

@@ -14,10 +14,14 @@
 A model with sliding-window layers (iSWA) has two caches, and its blob holds two such sections
 after the magic and seq id, each from `n_stream` on: the full-attention layers', then the
 window layers'. With `swa_full` both hold every position, so a block's blob has the same cells
-in both sections; `Layout.extra` describes the sections after the first. In window mode a block is
-`bare`: its later sections are empty (n_stream 1, cell count 0), and the window layers' last
-positions travel as a snapshot (`llama_state_seq_get_data_ext` with PARTIAL_ONLY: magic, seq id,
-then the window section alone; `check_window`).
+in both sections; `Layout.extra` describes the sections after the first. A hybrid model's blob holds
+its attention cache's section, then its recurrent state's (cell count, per cell pos and a zero
+seq count, then per layer R and S rows: `llama_memory_recurrent::state_write`).
+
+Where a sequence resumes at a snapshot (node.engine.snapshots: window mode, hybrid models) a block
+is `bare`: the first cache's section, then `tail`, the other caches' sections as they are with no
+cell. The snapshot is `llama_state_seq_get_data_ext` with PARTIAL_ONLY: magic, seq id, then the
+window section, or the recurrent one, alone (`check_snapshot`).
 
 It is layer-major and in cell order, so a 256-position block is not a byte range of a
 sequence's blob. A kvmesh block is the blob of a sequence holding exactly that block's
@@ -41,7 +45,6 @@ EXT_BYTES = 12  # llama_kv_cell_ext: x, y, tok (i32 each)
 MAGIC = 0xAF143CD8  # llama-context.cpp io_magic
 _SEQ_HEAD = 8  # magic, source seq id: then one section per cache, each from its n_stream
 _H = _SEQ_HEAD + 8  # ... n_stream, cell_count: the first section's cell meta starts here
-_EMPTY = 8  # an empty cache section: n_stream 1, cell count 0
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,9 @@ class Layout:
     k: tuple[tuple[int, int], ...]  # per layer (ggml type, row bytes)
     v: tuple[tuple[int, int, int], ...]  # per layer (ggml type, row bytes or element bytes, n_embd_v (trans) else 0)
     extra: tuple[Layout, ...] = ()  # the caches after the first (iSWA: the window layers'), the same cells
-    bare: bool = False  # a block carries the first cache only; the others' sections are empty
+    bare: bool = False  # a block carries the first cache only, then `tail`
+    tail: bytes = b""  # bare blocks: the sections of the caches after the first, holding no cell
+    recurrent: int = 0  # a hybrid model's: bytes of its recurrent section for one sequence (one cell); else 0
 
     @property
     def cell_meta(self) -> int:
@@ -77,7 +82,7 @@ class Layout:
     def size(self, cells: int) -> int:
         """Bytes of a blob of `cells` cells."""
         if self.bare:
-            return _SEQ_HEAD + self.section_size(cells) + _EMPTY * len(self.extra)
+            return _SEQ_HEAD + self.section_size(cells) + len(self.tail)
         return _SEQ_HEAD + sum(sec.section_size(cells) for sec in self.sections)
 
     @property
@@ -85,9 +90,9 @@ class Layout:
         return self.size(1) - self.size(0)
 
 
-def learn(blob: bytes | memoryview, n_layer: int) -> Layout:
-    """Read a layout from a real blob of a non-empty sequence (tries both cell-meta sizes); its
-    sections' layers add up to the model's `n_layer`."""
+def learn(blob: bytes | memoryview, n_layer: int, *, hybrid: bool = False) -> Layout:
+    """Read a layout from a real blob of a one-position sequence (tries both cell-meta sizes); its
+    sections' layers add up to the model's `n_layer`, or (hybrid) fewer, the recurrent section after them."""
     mv = memoryview(blob).cast("B")
     magic, _, n_stream, cells = struct.unpack_from("<IiII", mv, 0)
     if magic != MAGIC or n_stream != 1 or cells == 0:
@@ -99,8 +104,9 @@ def learn(blob: bytes | memoryview, n_layer: int) -> Layout:
         while off < len(mv) and (sec := _read_section(mv, off, cells, ext)) is not None:
             sections.append(sec)
             off += sec.section_size(cells)
-        if sections and off == len(mv) and sum(sec.n_layer for sec in sections) == n_layer:
-            return dataclasses.replace(sections[0], extra=tuple(sections[1:]))
+        attn = sum(sec.n_layer for sec in sections)
+        if sections and (off == len(mv) and attn == n_layer or hybrid and off < len(mv) and attn < n_layer):
+            return dataclasses.replace(sections[0], extra=tuple(sections[1:]), recurrent=len(mv) - off)
     raise ValueError("the probe blob does not parse as llama.cpp's per-sequence state")
 
 
@@ -158,14 +164,13 @@ def check(blob: bytes | memoryview, lay: Layout, first_pos: int, cells: int) -> 
     off = _SEQ_HEAD
     for k, sec in enumerate(lay.sections):
         if k and lay.bare:
-            if struct.unpack_from("<II", mv, off) != (1, 0):
-                return f"cache section {k + 1} holds cells; a window-mode block carries the first cache only"
-            off += _EMPTY
-            continue
+            break
         why = _check_section(mv, off, sec, first_pos, cells)
         if why is not None:
             return why if k == 0 else f"cache section {k + 1}: {why}"
         off += sec.section_size(cells)
+    if lay.bare and bytes(mv[off : off + len(lay.tail)]) != lay.tail:
+        return "the caches after the first hold cells; a block resumed with a snapshot carries the first cache only"
     return None
 
 
@@ -186,7 +191,7 @@ def _check_section(mv: memoryview, off: int, sec: Layout, first_pos: int, cells:
     except (struct.error, ValueError):
         return "the per-layer headers are truncated"
     v_trans, nl = struct.unpack_from("<II", mv, meta_end)
-    if (bool(v_trans), nl) != (sec.v_trans, sec.n_layer) or got != dataclasses.replace(sec, extra=(), bare=False):
+    if (bool(v_trans), nl) != (sec.v_trans, sec.n_layer) or (got.k, got.v, got.ext) != (sec.k, sec.v, sec.ext):
         return "its K/V types, row sizes or V layout are not this context's"
     return None
 
@@ -199,9 +204,8 @@ def bare_block(blob: np.ndarray, lay: Layout, cells: int, out: np.ndarray) -> in
         raise ValueError(f"the state holds {n} cells of its first cache, not {cells}")
     head = _SEQ_HEAD + lay.section_size(cells)
     out[:head] = blob[:head]
-    for k in range(len(lay.extra)):
-        struct.pack_into("<II", out.data, head + _EMPTY * k, 1, 0)
-    return head + _EMPTY * len(lay.extra)
+    out[head : head + len(lay.tail)] = np.frombuffer(lay.tail, dtype=np.uint8)
+    return head + len(lay.tail)
 
 
 def window_cells(pos: int, n_swa: int) -> int:
@@ -211,15 +215,23 @@ def window_cells(pos: int, n_swa: int) -> int:
 
 def window_size(lay: Layout, pos: int, n_swa: int) -> int:
     """Bytes of a window snapshot at `pos` (magic, seq id, the window cache's section)."""
-    return _SEQ_HEAD + (lay.extra[0].section_size(window_cells(pos, n_swa)) if pos else _EMPTY)
+    return _SEQ_HEAD + lay.extra[0].section_size(window_cells(pos, n_swa))
 
 
-def check_window(blob: bytes | memoryview, lay: Layout, pos: int, n_swa: int) -> str | None:
-    """Why a window snapshot must not be restored at `pos`; None when it holds exactly the window cache's
-    cells for positions [pos - min(pos, n_swa), pos) in this context's types and sizes."""
-    if not lay.extra:
-        return "this model has one cache: it takes no window snapshot"
+def check_snapshot(blob: bytes | memoryview, lay: Layout, pos: int, n_swa: int) -> str | None:
+    """Why a snapshot must not be restored at `pos`; None when it holds exactly the window cache's cells for
+    positions [pos - min(pos, n_swa), pos), or a hybrid's recurrent state after position pos - 1, in this
+    context's types and sizes."""
     mv = memoryview(blob).cast("B")
+    if lay.recurrent:
+        if len(mv) != _SEQ_HEAD + lay.recurrent or pos < 1:
+            return f"{len(mv)} bytes; a recurrent state snapshot is {_SEQ_HEAD + lay.recurrent}"
+        magic, _, cells, at, n_seq = struct.unpack_from("<IiIiI", mv, 0)
+        if magic != MAGIC or cells != 1 or n_seq != 0:
+            return "not llama.cpp's recurrent state of one sequence"
+        return None if at == pos - 1 else f"the recurrent state stands after position {at}, not {pos - 1}"
+    if not lay.extra:
+        return "this model has one cache: it takes no snapshot"
     cells = window_cells(pos, n_swa)
     if pos < 1 or len(mv) != window_size(lay, pos, n_swa):
         return f"{len(mv)} bytes; a window snapshot at position {pos} is {window_size(lay, pos, n_swa) if pos > 0 else '-'}"

@@ -439,11 +439,11 @@ async def test_names_from_the_mesh_are_not_markup(clock: Clock) -> None:
 async def test_a_host_without_replicas_says_so_in_the_hosts_table(clock: Clock) -> None:
     """A host whose model keeps no replicas (hybrid, recurrent) shows KV in/out 'none' and the reason in the subtitle."""
     snap = make_snapshot()
-    snap.cluster.hosts[1].no_replicas = "it has hybrid attention/recurrent layers"
+    snap.cluster.hosts[1].no_replicas = "it has recurrent layers only"
     app, state = make_app(clock, snapshot=snap)
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         hosts = app.main.query_one(HostsTable)
         assert (cell(hosts, "node-2", "kv_in"), cell(hosts, "node-2", "kv_out")) == ("none", "none")
         assert cell(hosts, "node-1", "kv_in") != "none"
-        assert "node-2: no replicas (it has hybrid attention/recurrent layers)" in str(hosts.border_subtitle)
+        assert "node-2: no replicas (it has recurrent layers only)" in str(hosts.border_subtitle)

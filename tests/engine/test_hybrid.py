@@ -1,6 +1,6 @@
-"""Hybrid and recurrent GGUFs (generated: LFM2's layout, short-convolution layers with recurrent state between
-attention layers; Mamba's, recurrent only) are served with live caches only: reuse by extending the slot's
-sequence, no blocks, no replicas."""
+"""A recurrent-only GGUF (generated: Mamba's layout) is served with live caches only: reuse by extending the slot's
+sequence, no blocks, no replicas. A hybrid one (LFM2's: short-convolution layers with recurrent state between
+attention layers) keeps blocks of its attention cache and snapshots of its recurrent state (test_hybrid_replicas)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnBegin
 from kvmesh.node.errors import ImportRefused
 
 
-@pytest.fixture(scope="module", params=["hybrid-tiny", "mamba-tiny"])
+@pytest.fixture(scope="module", params=["mamba-tiny"])
 def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return gguf_gen.write_gguf(tmp_path_factory.mktemp("live") / f"{request.param}.gguf", gguf_gen.spec_for(request.param))
 
@@ -29,8 +29,8 @@ def _engine(path: Path, slots: int = 1) -> Engine:
 
 
 def test_the_generated_models_are_hybrid_and_recurrent(tmp_path: Path) -> None:
-    """hybrid-tiny is arch lfm2 with KV heads only on its attention layers and loads as hybrid; mamba-tiny is arch
-    mamba and loads as recurrent, its state the same size at any length."""
+    """hybrid-tiny is arch lfm2 with KV heads only on its attention layers and loads as hybrid, with blocks and
+    snapshots; mamba-tiny is arch mamba and loads as recurrent, its state the same size at any length, live caches only."""
     hy = gguf_gen.write_gguf(tmp_path / "h.gguf", gguf_gen.spec_for("hybrid-tiny"))
     fields = gguf.GGUFReader(hy).fields
     assert fields["general.architecture"].contents() == "lfm2"
@@ -39,8 +39,8 @@ def test_the_generated_models_are_hybrid_and_recurrent(tmp_path: Path) -> None:
     assert gguf.GGUFReader(ma).fields["general.architecture"].contents() == "mamba"
     h, m = _engine(hy), _engine(ma)
     try:
-        assert h.inexact_reason is not None and "hybrid" in h.inexact_reason and h.live is not None
-        assert m.inexact_reason is not None and "recurrent" in m.inexact_reason and m.live is not None
+        assert h.inexact_reason is None and h.live is None and h.snapshots is not None
+        assert m.inexact_reason is not None and "recurrent layers only" in m.inexact_reason and m.live is not None
         assert h.kv_bytes_per_token > 100 and m.kv_bytes_per_token == 1  # only lfm2's attention layers grow
     finally:
         h.close()

@@ -258,8 +258,8 @@ def test_digest_is_cached_by_size_mtime_inode(tmp_path: Path, monkeypatch: pytes
 
 
 def test_inexact_models_are_named_with_the_reason() -> None:
-    """Recurrent or hybrid models are named inexact with the reason (tests/engine/test_hybrid.py serves one); a
-    sliding-window one is exact (its window layers keep every position, swa_full)."""
+    """Recurrent-only models are named inexact with the reason (tests/engine/test_hybrid.py serves one); hybrid and
+    sliding-window ones are exact (blocks, with snapshots or every window position)."""
 
     class Lib:
         def __init__(self, rec: bool, hyb: bool, swa: int) -> None:
@@ -276,7 +276,8 @@ def test_inexact_models_are_named_with_the_reason() -> None:
 
     assert inexact_reason(Lib(False, False, 0), None) is None  # type: ignore[arg-type]
     assert "recurrent" in (inexact_reason(Lib(True, False, 0), None) or "")  # type: ignore[arg-type]
-    assert "hybrid" in (inexact_reason(Lib(False, True, 0), None) or "")  # type: ignore[arg-type]
+    assert inexact_reason(Lib(False, True, 0), None) is None  # type: ignore[arg-type]  # hybrid: blocks and snapshots
+    assert inexact_reason(Lib(True, True, 0), None) is None  # type: ignore[arg-type]
     assert inexact_reason(Lib(False, False, 4096), None) is None  # type: ignore[arg-type]
 
 

@@ -43,10 +43,10 @@ def _move(home: Engine, away: Engine, session: str) -> int:
     with home.export(session) as blocks:
         tokens = np.concatenate([b.tokens for b in blocks])
         away.import_blocks(session, home.fingerprint, tokens, [b.hash for b in blocks], [bytes(b.data) for b in blocks])
-    assert home.windows is not None and away.windows is not None
-    w = home.windows.newest(tokens)
+    assert home.snapshots is not None and away.snapshots is not None
+    w = home.snapshots.newest(tokens)
     assert w is not None
-    assert away.windows.put(tokens[: w.pos], w.blob, received=True) is None
+    assert away.snapshots.put(tokens[: w.pos], w.blob, received=True) is None
     return w.pos
 
 
@@ -58,7 +58,7 @@ def test_window_mode_blocks_hold_the_full_attention_cache_only() -> None:
         assert isinstance(window.runner, LlamaRunner) and window.runner.layout.bare and not full.runner.layout.bare  # type: ignore[attr-defined]
         assert window.block_bytes < full.block_bytes / 5, (window.block_bytes, full.block_bytes)
         assert window.fingerprint != full.fingerprint
-        assert full.windows is None and window.windows is not None
+        assert full.snapshots is None and window.snapshots is not None
     finally:
         full.close()
         window.close()
@@ -76,7 +76,7 @@ def test_a_moved_session_continues_exactly_from_blocks_and_its_window_snapshot(g
     on_b, logits_b, _, done_b = _turn(away, p2, STEPS, session="gate")
     on_a, logits_a, _, done_a = _turn(home, p2, STEPS, session="gate")
     assert done_b.stats.cached_tokens == pos and done_a.stats.cached_tokens >= pos
-    assert away.windows is not None and away.windows.restored == 1
+    assert away.snapshots is not None and away.snapshots.restored == 1
     assert on_b == on_a and len(on_b) == STEPS
     diffs = [float((a - b).abs().max()) for a, b in zip(logits_a, logits_b)]
     assert max(diffs) <= MAX_LOGIT_DIFF, diffs
@@ -92,11 +92,11 @@ def test_blocks_without_a_snapshot_resume_nothing_and_a_wrong_snapshot_is_refuse
         tokens = np.concatenate([b.tokens for b in blocks])
         away.import_blocks("alone", home.fingerprint, tokens, [b.hash for b in blocks], [bytes(b.data) for b in blocks])
     assert away.cached_prefix("alone", p1 + [1, 2, 3]) == 0
-    assert home.windows is not None and away.windows is not None
-    w = home.windows.newest(tokens)
+    assert home.snapshots is not None and away.snapshots is not None
+    w = home.snapshots.newest(tokens)
     assert w is not None
-    moved = away.windows.put(tokens[: w.pos - 256], w.blob, received=True)  # its cells are 256 positions on
+    moved = away.snapshots.put(tokens[: w.pos - 256], w.blob, received=True)  # its cells are 256 positions on
     assert moved is not None and "positions" in moved, moved
-    assert away.windows.put(tokens[: w.pos], w.blob[:-16], received=True) is not None
+    assert away.snapshots.put(tokens[: w.pos], w.blob[:-16], received=True) is not None
     assert away.cached_prefix("alone", p1 + [1, 2, 3]) == 0
-    assert llamastate.check_window(w.blob.data, home.runner.layout, w.pos, 512) is None  # type: ignore[attr-defined]
+    assert llamastate.check_snapshot(w.blob.data, home.runner.layout, w.pos, 512) is None  # type: ignore[attr-defined]

@@ -141,12 +141,12 @@ def gemma_window_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: 
 
 def test_gemma3_window_mode_moves_warm_with_its_snapshot_and_answers_as_if_it_never_moved(gemma_window_mesh: Mesh) -> None:
     """On two real Gemma 3 nodes in window mode, a's replica (bare blocks) lands on b and its window snapshot follows
-    over /v1/peer/windows; b's next turn resumes at the snapshot and answers what a answers where the session began.
+    over /v1/peer/snapshots; b's next turn resumes at the snapshot and answers what a answers where the session began.
     The route refuses a snapshot of another model, a wrong digest, or a malformed body, and says why."""
     import hashlib
     import random
 
-    from kvmesh.node.engine.windows import encode_window
+    from kvmesh.node.engine.snapshots import encode_snapshot
 
     m, s = gemma_window_mesh, "gemma-window"
     rng = random.Random(14)
@@ -155,20 +155,20 @@ def test_gemma3_window_mode_moves_warm_with_its_snapshot_and_answers_as_if_it_ne
     r1, cached1 = pinned_turn(m, "a", s, msgs, max_tokens=16, model=model)
     assert cached1 == 0
     m.wait_replica(s, "a", 512)
-    received = lambda: m.http.get(m.api("b") + "/v1/stats", timeout=10).json()["windows"]["received"]  # noqa: E731
+    received = lambda: m.http.get(m.api("b") + "/v1/stats", timeout=10).json()["snapshots"]["received"]  # noqa: E731
     wait_for(lambda: received() >= 1, "b to receive a's window snapshot", 30)
-    sent = m.http.get(m.api("a") + "/v1/stats", timeout=10).json()["windows"]
+    sent = m.http.get(m.api("a") + "/v1/stats", timeout=10).json()["snapshots"]
     assert sent["sent"] >= 1 and sent["sent_bytes"] > 0 and sent["send_failed"] == 0
     follow = [*msgs, {"role": "assistant", "content": r1}, {"role": "user", "content": "In one word?"}]
     moved, cached_b = pinned_turn(m, "b", s, follow, max_tokens=24, model=model, prev_host="a")
     prompt_b = m.http.get(m.api("b") + "/v1/stats", timeout=10).json()
-    assert cached_b > 0 and prompt_b["windows"]["restored"] >= 1, (cached_b, prompt_b["windows"])
+    assert cached_b > 0 and prompt_b["snapshots"]["restored"] >= 1, (cached_b, prompt_b["snapshots"])
     never_moved, cached_a = pinned_turn(m, "a", s, follow, max_tokens=24, model=model)
     assert moved == never_moved and cached_a > 0
 
-    url, fingerprint = m.api("b") + "/v1/peer/windows", prompt_b["fingerprint"]
+    url, fingerprint = m.api("b") + "/v1/peer/snapshots", prompt_b["fingerprint"]
     assert m.http.get(m.api("b") + "/v1/models", timeout=10).json()["data"][0]["kvmesh"]["swa"] == "window"
-    body = encode_window(np.arange(512, dtype=np.int32), np.zeros(64, dtype=np.uint8))
+    body = encode_snapshot(np.arange(512, dtype=np.int32), np.zeros(64, dtype=np.uint8))
     digest = hashlib.sha256(body).hexdigest()
     wrong_model = m.http.post(url, content=body, headers={**m.peer_headers(), "x-kvmesh-fingerprint": "0" * 32,
                                                          "x-kvmesh-digest": digest}, timeout=10)
@@ -187,10 +187,9 @@ def test_gemma3_window_mode_moves_warm_with_its_snapshot_and_answers_as_if_it_ne
     assert no_secret.status_code == 401
 
 
-@pytest.fixture
-def hybrid_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    """Two nodes serving the generated hybrid model (LFM2's layout) by its alias: live caches only."""
-    engine = {"model": "hybrid-tiny", "slots": 2, "cache_tokens": 8192, "max_context": 4096, "llamacpp": {"threads": 1}}
+def _recurrent_mesh(tmp_path: Path, request: pytest.FixtureRequest, alias: str):  # type: ignore[no-untyped-def]
+    """Two nodes serving a generated model with recurrent state by its alias: hybrid (LFM2's layout), or Mamba's."""
+    engine = {"model": alias, "slots": 2, "cache_tokens": 8192, "max_context": 4096, "llamacpp": {"threads": 1}}
     m = _start(tmp_path / "mesh", engine, {"replicate_min_tokens": 256})
     yield m
     if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
@@ -198,16 +197,46 @@ def hybrid_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore
     m.stop()
 
 
-def test_a_hybrid_model_is_served_without_replicas_and_says_so(hybrid_mesh: Mesh) -> None:
-    """A hybrid model is served, never refused: a session's next turn on its host reuses the slot's cache; no replica
+@pytest.fixture
+def hybrid_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    yield from _recurrent_mesh(tmp_path, request, "hybrid-tiny")
+
+
+@pytest.fixture
+def mamba_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    yield from _recurrent_mesh(tmp_path, request, "mamba-tiny")
+
+
+def test_a_hybrid_session_moves_warm_with_its_recurrent_snapshot(hybrid_mesh: Mesh) -> None:
+    """hybrid-tiny: a's replica (attention blocks) and its recurrent-state snapshot reach b; b's next turn resumes at
+    the snapshot and answers what a answers where the session began."""
+    import random
+
+    m, s = hybrid_mesh, "hybrid-warm"
+    model = m.http.get(m.api("a") + "/v1/models", timeout=10).json()["data"][0]
+    assert model["kvmesh"]["replicas"] is True
+    rng = random.Random(15)
+    msgs = [{"role": "system", "content": text(rng, 900)}, {"role": "user", "content": text(rng, 300)}]
+    r1, cached1 = pinned_turn(m, "a", s, msgs, model=model["id"])
+    m.wait_replica(s, "a", 256)
+    wait_for(lambda: m.http.get(m.api("b") + "/v1/stats", timeout=10).json()["snapshots"]["received"] >= 1,
+             "b to receive a's snapshot", 30)
+    follow = [*msgs, {"role": "assistant", "content": r1}, {"role": "user", "content": text(rng, 80)}]
+    on_b, cached_b = pinned_turn(m, "b", s, follow, model=model["id"], prev_host="a")
+    on_a, cached_a = pinned_turn(m, "a", s, follow, model=model["id"])
+    assert cached_b > 900 and cached_a >= cached_b and on_b == on_a, (cached_b, cached_a)
+
+
+def test_a_recurrent_model_is_served_without_replicas_and_says_so(mamba_mesh: Mesh) -> None:
+    """mamba-tiny is served, never refused: a session's next turn on its host reuses the slot's cache; no replica
     is sent; a turn on the other host recomputes and answers what the home answers; /v1/models and the host's
     status say why there are no replicas."""
     import random
 
-    m, s = hybrid_mesh, "hybrid-conv"
+    m, s = mamba_mesh, "mamba-conv"
     rng = random.Random(13)
     model = m.http.get(m.api("a") + "/v1/models", timeout=10).json()["data"][0]
-    assert model["kvmesh"]["replicas"] is False and "hybrid" in model["kvmesh"]["no_replicas_reason"]
+    assert model["kvmesh"]["replicas"] is False and "recurrent layers only" in model["kvmesh"]["no_replicas_reason"]
     msgs = [{"role": "system", "content": text(rng, 900)}, {"role": "user", "content": text(rng, 300)}]
     r1, cached1 = pinned_turn(m, "a", s, msgs, model=model["id"])
     follow = [*msgs, {"role": "assistant", "content": r1}, {"role": "user", "content": text(rng, 80)}]
@@ -221,4 +250,4 @@ def test_a_hybrid_model_is_served_without_replicas_and_says_so(hybrid_mesh: Mesh
     moved = m.http.get(m.api("b") + "/v1/stats", timeout=10).json()["handoffs"]
     assert moved["cold"] >= 1 and moved["shortfall"].get("no_replicas", 0) >= 1, moved  # the handoff says why
     status = m.http.get(m.api("a") + "/v1/peer/status", headers=m.peer_headers(), timeout=10).json()
-    assert "hybrid" in status["host"]["no_replicas"]
+    assert "recurrent layers only" in status["host"]["no_replicas"]

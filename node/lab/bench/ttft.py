@@ -31,8 +31,8 @@ from kvmesh.node.engine.hf import open_checkpoint
 from kvmesh.node.engine.llamacpp import LlamaRunner
 from kvmesh.node.engine.llamamodel import LlamaModel
 from kvmesh.node.engine.models import resolve as resolve_model
+from kvmesh.node.engine.snapshots import Snapshot
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
-from kvmesh.node.engine.windows import Window
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.lab.bench.common import emit
 from kvmesh.node.lab.workload import grow_conversation, text
@@ -105,9 +105,9 @@ def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict
     return msgs, rng
 
 
-def _export(home: Engine, store: ReplicaStore) -> tuple[np.ndarray, int, Window | None]:
+def _export(home: Engine, store: ReplicaStore) -> tuple[np.ndarray, int, Snapshot | None]:
     """The home engine's cache of the conversation to a replica file: (its tokens, whole blocks written, and in
-    window mode the newest window snapshot those blocks reach, the rest of the replica: node.engine.windows)."""
+    window mode the newest window snapshot those blocks reach, the rest of the replica: node.engine.snapshots)."""
     man_tokens = home.session_tokens(SESSION)
     assert man_tokens is not None
     with home.export(SESSION) as blocks:
@@ -119,7 +119,7 @@ def _export(home: Engine, store: ReplicaStore) -> tuple[np.ndarray, int, Window 
             for b in blocks:
                 w.write_block(b.index, b.data, payload_digest(b.data))
             w.commit()
-    window = home.windows.newest(man_tokens[: n * home.block_size]) if home.windows is not None else None
+    window = home.snapshots.newest(man_tokens[: n * home.block_size]) if home.snapshots is not None else None
     return man_tokens, n, window
 
 
@@ -153,8 +153,8 @@ def run_ttft(args: argparse.Namespace) -> int:
             prompt2 = away.tokenizer.apply_chat_template(follow)
             t0 = time.monotonic()
             store.import_into(away, SESSION)
-            if window is not None and away.windows is not None:
-                if (why := away.windows.put(man_tokens[: window.pos], window.blob, received=True)) is not None:
+            if window is not None and away.snapshots is not None:
+                if (why := away.snapshots.put(man_tokens[: window.pos], window.blob, received=True)) is not None:
                     raise RuntimeError(f"the window snapshot was refused: {why}")
             import_s = time.monotonic() - t0
             gen_s, _ = await _ttft(away, prompt2)

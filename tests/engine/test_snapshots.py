@@ -1,16 +1,16 @@
-"""Window snapshots (node.engine.windows): keyed by the exact tokens they follow, checked, bounded, and sent whole."""
+"""Window snapshots (node.engine.snapshots): keyed by the exact tokens they follow, checked, bounded, and sent whole."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvmesh.node.engine.windows import WindowSnapshots, decode_window, encode_window, window_key
+from kvmesh.node.engine.snapshots import Snapshots, decode_snapshot, encode_snapshot, snapshot_key
 
 
-def _store(budget: int = 1 << 20) -> WindowSnapshots:
+def _store(budget: int = 1 << 20) -> Snapshots:
     # A stand-in check: a blob is "sound" when its first byte says the position modulo 256 (the real one parses cells).
-    return WindowSnapshots(budget, lambda blob, pos: None if blob[0] == pos % 256 else f"blob for {blob[0]}, not {pos}")
+    return Snapshots(budget, lambda blob, pos: None if blob[0] == pos % 256 else f"blob for {blob[0]}, not {pos}")
 
 
 def _blob(pos: int, size: int = 100) -> np.ndarray:
@@ -63,9 +63,9 @@ def test_the_wire_form_round_trips_and_malformed_bodies_say_why() -> None:
     """encode/decode give back the tokens and blob; a wrong magic or a body shorter than its tokens is a ValueError."""
     toks = np.arange(300, dtype=np.int32)
     blob = np.arange(50, dtype=np.uint8)
-    t2, b2 = decode_window(encode_window(toks, blob))
-    assert np.array_equal(t2, toks) and np.array_equal(b2, blob) and window_key(t2) == window_key(toks)
+    t2, b2 = decode_snapshot(encode_snapshot(toks, blob))
+    assert np.array_equal(t2, toks) and np.array_equal(b2, blob) and snapshot_key(t2) == snapshot_key(toks)
     with pytest.raises(ValueError, match="magic"):
-        decode_window(b"XXXX" + encode_window(toks, blob)[4:])
+        decode_snapshot(b"XXXX" + encode_snapshot(toks, blob)[4:])
     with pytest.raises(ValueError, match="needs 300 tokens"):
-        decode_window(encode_window(toks, blob)[: 8 + 4 * 300])
+        decode_snapshot(encode_snapshot(toks, blob)[: 8 + 4 * 300])

@@ -1,16 +1,19 @@
-"""Window snapshots: the other half of a sliding-window model's replica in window mode.
+"""Snapshots: the half of a replica that is not blocks, for models whose cache is not all per position.
 
-With `llamacpp.swa = "window"` llama.cpp keeps only the last `n_swa` positions of a sliding-window
-model's window layers (llama-server's default, a fraction of a full cache's memory). Blocks then
-hold the full-attention layers only (`llamastate` bare blocks), and a sequence can resume at a
-position P only with, besides its blocks up to P, the window layers' cells for [P - n_swa, P): a
-snapshot taken when the sequence stood at P. The runner takes one at the last block boundary of each
-prompt and at each block boundary decoding crosses (where llama-server checkpoints); a peer sends
-the newest one after each replica push (`Node`, route `/v1/peer/windows`).
+- Window mode (`llamacpp.swa = "window"`): llama.cpp keeps only the last `n_swa` positions of a
+  sliding-window model's window layers (llama-server's default, a fraction of a full cache's
+  memory). A sequence resumes at a position P from its blocks up to P (the full-attention layers)
+  and the window layers' cells for [P - n_swa, P).
+- Hybrid models (Qwen3-Next, Granite 4.0-H, LFM2, Nemotron-H, Jamba): blocks hold the attention
+  layers, and the recurrent state, which exists only where a sequence ends, is kept as it stood at P.
 
-A snapshot is usable only by a prompt that extends its tokens exactly, so it is keyed by a digest of
-them (`window_key`): equal on every host for the same tokens, whoever computed them. Its bytes are
-checked (`llamastate.check_window`) before they are kept, so a restore never reads a wrong window.
+Either way the snapshot is taken when the sequence stood at P: the runner takes one at the last
+block boundary of each prompt and at each block boundary decoding crosses (llama-server's
+checkpoints); a peer sends the newest one after each replica push (`node.snapshotship`, route
+`/v1/peer/snapshots`). A snapshot is usable only by a prompt that extends its tokens exactly, so it is
+keyed by a digest of them (`snapshot_key`): equal on every host for the same tokens, whoever
+computed them. Its bytes are checked (`llamastate.check_snapshot`) before they are kept, so a restore
+never reads a wrong state.
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ import numpy as np
 import xxhash
 
 
-def window_key(tokens: np.ndarray) -> bytes:
+def snapshot_key(tokens: np.ndarray) -> bytes:
     """Names a token prefix: what a snapshot taken after exactly these tokens may continue."""
     t = np.ascontiguousarray(tokens, dtype=np.int32)
     return xxhash.xxh3_128(len(t).to_bytes(8, "little") + t.tobytes()).digest()
 
 
 @dataclass(frozen=True)
-class Window:
+class Snapshot:
     """The window layers' cells of a sequence that stood at `pos`, after the tokens named by `key`."""
 
     pos: int
@@ -43,7 +46,7 @@ class Window:
         return int(self.blob.nbytes)
 
 
-class WindowSnapshots:
+class Snapshots:
     """Snapshots of this host's sequences and its peers', least recently used dropped past a byte budget.
 
     Written on the compute thread (snapshots taken mid-turn) and on the event loop (a peer's), read on
@@ -52,7 +55,7 @@ class WindowSnapshots:
     def __init__(self, budget_bytes: int, check: Callable[[np.ndarray, int], str | None]):
         self.budget_bytes = budget_bytes
         self._check = check  # why a blob must not be kept as the snapshot at a position (None: sound)
-        self._by_key: collections.OrderedDict[bytes, Window] = collections.OrderedDict()
+        self._by_key: collections.OrderedDict[bytes, Snapshot] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.bytes = 0
         self.taken = self.received = self.refused = self.restored = 0
@@ -69,7 +72,7 @@ class WindowSnapshots:
         if blob.nbytes > self.budget_bytes:
             self.refused += 1
             return f"a {blob.nbytes}-byte snapshot exceeds the {self.budget_bytes}-byte budget"
-        w = Window(len(tokens), window_key(tokens), np.ascontiguousarray(blob, dtype=np.uint8))
+        w = Snapshot(len(tokens), snapshot_key(tokens), np.ascontiguousarray(blob, dtype=np.uint8))
         with self._lock:
             old = self._by_key.pop(w.key, None)
             self.bytes += w.nbytes - (old.nbytes if old is not None else 0)
@@ -83,20 +86,20 @@ class WindowSnapshots:
             self.taken += 1
         return None
 
-    def newest(self, tokens: np.ndarray, limit: int | None = None) -> Window | None:
+    def newest(self, tokens: np.ndarray, limit: int | None = None) -> Snapshot | None:
         """The snapshot at the furthest position <= `limit` (default: all of `tokens`) that `tokens` extend."""
         top = len(tokens) if limit is None else min(limit, len(tokens))
         with self._lock:
             candidates = sorted((w for w in self._by_key.values() if w.pos <= top), key=lambda w: -w.pos)
         for w in candidates:
-            if window_key(tokens[: w.pos]) == w.key:
+            if snapshot_key(tokens[: w.pos]) == w.key:
                 with self._lock:
                     if w.key in self._by_key:
                         self._by_key.move_to_end(w.key)
                 return w
         return None
 
-    def drop(self, w: Window) -> None:
+    def drop(self, w: Snapshot) -> None:
         with self._lock:
             if self._by_key.get(w.key) is w:
                 del self._by_key[w.key]
@@ -112,19 +115,19 @@ class WindowSnapshots:
                 "refused": self.refused, "restored": self.restored}
 
 
-# ---- on the wire: a peer's snapshot, as the body of POST /v1/peer/windows -------------------------
+# ---- on the wire: a peer's snapshot, as the body of POST /v1/peer/snapshots -------------------------
 
 WIRE_MAGIC = b"KVWN"
 _WIRE_HEAD = 8  # magic, u32 position
 
 
-def encode_window(tokens: np.ndarray, blob: np.ndarray) -> bytes:
+def encode_snapshot(tokens: np.ndarray, blob: np.ndarray) -> bytes:
     """A snapshot and the tokens it follows: magic, u32 position, the tokens (int32), llama.cpp's blob."""
     t = np.ascontiguousarray(tokens, dtype="<i4")
     return WIRE_MAGIC + len(t).to_bytes(4, "little") + t.tobytes() + np.ascontiguousarray(blob, dtype=np.uint8).tobytes()
 
 
-def decode_window(body: bytes) -> tuple[np.ndarray, np.ndarray]:
+def decode_snapshot(body: bytes) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, blob) of an encoded snapshot; ValueError says what is malformed."""
     if len(body) < _WIRE_HEAD or body[:4] != WIRE_MAGIC:
         raise ValueError("not a kvmesh window snapshot (magic KVWN)")

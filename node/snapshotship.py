@@ -1,8 +1,8 @@
-"""Window snapshots to peers: after a replica of a window-mode session lands on a peer, the newest
-snapshot its blocks reach follows it (`node.engine.windows`), to the peer's `/v1/peer/windows`.
+"""Snapshots to peers: after a replica of a session lands on a peer, the newest snapshot its blocks
+reach follows it (`node.engine.snapshots`: window mode, hybrid models), to `/v1/peer/snapshots`.
 
-The blocks alone resume nothing on a window-mode model, so the pair is the replica; a snapshot that
-does not arrive leaves the peer resuming at an older one, or recomputing: never a failed turn.
+The blocks alone resume nothing on such a model, so the pair is the replica; a snapshot that does
+not arrive leaves the peer resuming at an older one, or recomputing: never a failed turn.
 """
 
 from __future__ import annotations
@@ -15,40 +15,40 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 
-from kvmesh.node.engine.windows import WindowSnapshots, decode_window, encode_window
+from kvmesh.node.engine.snapshots import Snapshots, decode_snapshot, encode_snapshot
 from kvmesh.node.errors import ImportRefused, InvalidRequest
 
-log = logging.getLogger("kvmesh.windows")
+log = logging.getLogger("kvmesh.snapshots")
 
 FINGERPRINT_HEADER = "x-kvmesh-fingerprint"
 DIGEST_HEADER = "x-kvmesh-digest"
 MAX_BODY_BYTES = 1 << 30
 
 
-class WindowShipper:
-    """Sends a session's newest window snapshot to a peer, takes in a peer's; counts both."""
+class SnapshotShipper:
+    """Sends a session's newest snapshot to a peer, takes in a peer's; counts both."""
 
-    def __init__(self, windows: WindowSnapshots, fingerprint: str, *, client: Callable[[], httpx.AsyncClient],
+    def __init__(self, snapshots: Snapshots, fingerprint: str, *, client: Callable[[], httpx.AsyncClient],
                  api_of: Callable[[str], str | None], tokens_of: Callable[[str], np.ndarray | None]):
-        self.windows, self.fingerprint = windows, fingerprint
+        self.snapshots, self.fingerprint = snapshots, fingerprint
         self._client, self._api_of, self._tokens_of = client, api_of, tokens_of
         self.sent = self.sent_bytes = self.failed = 0
 
     async def ship(self, session: str, target: str, upto: int) -> bool:
         """The newest snapshot of `session` within its first `upto` tokens (what the replica holds) to `target`."""
         tokens, api = self._tokens_of(session), self._api_of(target)
-        w = None if tokens is None else self.windows.newest(tokens, upto)
+        w = None if tokens is None else self.snapshots.newest(tokens, upto)
         if w is None or api is None or tokens is None:
             return False
-        body = await asyncio.to_thread(encode_window, tokens[: w.pos], w.blob)
+        body = await asyncio.to_thread(encode_snapshot, tokens[: w.pos], w.blob)
         digest = await asyncio.to_thread(lambda: hashlib.sha256(body).hexdigest())
         try:
-            r = await self._client().post(f"{api}/v1/peer/windows", content=body, timeout=30.0,
+            r = await self._client().post(f"{api}/v1/peer/snapshots", content=body, timeout=30.0,
                                           headers={FINGERPRINT_HEADER: self.fingerprint, DIGEST_HEADER: digest})
             r.raise_for_status()
         except httpx.HTTPError as e:
             self.failed += 1
-            log.warning("window snapshot of %s at %d to %s failed: %s", session, w.pos, target, e)
+            log.warning("snapshot of %s at %d to %s failed: %s", session, w.pos, target, e)
             return False
         self.sent += 1
         self.sent_bytes += len(body)
@@ -63,13 +63,13 @@ class WindowShipper:
         if digest is None or await asyncio.to_thread(lambda: hashlib.sha256(body).hexdigest()) != digest:
             raise ImportRefused(f"the body's sha256 is not the {DIGEST_HEADER} header's", reason="digest")
         try:
-            tokens, blob = decode_window(body)
+            tokens, blob = decode_snapshot(body)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        why = await asyncio.to_thread(self.windows.put, tokens, blob, received=True)
+        why = await asyncio.to_thread(self.snapshots.put, tokens, blob, received=True)
         if why is not None:
-            raise ImportRefused(why, reason="window")
+            raise ImportRefused(why, reason="snapshot")
         return len(tokens)
 
     def stats(self) -> dict[str, int]:
-        return {**self.windows.stats(), "sent": self.sent, "sent_bytes": self.sent_bytes, "send_failed": self.failed}
+        return {**self.snapshots.stats(), "sent": self.sent, "sent_bytes": self.sent_bytes, "send_failed": self.failed}
