@@ -174,7 +174,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 "engine": cfg.kind,
                 "block_size": away.block_size, **swa,
                 "replica_bytes": n * away.block_bytes + (window.nbytes if window is not None else 0),
-                **({"window_snapshot_bytes": window.nbytes, "window_pos": window.pos} if window is not None else {}),
+                **({"snapshot_bytes": window.nbytes, "snapshot_pos": window.pos} if window is not None else {}),
                 "errors": len(errors), "error_samples": errors,
                 **({"model": cfg.served_model, "device": str(away.device), "dtype": str(away.dtype).removeprefix("torch.")}
                    if model is not None or cfg.kind == "llamacpp" else {}),
