@@ -84,11 +84,8 @@ def _sized(plan: MeshPlan) -> tuple[str, str]:
                 f"replicate_min_tokens = {REPLICATE_MIN_TOKENS}\n")
     pool = max(64 << 20, 2 * plan.slots * f.context * f.kv_bytes_per_token)  # a recurrent-only model has no KV
     window = f", sliding window {f.sliding_window}" if f.sliding_window else ""
-    live = (f"# {f.recurrent_layers} of its {f.layers} layers hold recurrent state: kvmesh serves it with live caches\n"
-            "# only (a session reuses what its slot still holds), no replicas; the node says so at start.\n"
-            if f.recurrent_layers >= f.layers else
-            f"# {f.recurrent_layers} of its {f.layers} layers hold recurrent state: blocks hold its attention cache, and\n"
-            "# the recurrent state travels as a snapshot beside them (taken at block boundaries).\n"
+    live = (f"# {f.recurrent_layers} of its {f.layers} layers hold recurrent state: blocks hold its attention cache (if\n"
+            "# any), and the recurrent state travels as a snapshot beside them (taken at block boundaries).\n"
             if f.recurrent_layers else "")
     replicate = KVShareConfig().for_context(f.context).replicate_min_tokens  # the node's own rule
     swa = (f"[engine.llamacpp]\n# Its window layers: \"full\" keeps every position (blocks restore exactly, also from disk\n"

@@ -139,11 +139,11 @@ def test_init_sizes_a_gguf_host_from_the_model(tmp_path: Path, monkeypatch: pyte
     assert cfg.kvshare.never_replicates(cfg.engine.max_context) is None
 
 
-@pytest.mark.parametrize(("alias", "recurrent", "says"), [("mamba-tiny", "2 of its 2 layers", "no replicas"),
+@pytest.mark.parametrize(("alias", "recurrent", "says"), [("mamba-tiny", "2 of its 2 layers", "travels as a snapshot"),
                                                          ("hybrid-tiny", "2 of its 4 layers", "travels as a snapshot")])
 def test_init_says_how_a_model_with_recurrent_state_replicates(tmp_path: Path, alias: str, recurrent: str, says: str) -> None:
-    """A recurrent GGUF's config says which layers hold recurrent state and that it runs without replicas, a hybrid's
-    that its state travels as snapshots; the pool loads even when the model has no KV at all."""
+    """A recurrent or hybrid GGUF's config says which layers hold recurrent state and that it travels as snapshots;
+    the pool loads even when the model has no KV at all."""
     r = _init("--host", "a=10.0.0.1", "--host", "b=10.0.0.2", "--model", alias, "--out", str(tmp_path / "m"))
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "m" / "a.toml").read_text()

@@ -137,8 +137,8 @@ def _open_llamacpp(cfg: EngineConfig) -> Backend:
         raise
     return Backend(model.tokenizer, ModelConfig(name=model.path.stem, vocab_size=model.n_vocab, max_context=ctx),
                    torch.uint8, torch.device("cpu"), (runner.block_bytes,), runner.block_bytes,
-                   runner.kv_bytes_per_token, llama_fingerprint(model, cfg.llamacpp, None if model.inexact else runner.layout, bs), bs,
-                   llama=runner, inexact_reason=model.inexact)
+                   runner.kv_bytes_per_token, llama_fingerprint(model, cfg.llamacpp, None if runner.inexact else runner.layout, bs),
+                   bs, llama=runner, inexact_reason=runner.inexact)
 
 
 def make_runner(cfg: EngineConfig, backend: Backend, pool: BlockPool, seed_hash: bytes) -> Runner:

@@ -1,10 +1,10 @@
 """Live caches: how an engine reuses KV for a model whose cache cannot be cut into blocks.
 
-A recurrent-only model (Mamba, RWKV) keeps a recurrent state that exists only at the end of a
-sequence and no attention cache to cut into blocks. Such a model is served without blocks and
-without replicas: a session's cache is what the slot that ran it last still holds, and a turn
-reuses it only if its prompt extends every token of it. (A hybrid model, with attention layers
-too, keeps blocks and snapshots of its recurrent state instead: node.engine.snapshots.) The truth is the runner's own record of
+A model whose llama.cpp sequence state kvmesh cannot read (a layout newer than its parser,
+`llamastate.learn`) cannot be cut into blocks. It is served without blocks and without replicas:
+a session's cache is what the slot that ran it last still holds, and a turn reuses it only if its
+prompt extends every token of it. (Models with recurrent state, hybrid or not, keep blocks and
+snapshots of it: node.engine.snapshots.) The truth is the runner's own record of
 what each slot's sequence holds (`held`), asked each time, never a copy kept here; this class only
 remembers which session wrote each slot last.
 

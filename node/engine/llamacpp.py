@@ -13,9 +13,10 @@ The Engine keeps its block bookkeeping (pool, chained hashes, pins, LRU, export,
   (`llama_memory_seq_cp` shares cells) and writing the scratch's state; a restore goes through
   the scratch block by block and hands its cells to the slot (`seq_cp`);
 - in window mode (`swa = "window"`) such a model's window layers keep their last window only, and a
-  hybrid model's recurrent state exists only where its sequence ends: a block is bare (the attention
-  cache alone), and a sequence resumes at a snapshot of the rest (`node.engine.snapshots`), from its
-  blocks or, on the slot that holds it, from its own attention cache. Both keep the unified stream;
+  recurrent state (hybrid or Mamba models) exists only where its sequence ends: a block is bare (the
+  attention cache alone, if any), and a sequence resumes at a snapshot of the rest
+  (`node.engine.snapshots`), from its blocks or, on the slot that holds it, from its own attention
+  cache. These keep the unified stream too;
 - a block that does not check or does not restore leaves the slot's sequence erased and raises
   `RestoreFailed`: never half-restored;
 - prefill runs in chunks of `n_batch`; running slots decode ahead on the compute thread, every
@@ -99,9 +100,9 @@ class LlamaRunner:
         # 7k-token sessions halved a fourth's prefill and decode (measured). Blocks are then cut from, and
         # joined into, the sequence's whole state (llamastate.cut/join). A sliding-window model's two
         # caches keep the unified stream and a scratch sequence blocks pass through (seq_cp shares cells).
-        self.streams = model.n_swa == 0 and not model.hybrid
+        self.streams = model.n_swa == 0 and not model.recurrent
         # A sequence resumes at a snapshot of its window layers' last window, or of its recurrent state.
-        self.snapshotted = model.n_swa > 0 and cfg.swa == "window" or model.hybrid
+        self.snapshotted = model.n_swa > 0 and cfg.swa == "window" or model.recurrent
         self._partial = getattr(self.lib, "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", 1)
         self.scratch = slots  # unified only: the extra sequence blocks pass through
         self._whole: tuple[int, np.ndarray] | None = None  # (slot, its one-stream state) until the slot changes
@@ -115,10 +116,15 @@ class LlamaRunner:
         self.restored_blocks = 0  # blocks restored from the pool (a slot that still held them restores none)
         # On the compute thread like every other decode: llama.cpp's OpenMP team belongs to the thread that
         # first computes, and a second team left idle on the main thread cost a third of decode speed here.
-        # A model with recurrent state keeps no blocks (node.engine.live): no layout, a state size per token.
+        # A state kvmesh cannot read is served with live caches (node.engine.live): no layout, a state size per token.
         self._layout: llamastate.Layout | None = None
-        if model.inexact is None:
+        self.inexact: str | None = None  # why this model's state cannot be cut into blocks, or None
+        try:
             self._layout = self._exec.submit(self._probe_layout).result()
+        except ValueError as e:
+            self.inexact = f"kvmesh cannot read its llama.cpp sequence state ({e})"
+            self.snapshotted = False  # nothing to resume a snapshot on
+        if self._layout is not None:
             self.block_bytes = self._layout.size(block_size)
             self.kv_bytes_per_token = -(-self.block_bytes // block_size)
         else:
@@ -130,7 +136,7 @@ class LlamaRunner:
     @property
     def layout(self) -> llamastate.Layout:
         if self._layout is None:
-            raise RuntimeError(f"{self.model.path.name} keeps no blocks: {self.model.inexact}")
+            raise RuntimeError(f"{self.model.path.name} keeps no blocks: {self.inexact}")
         return self._layout
 
     def held_tokens(self, slot: int) -> np.ndarray:
@@ -171,9 +177,11 @@ class LlamaRunner:
         self._decode([1 % self.model.n_vocab], [seq], [0], logits_last=False)
         blob = self._state(seq)
         self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
-        lay = llamastate.learn(blob.data, self.model.n_layer, hybrid=self.model.hybrid)
-        # an empty sequence's blob: magic, seq id, the first cache's (n_stream 1, 0 cells), then the others'
-        return dataclasses.replace(lay, bare=True, tail=bytes(empty[16:])) if self.snapshotted else lay
+        lay = llamastate.learn(blob.data, self.model.n_layer, recurrent=self.model.recurrent)
+        # An empty sequence's blob: magic, seq id, the attention cache's section (n_stream 1, 0 cells) if
+        # there is one, then the others' (the window cache's, the recurrent state's) with no cell.
+        tail = bytes(empty[16:] if lay.n_layer else empty[8:])
+        return dataclasses.replace(lay, bare=True, tail=tail) if self.snapshotted else lay
 
     def _probe_growth(self) -> int:
         """Bytes a position adds to a sequence's state (its attention KV; the recurrent state is per sequence)."""
@@ -291,7 +299,7 @@ class LlamaRunner:
         held.set(tokens)
         return n
 
-    # ---- snapshots: window mode, hybrid models (node.engine.snapshots) ----------------------------
+    # ---- snapshots: window mode, recurrent state (node.engine.snapshots) --------------------------
 
     def _check_snapshot(self, blob: np.ndarray, pos: int) -> str | None:
         return llamastate.check_snapshot(blob.data, self.layout, pos, self.model.n_swa)
@@ -343,7 +351,7 @@ class LlamaRunner:
         """Block j's bytes, its cell count, and why it must not be restored (None: sound)."""
         assert self.pool is not None
         view = self.pool.read_bytes(block_id)
-        cells = int(np.frombuffer(view, dtype="<u4", count=4)[3])
+        cells = int(np.frombuffer(view, dtype="<u4", count=4)[3]) if self.layout.n_layer else used  # no attention: no cells
         if cells < used:
             return view, cells, f"it holds {cells} cells, {used} are needed"
         return view, cells, llamastate.check(view, self.layout, j * self.block_size, cells)

@@ -1,8 +1,8 @@
 """A GGUF model loaded by llama.cpp (llama-cpp-python's low-level API): its handle, vocabulary,
 tokenizer and digest, llama.cpp's log routed to Python's, and the fingerprint of a cache.
 
-`LlamaModel.open` refuses models whose cache llama.cpp cannot restore position by position
-exactly (recurrent or hybrid layers). The fingerprint covers the GGUF file's digest (cached by
+`LlamaModel.open` notes whether a model keeps recurrent state (alone or beside attention layers),
+which the runner keeps in snapshots. The fingerprint covers the GGUF file's digest (cached by
 size, mtime and inode), the KV types, the V layout (flash attention) and the state format, so
 replicas never cross between incompatible engines. The runner over it is `node.engine.llamacpp`.
 """
@@ -110,16 +110,10 @@ def _install_logging(lib: ModuleType) -> None:
     lib.llama_log_set(_log_cb, ctypes.c_void_p())
 
 
-def is_hybrid(lib: ModuleType, model: Any) -> bool:
-    """Attention and recurrent layers: blocks of its attention cache, its recurrent state in snapshots."""
-    return bool(hasattr(lib, "llama_model_is_hybrid") and lib.llama_model_is_hybrid(model))
-
-
-def inexact_reason(lib: ModuleType, model: Any) -> str | None:
-    """Why llama.cpp cannot restore this model's cache block by block exactly, or None."""
-    if lib.llama_model_is_recurrent(model) and not is_hybrid(lib, model):
-        return "it has recurrent layers only (a recurrent state is not per position, and no attention cache holds blocks)"
-    return None  # sliding-window layers: swa "full" (every position) or "window"; hybrids: snapshots
+def has_recurrent_state(lib: ModuleType, model: Any) -> bool:
+    """Recurrent layers, alone (Mamba) or beside attention (hybrid): the state travels in snapshots."""
+    hybrid = hasattr(lib, "llama_model_is_hybrid") and lib.llama_model_is_hybrid(model)
+    return bool(hybrid or lib.llama_model_is_recurrent(model))
 
 
 @dataclass
@@ -136,10 +130,7 @@ class LlamaModel:
     tokenizer: LlamaTokenizer
     n_ctx_train: int  # the context the model was trained for (GGUF `context_length`)
     n_swa: int = 0  # the sliding window of its SWA layers (0: none)
-    hybrid: bool = False  # attention and recurrent layers (node.engine.snapshots)
-    # Why its cache cannot be cut into blocks (recurrent state), or None: such a model is served with
-    # live caches only (node.engine.live), no blocks and no replicas.
-    inexact: str | None = None
+    recurrent: bool = False  # recurrent layers, with attention ones (hybrid) or alone (node.engine.snapshots)
 
     @classmethod
     def open(cls, path: str | Path, cfg: LlamaCppConfig) -> LlamaModel:
@@ -164,7 +155,7 @@ class LlamaModel:
                              allowed=_allowed_tokens(p))
         return cls(p, lib, handle, vocab, int(lib.llama_model_n_layer(handle)), int(lib.llama_vocab_n_tokens(vocab)),
                    gguf_digest(p), tok, int(lib.llama_model_n_ctx_train(handle)), int(lib.llama_model_n_swa(handle)),
-                   is_hybrid(lib, handle), inexact_reason(lib, handle))
+                   has_recurrent_state(lib, handle))
 
     def close(self) -> None:
         if self.handle:
@@ -196,7 +187,7 @@ def fingerprint(model: LlamaModel, cfg: LlamaCppConfig, layout: llamastate.Layou
                        # a sliding-window model's blocks hold its two caches, every position of both (swa "full"),
                        # or the full-attention cache alone, the window travelling as snapshots (swa "window")
                        **({"swa": cfg.swa, "caches": len(layout.sections)} if model.n_swa else {}),
-                       **({"hybrid": layout.recurrent} if model.hybrid else {})},
+                       **({"recurrent": layout.recurrent} if model.recurrent else {})},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 

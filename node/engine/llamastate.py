@@ -16,9 +16,10 @@ after the magic and seq id, each from `n_stream` on: the full-attention layers',
 window layers'. With `swa_full` both hold every position, so a block's blob has the same cells
 in both sections; `Layout.extra` describes the sections after the first. A hybrid model's blob holds
 its attention cache's section, then its recurrent state's (cell count, per cell pos and a zero
-seq count, then per layer R and S rows: `llama_memory_recurrent::state_write`).
+seq count, then per layer R and S rows: `llama_memory_recurrent::state_write`); a recurrent-only
+model's (Mamba) holds the recurrent section alone, a layout of no attention layer.
 
-Where a sequence resumes at a snapshot (node.engine.snapshots: window mode, hybrid models) a block
+Where a sequence resumes at a snapshot (node.engine.snapshots: window mode, recurrent state) a block
 is `bare`: the first cache's section, then `tail`, the other caches' sections as they are with no
 cell. The snapshot is `llama_state_seq_get_data_ext` with PARTIAL_ONLY: magic, seq id, then the
 window section, or the recurrent one, alone (`check_snapshot`).
@@ -59,7 +60,7 @@ class Layout:
     extra: tuple[Layout, ...] = ()  # the caches after the first (iSWA: the window layers'), the same cells
     bare: bool = False  # a block carries the first cache only, then `tail`
     tail: bytes = b""  # bare blocks: the sections of the caches after the first, holding no cell
-    recurrent: int = 0  # a hybrid model's: bytes of its recurrent section for one sequence (one cell); else 0
+    recurrent: int = 0  # bytes of a model's recurrent section for one sequence (one cell); 0: none
 
     @property
     def cell_meta(self) -> int:
@@ -70,7 +71,10 @@ class Layout:
         return (self, *self.extra)
 
     def section_size(self, cells: int) -> int:
-        """Bytes of this cache's section (n_stream, cell count, cell meta, layers) for `cells` cells."""
+        """Bytes of this cache's section (n_stream, cell count, cell meta, layers) for `cells` cells; none
+        for a model without attention layers."""
+        if not self.n_layer:
+            return 0
         n = 8 + cells * self.cell_meta + 8
         n += sum(12 + cells * row for _, row in self.k)
         if self.v_trans:
@@ -90,11 +94,14 @@ class Layout:
         return self.size(1) - self.size(0)
 
 
-def learn(blob: bytes | memoryview, n_layer: int, *, hybrid: bool = False) -> Layout:
+def learn(blob: bytes | memoryview, n_layer: int, *, recurrent: bool = False) -> Layout:
     """Read a layout from a real blob of a one-position sequence (tries both cell-meta sizes); its
-    sections' layers add up to the model's `n_layer`, or (hybrid) fewer, the recurrent section after them."""
+    sections' layers add up to the model's `n_layer`, or (recurrent) fewer, the recurrent section after
+    them; a recurrent-only model's (Mamba) is that section alone: a layout of no attention layer."""
     mv = memoryview(blob).cast("B")
     magic, _, n_stream, cells = struct.unpack_from("<IiII", mv, 0)
+    if magic == MAGIC and recurrent and n_stream == 1 and cells == 0:  # recurrent section: 1 cell, at position 0
+        return Layout(0, False, False, (), (), recurrent=len(mv) - _SEQ_HEAD)
     if magic != MAGIC or n_stream != 1 or cells == 0:
         raise ValueError(f"a probe blob (magic {magic:#x}) of {n_stream} streams and {cells} cells: "
                          "kvmesh needs llama.cpp's sequence state of one stream (kv_unified)")
@@ -105,7 +112,7 @@ def learn(blob: bytes | memoryview, n_layer: int, *, hybrid: bool = False) -> La
             sections.append(sec)
             off += sec.section_size(cells)
         attn = sum(sec.n_layer for sec in sections)
-        if sections and (off == len(mv) and attn == n_layer or hybrid and off < len(mv) and attn < n_layer):
+        if sections and (off == len(mv) and attn == n_layer or recurrent and off < len(mv) and attn < n_layer):
             return dataclasses.replace(sections[0], extra=tuple(sections[1:]), recurrent=len(mv) - off)
     raise ValueError("the probe blob does not parse as llama.cpp's per-sequence state")
 
@@ -162,7 +169,7 @@ def check(blob: bytes | memoryview, lay: Layout, first_pos: int, cells: int) -> 
     if magic != MAGIC:
         return f"magic {magic:#x}; expected llama.cpp's"
     off = _SEQ_HEAD
-    for k, sec in enumerate(lay.sections):
+    for k, sec in enumerate(lay.sections if lay.n_layer else ()):
         if k and lay.bare:
             break
         why = _check_section(mv, off, sec, first_pos, cells)
@@ -199,7 +206,7 @@ def _check_section(mv: memoryview, off: int, sec: Layout, first_pos: int, cells:
 def bare_block(blob: np.ndarray, lay: Layout, cells: int, out: np.ndarray) -> int:
     """Write into `out` the bare block of a whole state `blob` of `cells` cells: its header and first
     cache's section as they are, the later caches' sections empty. Returns its size."""
-    (n,) = struct.unpack_from("<I", blob.data, 12)
+    (n,) = struct.unpack_from("<I", blob.data, 12) if lay.n_layer else (cells,)
     if n != cells:
         raise ValueError(f"the state holds {n} cells of its first cache, not {cells}")
     head = _SEQ_HEAD + lay.section_size(cells)
@@ -220,7 +227,7 @@ def window_size(lay: Layout, pos: int, n_swa: int) -> int:
 
 def check_snapshot(blob: bytes | memoryview, lay: Layout, pos: int, n_swa: int) -> str | None:
     """Why a snapshot must not be restored at `pos`; None when it holds exactly the window cache's cells for
-    positions [pos - min(pos, n_swa), pos), or a hybrid's recurrent state after position pos - 1, in this
+    positions [pos - min(pos, n_swa), pos), or a recurrent state after position pos - 1, in this
     context's types and sizes."""
     mv = memoryview(blob).cast("B")
     if lay.recurrent:

@@ -1,6 +1,7 @@
-"""A recurrent-only GGUF (generated: Mamba's layout) is served with live caches only: reuse by extending the slot's
-sequence, no blocks, no replicas. A hybrid one (LFM2's: short-convolution layers with recurrent state between
-attention layers) keeps blocks of its attention cache and snapshots of its recurrent state (test_hybrid_replicas)."""
+"""A model whose llama.cpp state kvmesh cannot read is served with live caches only: reuse by extending the slot's
+sequence, no blocks, no replicas, and it says why. Every model here parses (the generated hybrid and Mamba GGUFs keep
+blocks and snapshots: test_hybrid_replicas), so the unknown format is simulated: the state parser refuses the
+generated Mamba model's, as it would a layout a newer llama.cpp writes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 from test_llamacpp import Capture, prompt
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
-from kvmesh.node.engine import gguf_gen
+from unittest import mock
+
+from kvmesh.node.engine import gguf_gen, llamastate
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnBegin
 from kvmesh.node.errors import ImportRefused
 
@@ -23,28 +26,36 @@ def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return gguf_gen.write_gguf(tmp_path_factory.mktemp("live") / f"{request.param}.gguf", gguf_gen.spec_for(request.param))
 
 
-def _engine(path: Path, slots: int = 1) -> Engine:
-    return Engine(EngineConfig(model=str(path), slots=slots, block_size=64, max_context=2048, cache_tokens=2048,
-                               llamacpp=LlamaCppConfig(threads=2, n_batch=256)))
+def _engine(path: Path, slots: int = 1, *, readable: bool = False) -> Engine:
+    """An engine on `path`; unless `readable`, one whose state parser refuses the model's state (an unknown format)."""
+    cfg = EngineConfig(model=str(path), slots=slots, block_size=64, max_context=2048, cache_tokens=2048,
+                       llamacpp=LlamaCppConfig(threads=2, n_batch=256))
+    if readable:
+        return Engine(cfg)
+    with mock.patch.object(llamastate, "learn", side_effect=ValueError("a state layout this kvmesh does not know")):
+        return Engine(cfg)
 
 
 def test_the_generated_models_are_hybrid_and_recurrent(tmp_path: Path) -> None:
-    """hybrid-tiny is arch lfm2 with KV heads only on its attention layers and loads as hybrid, with blocks and
-    snapshots; mamba-tiny is arch mamba and loads as recurrent, its state the same size at any length, live caches only."""
+    """hybrid-tiny is arch lfm2 with KV heads only on its attention layers, mamba-tiny arch mamba: both load with blocks
+    (mamba's hold no attention cell) and snapshots; an unreadable state is served with live caches and says why."""
     hy = gguf_gen.write_gguf(tmp_path / "h.gguf", gguf_gen.spec_for("hybrid-tiny"))
     fields = gguf.GGUFReader(hy).fields
     assert fields["general.architecture"].contents() == "lfm2"
     assert list(fields["lfm2.attention.head_count_kv"].contents()) == [0, 2, 0, 2]
     ma = gguf_gen.write_gguf(tmp_path / "m.gguf", gguf_gen.spec_for("mamba-tiny"))
     assert gguf.GGUFReader(ma).fields["general.architecture"].contents() == "mamba"
-    h, m = _engine(hy), _engine(ma)
+    h, m, unknown = _engine(hy, readable=True), _engine(ma, readable=True), _engine(ma)
     try:
         assert h.inexact_reason is None and h.live is None and h.snapshots is not None
-        assert m.inexact_reason is not None and "recurrent layers only" in m.inexact_reason and m.live is not None
-        assert h.kv_bytes_per_token > 100 and m.kv_bytes_per_token == 1  # only lfm2's attention layers grow
+        assert m.inexact_reason is None and m.live is None and m.snapshots is not None
+        assert h.kv_bytes_per_token > 100 and m.block_bytes < 100  # only lfm2's attention layers grow
+        assert unknown.inexact_reason is not None and "cannot read its llama.cpp sequence state" in unknown.inexact_reason
+        assert unknown.live is not None and unknown.snapshots is None and unknown.kv_bytes_per_token == 1
     finally:
         h.close()
         m.close()
+        unknown.close()
 
 
 def test_a_turn_that_extends_the_slot_reuses_it_and_equals_a_cold_turn(hybrid: Path) -> None:

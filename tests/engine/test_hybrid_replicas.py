@@ -1,5 +1,6 @@
-"""A hybrid GGUF (generated, LFM2's layout: convolution layers with recurrent state between attention layers) moves
-between hosts exactly: blocks of its attention cache, its recurrent state in snapshots (node.engine.snapshots).
+"""GGUFs with recurrent state move between hosts exactly: a hybrid (generated, LFM2's layout: convolution layers with
+recurrent state between attention layers) as blocks of its attention cache and its recurrent state in snapshots, a
+recurrent-only one (Mamba's) as blocks holding no cell and the snapshot (node.engine.snapshots).
 
 A recurrent state exists only where its sequence ends, so the runner snapshots it at the prompt's last block
 boundary and at each block boundary a reply crosses; a turn resumes at the newest snapshot its prompt extends."""
@@ -19,9 +20,9 @@ from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.llamacpp import LlamaRunner
 
 
-@pytest.fixture(scope="module")
-def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_gen.write_gguf(tmp_path_factory.mktemp("hy") / "hybrid-tiny.gguf", gguf_gen.spec_for("hybrid-tiny"))
+@pytest.fixture(scope="module", params=["hybrid-tiny", "mamba-tiny"])
+def gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return gguf_gen.write_gguf(tmp_path_factory.mktemp("rec") / f"{request.param}.gguf", gguf_gen.spec_for(request.param))
 
 
 def _engine(path: Path) -> Engine:
@@ -41,7 +42,7 @@ def _move(home: Engine, away: Engine, session: str) -> tuple[np.ndarray, int]:
     return tokens, w.pos
 
 
-def test_a_moved_hybrid_session_continues_exactly(gguf: Path) -> None:
+def test_a_moved_session_continues_exactly(gguf: Path) -> None:
     """A turn on A, its blocks and newest snapshot on B: B's next turn reuses up to the snapshot and its 64 greedy
     tokens and logits equal A's own next turn, which resumes at the same snapshot from its own slot (no block restored)."""
     home, away = _engine(gguf), _engine(gguf)

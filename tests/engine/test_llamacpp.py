@@ -27,7 +27,7 @@ from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine import gguf_gen, llamastate
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnDone
 from kvmesh.node.engine.llamacpp import LlamaRunner, RestoreFailed
-from kvmesh.node.engine.llamamodel import gguf_digest, inexact_reason
+from kvmesh.node.engine.llamamodel import gguf_digest, has_recurrent_state
 from kvmesh.node.engine.vocab import vocab_dir
 from kvmesh.node.errors import ImportRefused
 
@@ -257,13 +257,13 @@ def test_digest_is_cached_by_size_mtime_inode(tmp_path: Path, monkeypatch: pytes
     assert gguf_digest(f) == d2 and str(f) not in reads
 
 
-def test_inexact_models_are_named_with_the_reason() -> None:
-    """Recurrent-only models are named inexact with the reason (tests/engine/test_hybrid.py serves one); hybrid and
-    sliding-window ones are exact (blocks, with snapshots or every window position)."""
+def test_models_with_recurrent_state_are_named_so() -> None:
+    """Recurrent layers, alone or beside attention, mean snapshots (tests/engine/test_hybrid_replicas.py); a
+    dense or sliding-window model has none."""
 
     class Lib:
-        def __init__(self, rec: bool, hyb: bool, swa: int) -> None:
-            self.rec, self.hyb, self.swa = rec, hyb, swa
+        def __init__(self, rec: bool, hyb: bool) -> None:
+            self.rec, self.hyb = rec, hyb
 
         def llama_model_is_recurrent(self, m: object) -> bool:
             return self.rec
@@ -271,14 +271,8 @@ def test_inexact_models_are_named_with_the_reason() -> None:
         def llama_model_is_hybrid(self, m: object) -> bool:
             return self.hyb
 
-        def llama_model_n_swa(self, m: object) -> int:
-            return self.swa
-
-    assert inexact_reason(Lib(False, False, 0), None) is None  # type: ignore[arg-type]
-    assert "recurrent" in (inexact_reason(Lib(True, False, 0), None) or "")  # type: ignore[arg-type]
-    assert inexact_reason(Lib(False, True, 0), None) is None  # type: ignore[arg-type]  # hybrid: blocks and snapshots
-    assert inexact_reason(Lib(True, True, 0), None) is None  # type: ignore[arg-type]
-    assert inexact_reason(Lib(False, False, 4096), None) is None  # type: ignore[arg-type]
+    assert not has_recurrent_state(Lib(False, False), None)  # type: ignore[arg-type]
+    assert has_recurrent_state(Lib(True, False), None) and has_recurrent_state(Lib(False, True), None)  # type: ignore[arg-type]
 
 
 def test_scratch_cut_equals_parse_cut_of_whole_sequence(llama) -> None:  # type: ignore[no-untyped-def]

@@ -66,3 +66,15 @@ def test_bench_handoff_exits_non_zero_when_turns_failed(capsys: pytest.CaptureFi
     assert out["errors"] >= 1 and out["turns"] == 0, out
     assert out["status"].get("400", 0) >= 1 and out["error_samples"], out
     assert rc == 1
+
+
+@pytest.mark.parametrize("alias", ["hybrid-tiny", "mamba-tiny"])
+def test_bench_ttft_moves_a_recurrent_model_with_its_snapshot(alias: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench ttft on a generated model with recurrent state: the warm engine reuses the blocks up to the snapshot that
+    travelled with them, the JSON names its bytes, and the replica's bytes include it."""
+    from kvmesh.node.cli import main
+
+    assert main(["bench", "ttft", "--json", "--model", alias, "--tokens", "3000"]) == 0  # the alias implies llamacpp
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["errors"] == 0 and out["snapshot_pos"] == out["warm_cached_tokens"] > 0.8 * out["warm_prompt_tokens"]
+    assert out["snapshot_bytes"] > 0 and out["replica_bytes"] > out["snapshot_bytes"]
