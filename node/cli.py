@@ -233,6 +233,11 @@ def _add_bench_control(bsub: Subparsers) -> None:
     c.add_argument("--slots", type=int, default=4)
     c.add_argument("--duration", type=float, default=60.0, help="seconds of agent load per mode")
     c.add_argument("--seed", type=int, default=1)
+    g = bsub.add_parser("exactness", help="the exactness gate per model kind: a moved turn against the home's")
+    g.add_argument("--json", action="store_true")
+    g.add_argument("--kinds", help="comma-separated: dense, dense-q8_0, swa-full, swa-window, moe, hybrid, "
+                   "recurrent (default: all)")
+    g.add_argument("--steps", type=int, default=64, help="greedy tokens compared")
 
 
 def _add_side_by_side(bsub: Subparsers) -> None:

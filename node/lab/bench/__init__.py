@@ -27,6 +27,10 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.node.lab.bench.control import run_control
 
         return run_control(args)
+    if args.bench == "exactness":
+        from kvmesh.node.lab.bench.exactness import run_exactness
+
+        return run_exactness(args)
     if args.bench == "versus":
         from kvmesh.node.lab.bench.versus import run_versus
 

@@ -78,3 +78,20 @@ def test_bench_ttft_moves_a_recurrent_model_with_its_snapshot(alias: str, capsys
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["errors"] == 0 and out["snapshot_pos"] == out["warm_cached_tokens"] > 0.8 * out["warm_prompt_tokens"]
     assert out["snapshot_bytes"] > 0 and out["replica_bytes"] > out["snapshot_bytes"]
+
+
+def test_bench_exactness_passes_the_gate_on_the_generated_kinds(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench exactness on MoE, hybrid and recurrent-only models: each row 64 identical greedy tokens within 0.05,
+    B reusing what A's replica (and, with recurrent state, its snapshot) carried; an unknown kind is refused."""
+    from kvmesh.node.cli import main
+
+    assert main(["bench", "exactness", "--json", "--kinds", "moe,hybrid,recurrent"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {r["kind"]: r for r in out["table"]}
+    assert out["errors"] == 0 and set(rows) == {"moe", "hybrid", "recurrent"}
+    for r in rows.values():
+        assert r["passed"] and r["tokens_identical"] == r["steps"] == 64 and r["max_logit_diff"] <= 0.05
+        assert r["reused_on_b"] > 0.8 * r["prompt_tokens"]
+    assert rows["moe"]["snapshot_pos"] == 0 and rows["hybrid"]["snapshot_pos"] == rows["hybrid"]["reused_on_b"]
+    with pytest.raises(SystemExit, match="unknown kinds"):
+        main(["bench", "exactness", "--kinds", "dense,nope"])

