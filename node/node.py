@@ -70,9 +70,10 @@ class Node:
         self.turns = TurnPath(cfg.name, self.engine, self.mesh, self.kvshare, publish=self.hub.publish,
                               forward_timeout_s=cfg.mesh.forward_timeout_s, on_resumed=self.metrics.resumed.inc)
         peers = self.mesh.peers
-        self.snapshots = (SnapshotShipper(self.engine.snapshots, self.engine.fingerprint, client=lambda: peers.client,
-                                      api_of=self._peer_api, tokens_of=self.engine.session_tokens)
-                        if self.engine.snapshots is not None else None)  # window mode's half of a replica
+        # The half of a replica that is not blocks, for window-mode and recurrent models (node.snapshotship).
+        self.snapshot_ship = (SnapshotShipper(self.engine.snapshots, self.engine.fingerprint, client=lambda: peers.client,
+                                              api_of=self._peer_api, tokens_of=self.engine.session_tokens)
+                              if self.engine.snapshots is not None else None)
         self.operator = Operator(cfg.name, self.engine, self.mesh, push=self.kvshare.push, publish=self.hub.publish)
         self.discovery: Discovery | None = None
         if cfg.mesh.discovery != "static":
@@ -96,8 +97,8 @@ class Node:
     def _on_event(self, ev: Event) -> None:
         if isinstance(ev, PeerUp):
             self.reoffer_replicas()
-        elif isinstance(ev, ReplicaSent) and ev.src == self.name and self.snapshots is not None:
-            task = asyncio.ensure_future(self.snapshots.ship(ev.session, ev.dst, ev.tokens))
+        elif isinstance(ev, ReplicaSent) and ev.src == self.name and self.snapshot_ship is not None:
+            task = self.snapshot_ship.submit(ev.session, ev.dst, ev.tokens)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -184,7 +185,8 @@ class Node:
         s, task = self.engine.slots, self.operator.drain_task
         waits = [f"{s.busy} running and {s.queued} queued turns" if s.busy or s.queued else "",
                  "the drain's pushes" if task is not None and not task.done() else "",
-                 f"{n} replica pushes" if (n := self.kvshare.pushes_pending()) else ""]
+                 f"{n} replica pushes" if (n := self.kvshare.pushes_pending()) else "",
+                 f"{n} snapshot sends" if self.snapshot_ship is not None and (n := self.snapshot_ship.in_flight) else ""]
         return ", ".join(w for w in waits if w) or None
 
     def ready(self) -> bool:
@@ -239,7 +241,7 @@ class Node:
                        "imported_blocks": self.engine.counters.imported_blocks,
                        "prefill_tps": round(self.engine.prefill_rate(), 1)},
             "kvshare": self.kvshare.stats(),
-            "snapshots": self.snapshots.stats() if self.snapshots is not None else None,
+            "snapshots": self.snapshot_ship.stats() if self.snapshot_ship is not None else None,
             "replicate_min_tokens": self.kv_cfg.replicate_min_tokens, "max_context": self.engine.max_context,
             "block_size": self.engine.block_size, "fingerprint": self.engine.fingerprint,
             "peer_wire": m.peers.wire_by_peer(),

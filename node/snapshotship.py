@@ -15,7 +15,7 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 
-from kvmesh.node.engine.snapshots import Snapshots, decode_snapshot, encode_snapshot
+from kvmesh.node.engine.snapshots import Snapshot, Snapshots, decode_snapshot, encode_snapshot
 from kvmesh.node.errors import ImportRefused, InvalidRequest
 
 log = logging.getLogger("kvmesh.snapshots")
@@ -33,14 +33,26 @@ class SnapshotShipper:
         self.snapshots, self.fingerprint = snapshots, fingerprint
         self._client, self._api_of, self._tokens_of = client, api_of, tokens_of
         self.sent = self.sent_bytes = self.failed = 0
+        self.in_flight = 0  # sends not yet answered: a draining node waits for them
 
-    async def ship(self, session: str, target: str, upto: int) -> bool:
-        """The newest snapshot of `session` within its first `upto` tokens (what the replica holds) to `target`."""
-        tokens, api = self._tokens_of(session), self._api_of(target)
-        w = None if tokens is None else self.snapshots.newest(tokens, upto)
-        if w is None or api is None or tokens is None:
-            return False
-        body = await asyncio.to_thread(encode_snapshot, tokens[: w.pos], w.blob)
+    def submit(self, session: str, target: str, upto: int) -> asyncio.Task[bool]:
+        """Send the newest snapshot of `session` within its first `upto` tokens (what the replica holds) to
+        `target`, in a task; counted in flight from now, so a drain that asks next already waits for it."""
+        self.in_flight += 1
+        return asyncio.ensure_future(self._ship(session, target, upto))
+
+    async def _ship(self, session: str, target: str, upto: int) -> bool:
+        try:
+            tokens, api = self._tokens_of(session), self._api_of(target)
+            w = None if tokens is None else self.snapshots.newest(tokens, upto)
+            if w is None or api is None or tokens is None:
+                return False
+            return await self._send(session, target, api, tokens[: w.pos], w)
+        finally:
+            self.in_flight -= 1
+
+    async def _send(self, session: str, target: str, api: str, tokens: np.ndarray, w: Snapshot) -> bool:
+        body = await asyncio.to_thread(encode_snapshot, tokens, w.blob)
         digest = await asyncio.to_thread(lambda: hashlib.sha256(body).hexdigest())
         try:
             r = await self._client().post(f"{api}/v1/peer/snapshots", content=body, timeout=30.0,

@@ -187,11 +187,11 @@ async def peer_hello(body: HelloRequest, node: PeerNode) -> PeerHello:
 @router.post("/v1/peer/snapshots")
 async def peer_snapshots(request: Request, node: PeerNode) -> dict[str, Any]:
     """A snapshot (window or recurrent state) of a session a peer replicated here (node.snapshotship)."""
-    if node.snapshots is None:
+    if node.snapshot_ship is None:
         raise Conflict(f"{node.name} keeps no snapshots: its model is neither hybrid nor served with llamacpp.swa = \"window\"")
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise InvalidRequest(f"a snapshot over {MAX_BODY_BYTES} bytes")
-    pos = await node.snapshots.accept(await request.body(), request.headers.get(FINGERPRINT_HEADER),
+    pos = await node.snapshot_ship.accept(await request.body(), request.headers.get(FINGERPRINT_HEADER),
                                     request.headers.get(DIGEST_HEADER))
     return {"accepted": True, "pos": pos}
 

@@ -91,7 +91,7 @@ class Engine:
         # or least recently used ones. For a model without blocks that is its cache itself (node.engine.live).
         self.slot_caches = LiveCaches(cfg.slots, backend.llama.held_tokens) if backend.llama else None
         self.live = self.slot_caches if self.inexact_reason else None
-        self.snapshots = backend.llama.snapshots if backend.llama else None  # window mode's snapshots (node.engine.snapshots)
+        self.snapshots = backend.llama.snapshots if backend.llama else None  # window caches, recurrent states (snapshots)
         self.swa = cfg.llamacpp.swa if backend.llama is not None and backend.llama.model.n_swa else None  # its mode
         self.slots = SlotScheduler(cfg.slots, cfg.queue_max, cfg.queue_timeout_s)
         self.sessions: collections.OrderedDict[str, Sequence] = collections.OrderedDict()  # LRU first
@@ -125,7 +125,7 @@ class Engine:
             if bid is None:
                 break
             ids.append(bid)
-        if self.snapshots is not None:  # a window-mode model resumes at a snapshot of its window (node.engine.snapshots)
+        if self.snapshots is not None:  # such a model resumes only at a snapshot (node.engine.snapshots)
             ids = ids[: self.snapshots.usable(tokens, len(ids) * bs) // bs]
         full = len(ids)
         n = full * bs
@@ -286,7 +286,7 @@ class Engine:
         t1 = time.monotonic()
         try:
             if (held := await self.runner.load(slot, load_ids, tokens[:reuse])) is not None and held < reuse:
-                reuse = stats.cached_tokens = held  # resumed at an earlier window snapshot
+                reuse = stats.cached_tokens = held  # resumed at an earlier snapshot
         except RestoreFailed as e:
             # The runner erased the slot's sequence: nothing half-restored. The blocks from the
             # bad one on stop being advertised, and this turn computes its whole prompt.

@@ -131,7 +131,8 @@ class LlamaRunner:
             self.kv_bytes_per_token = self._exec.submit(self._probe_growth).result()
             self.block_bytes = self.kv_bytes_per_token * block_size
 
-        self.snapshots = Snapshots(cfg.snapshot_mib << 20, self._check_snapshot) if self.snapshotted else None
+        self.snapshots = (Snapshots(cfg.snapshot_mib << 20, self._check_snapshot, block_size=block_size)
+                          if self.snapshotted else None)
 
     @property
     def layout(self) -> llamastate.Layout:
@@ -173,15 +174,16 @@ class LlamaRunner:
         """Decode one token into a spare sequence and learn the state layout from its blob (and, for bare
         blocks, the other caches' sections from an empty sequence's)."""
         seq = 0 if self.streams else self.scratch
-        empty = self._state(seq)
+        empty = self._state(seq) if self.snapshotted else None
         self._decode([1 % self.model.n_vocab], [seq], [0], logits_last=False)
         blob = self._state(seq)
         self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
         lay = llamastate.learn(blob.data, self.model.n_layer, recurrent=self.model.recurrent)
         # An empty sequence's blob: magic, seq id, the attention cache's section (n_stream 1, 0 cells) if
         # there is one, then the others' (the window cache's, the recurrent state's) with no cell.
-        tail = bytes(empty[16:] if lay.n_layer else empty[8:])
-        return dataclasses.replace(lay, bare=True, tail=tail) if self.snapshotted else lay
+        if empty is None:
+            return lay
+        return dataclasses.replace(lay, bare=True, tail=bytes(empty[16:] if lay.n_layer else empty[8:]))
 
     def _probe_growth(self) -> int:
         """Bytes a position adds to a sequence's state (its attention KV; the recurrent state is per sequence)."""
@@ -308,11 +310,15 @@ class LlamaRunner:
         """Keep the slot's window cache or recurrent state as the snapshot at the position its sequence stands at."""
         assert self.snapshots is not None
         held = self.held[slot]
-        size = self.lib.llama_state_seq_get_size_ext(self.ctx, slot, self._partial)
-        buf = np.empty(size, dtype=np.uint8)
-        n = self.lib.llama_state_seq_get_data_ext(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size,
-                                                  slot, self._partial)
-        if (why := self.snapshots.put(held.tokens.copy(), buf[:n])) is not None:
+        try:  # a snapshot not taken costs a later turn some prefill, never this turn
+            size = self.lib.llama_state_seq_get_size_ext(self.ctx, slot, self._partial)
+            buf = np.empty(size, dtype=np.uint8)
+            n = self.lib.llama_state_seq_get_data_ext(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                      size, slot, self._partial)
+            why = self.snapshots.put(held.tokens.copy(), buf[:n])
+        except Exception as e:  # noqa: BLE001
+            why = f"{type(e).__name__}: {e}"
+        if why is not None:
             log.warning("slot %d: no snapshot at position %d: %s", slot, held.n, why)
 
     def _from_snapshot(self, slot: int, block_ids: list[int], tokens: np.ndarray, own: bool) -> int:

@@ -29,17 +29,29 @@ import xxhash
 
 def snapshot_key(tokens: np.ndarray) -> bytes:
     """Names a token prefix: what a snapshot taken after exactly these tokens may continue."""
-    t = np.ascontiguousarray(tokens, dtype=np.int32)
-    return xxhash.xxh3_128(len(t).to_bytes(8, "little") + t.tobytes()).digest()
+    return xxhash.xxh3_128(np.ascontiguousarray(tokens, dtype="<i4").tobytes()).digest()
+
+
+def boundary_keys(tokens: np.ndarray, block_size: int, top: int) -> list[tuple[int, bytes]]:
+    """(P, snapshot_key(tokens[:P])) for every block boundary P in (0, top], one streaming pass: the digest of
+    a prefix is the running digest's state there, so a 32k-token prompt costs one read of its bytes."""
+    t = np.ascontiguousarray(tokens[:top], dtype="<i4")
+    h = xxhash.xxh3_128()
+    keys = []
+    for p in range(block_size, top + 1, block_size):
+        h.update(t[p - block_size : p].tobytes())
+        keys.append((p, h.copy().digest()))
+    return keys
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The window layers' cells of a sequence that stood at `pos`, after the tokens named by `key`."""
+    """The partial state (window cache cells or recurrent state) of a sequence that stood at `pos`, after the
+    tokens named by `key`."""
 
     pos: int
     key: bytes
-    blob: np.ndarray  # uint8: llama.cpp's partial sequence state (magic, seq id, the window cache's section)
+    blob: np.ndarray  # uint8: llama.cpp's partial sequence state (magic, seq id, the window or recurrent section)
 
     @property
     def nbytes(self) -> int:
@@ -52,8 +64,8 @@ class Snapshots:
     Written on the compute thread (snapshots taken mid-turn) and on the event loop (a peer's), read on
     both: a lock keeps the table whole."""
 
-    def __init__(self, budget_bytes: int, check: Callable[[np.ndarray, int], str | None]):
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget_bytes: int, check: Callable[[np.ndarray, int], str | None], *, block_size: int):
+        self.budget_bytes, self.block_size = budget_bytes, block_size
         self._check = check  # why a blob must not be kept as the snapshot at a position (None: sound)
         self._by_key: collections.OrderedDict[bytes, Snapshot] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -64,8 +76,10 @@ class Snapshots:
         return len(self._by_key)
 
     def put(self, tokens: np.ndarray, blob: np.ndarray, *, received: bool = False) -> str | None:
-        """Keep `blob` as the snapshot after exactly `tokens`; returns why it was refused, or None."""
-        why = self._check(blob, len(tokens))
+        """Keep `blob` as the snapshot after exactly `tokens`; returns why it was refused, or None. Snapshots
+        stand at block boundaries (where the runner takes them), so a lookup tries only those."""
+        why = (f"position {len(tokens)} is not a multiple of the block size {self.block_size}"
+               if len(tokens) % self.block_size else self._check(blob, len(tokens)))
         if why is not None:
             self.refused += 1
             return why
@@ -89,14 +103,12 @@ class Snapshots:
     def newest(self, tokens: np.ndarray, limit: int | None = None) -> Snapshot | None:
         """The snapshot at the furthest position <= `limit` (default: all of `tokens`) that `tokens` extend."""
         top = len(tokens) if limit is None else min(limit, len(tokens))
+        keys = boundary_keys(tokens, self.block_size, top)
         with self._lock:
-            candidates = sorted((w for w in self._by_key.values() if w.pos <= top), key=lambda w: -w.pos)
-        for w in candidates:
-            if snapshot_key(tokens[: w.pos]) == w.key:
-                with self._lock:
-                    if w.key in self._by_key:
-                        self._by_key.move_to_end(w.key)
-                return w
+            for _, key in reversed(keys):
+                if (w := self._by_key.get(key)) is not None:
+                    self._by_key.move_to_end(key)
+                    return w
         return None
 
     def drop(self, w: Snapshot) -> None:

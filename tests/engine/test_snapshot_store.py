@@ -5,17 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmesh.node.engine.snapshots import Snapshots, decode_snapshot, encode_snapshot, snapshot_key
+from kvmesh.node.engine.snapshots import Snapshots, boundary_keys, decode_snapshot, encode_snapshot, snapshot_key
 
 
 def _store(budget: int = 1 << 20) -> Snapshots:
-    # A stand-in check: a blob is "sound" when its first byte says the position modulo 256 (the real one parses cells).
-    return Snapshots(budget, lambda blob, pos: None if blob[0] == pos % 256 else f"blob for {blob[0]}, not {pos}")
+    # A stand-in check: a blob is "sound" when its first byte says its position in blocks (the real one parses cells).
+    return Snapshots(budget, lambda blob, pos: None if blob[0] == pos // 256 else f"blob for {blob[0]}, not {pos}",
+                     block_size=256)
 
 
 def _blob(pos: int, size: int = 100) -> np.ndarray:
     b = np.zeros(size, dtype=np.uint8)
-    b[0] = pos % 256
+    b[0] = pos // 256
     return b
 
 
@@ -44,9 +45,10 @@ def test_a_blob_that_does_not_check_is_refused_and_not_kept() -> None:
     """put returns the check's reason, keeps nothing, and counts the refusal."""
     toks = np.arange(256, dtype=np.int32)
     w = _store()
-    why = w.put(toks, _blob(255))
+    why = w.put(toks, _blob(512))
     assert why is not None and "not 256" in why
-    assert len(w) == 0 and w.refused == 1 and w.newest(toks) is None
+    assert w.put(toks[:200], _blob(0)) == "position 200 is not a multiple of the block size 256"
+    assert len(w) == 0 and w.refused == 2 and w.newest(toks) is None
 
 
 def test_the_budget_drops_the_least_recently_used_first() -> None:
@@ -69,3 +71,12 @@ def test_the_wire_form_round_trips_and_malformed_bodies_say_why() -> None:
         decode_snapshot(b"XXXX" + encode_snapshot(toks, blob)[4:])
     with pytest.raises(ValueError, match="needs 300 tokens"):
         decode_snapshot(encode_snapshot(toks, blob)[: 8 + 4 * 300])
+
+
+def test_boundary_keys_are_the_one_shot_keys_of_each_block_prefix() -> None:
+    """The streaming pass gives, at every block boundary up to the limit, the key of exactly that prefix."""
+    toks = np.random.default_rng(2).integers(0, 50000, 1000).astype(np.int32)
+    keys = boundary_keys(toks, 256, 900)
+    assert [p for p, _ in keys] == [256, 512, 768]
+    assert all(k == snapshot_key(toks[:p]) for p, k in keys)
+    assert boundary_keys(toks, 256, 255) == []
