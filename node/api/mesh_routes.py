@@ -191,8 +191,10 @@ async def peer_snapshots(request: Request, node: PeerNode) -> dict[str, Any]:
         raise Conflict(f"{node.name} keeps no snapshots: its model is neither hybrid nor served with llamacpp.swa = \"window\"")
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise InvalidRequest(f"a snapshot over {MAX_BODY_BYTES} bytes")
-    pos = await node.snapshot_ship.accept(await request.body(), request.headers.get(FINGERPRINT_HEADER),
-                                    request.headers.get(DIGEST_HEADER))
+    body = await request.body()
+    if len(body) > MAX_BODY_BYTES:  # a body sent without a length says so only once read
+        raise InvalidRequest(f"a snapshot over {MAX_BODY_BYTES} bytes")
+    pos = await node.snapshot_ship.accept(body, request.headers.get(FINGERPRINT_HEADER), request.headers.get(DIGEST_HEADER))
     return {"accepted": True, "pos": pos}
 
 

@@ -215,16 +215,6 @@ def bare_block(blob: np.ndarray, lay: Layout, cells: int, out: np.ndarray) -> in
     return head + len(lay.tail)
 
 
-def window_cells(pos: int, n_swa: int) -> int:
-    """The cells of the window layers a sequence of `pos` positions needs: those not masked for the next one."""
-    return min(pos, n_swa)
-
-
-def window_size(lay: Layout, pos: int, n_swa: int) -> int:
-    """Bytes of a window snapshot at `pos` (magic, seq id, the window cache's section)."""
-    return _SEQ_HEAD + lay.extra[0].section_size(window_cells(pos, n_swa))
-
-
 def check_snapshot(blob: bytes | memoryview, lay: Layout, pos: int, n_swa: int) -> str | None:
     """Why a snapshot must not be restored at `pos`; None when it holds exactly the window cache's cells for
     positions [pos - min(pos, n_swa), pos), or a recurrent state after position pos - 1, in this
@@ -239,9 +229,11 @@ def check_snapshot(blob: bytes | memoryview, lay: Layout, pos: int, n_swa: int) 
         return None if at == pos - 1 else f"the recurrent state stands after position {at}, not {pos - 1}"
     if not lay.extra:
         return "this model has one cache: it takes no snapshot"
-    cells = window_cells(pos, n_swa)
-    if pos < 1 or len(mv) != window_size(lay, pos, n_swa):
-        return f"{len(mv)} bytes; a window snapshot at position {pos} is {window_size(lay, pos, n_swa) if pos > 0 else '-'}"
+    if pos < 1:
+        return f"a window snapshot at position {pos}: it needs at least one position"
+    cells = min(pos, n_swa)  # the window cells not masked for the next position
+    if len(mv) != (want := _SEQ_HEAD + lay.extra[0].section_size(cells)):
+        return f"{len(mv)} bytes; a window snapshot at position {pos} is {want}"
     if struct.unpack_from("<I", mv, 0)[0] != MAGIC:
         return "not llama.cpp's sequence state"
     why = _check_section(mv, _SEQ_HEAD, lay.extra[0], pos - cells, cells)

@@ -16,7 +16,6 @@ A then agreed for 17 tokens only.
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import numpy as np
@@ -24,7 +23,8 @@ import pytest
 import torch
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
-from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
+from kvmesh.node.engine.engine import Engine, TurnDone
+from kvmesh.node.lab.bench.exactness import greedy
 from kvmesh.node.lab.workload import text
 
 MAX_LOGIT_DIFF = 0.05
@@ -39,40 +39,8 @@ def _engine(kv_type: str, reuse_tail: bool | None = None) -> Engine:
 def _turn(engine: Engine, prompt: list[int], max_tokens: int,
           session: str = "gate") -> tuple[list[int], list[torch.Tensor], str, TurnDone]:
     """A greedy turn: the tokens picked, every forward's logits (the prefill's last, then each decode step's), the text."""
-    seen: list[torch.Tensor] = []
-    inner = engine.runner.forward
-    batcher = engine.runner.decoder  # type: ignore[attr-defined]  # decode steps run ahead through it
-    inner_batch = batcher._run_batch
-
-    async def forward(slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
-        out = await inner(slot, tokens, start)
-        seen.append(out.clone())
-        return out
-
-    def run_batch(steps):  # type: ignore[no-untyped-def]  # one slot: one row per batch
-        rows = list(inner_batch(steps))
-        seen.extend(r.clone() for r in rows)
-        return rows
-
-    engine.runner.forward = forward  # type: ignore[method-assign]
-    batcher._run_batch = run_batch
-    done: list[TurnDone] = []
-    said: list[str] = []
-
-    async def go() -> None:
-        async for ev in engine.generate(GenerateRequest(session, prompt, max_tokens=max_tokens, temperature=0.0)):
-            if isinstance(ev, TurnDone):
-                done.append(ev)
-            elif isinstance(ev, TextDelta):
-                said.append(ev.text)
-
-    try:
-        asyncio.run(go())
-    finally:
-        engine.runner.forward = inner  # type: ignore[method-assign]
-        batcher._run_batch = inner_batch
-    picked = [int(x.argmax()) for x in seen]
-    return picked, seen, "".join(said), done[0]
+    seen, done, said = greedy(engine, prompt, max_tokens, session=session, ignore_eos=False)
+    return [int(x.argmax()) for x in seen], seen, said, done
 
 
 def _gate(kv_type: str, reuse_tail: bool | None = None) -> tuple[int, float, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from unittest import mock
 
 import gguf
 import numpy as np
@@ -14,8 +15,6 @@ import pytest
 from test_llamacpp import Capture, prompt
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
-from unittest import mock
-
 from kvmesh.node.engine import gguf_gen, llamastate
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnBegin
 from kvmesh.node.errors import ImportRefused

@@ -18,6 +18,7 @@ from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine import gguf_gen, llamastate
 from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.llamacpp import LlamaRunner
+from kvmesh.node.lab.bench.exactness import move_replica
 
 
 @pytest.fixture(scope="module", params=["hybrid-tiny", "mamba-tiny"])
@@ -30,25 +31,13 @@ def _engine(path: Path) -> Engine:
                                llamacpp=LlamaCppConfig(threads=2, n_batch=256)))
 
 
-def _move(home: Engine, away: Engine, session: str) -> tuple[np.ndarray, int]:
-    """A's blocks of the session into B, with A's newest snapshot they reach; returns (their tokens, its position)."""
-    with home.export(session) as blocks:
-        tokens = np.concatenate([b.tokens for b in blocks])
-        away.import_blocks(session, home.fingerprint, tokens, [b.hash for b in blocks], [bytes(b.data) for b in blocks])
-    assert home.snapshots is not None and away.snapshots is not None
-    w = home.snapshots.newest(tokens)
-    assert w is not None
-    assert away.snapshots.put(tokens[: w.pos], w.blob, received=True) is None
-    return tokens, w.pos
-
-
 def test_a_moved_session_continues_exactly(gguf: Path) -> None:
     """A turn on A, its blocks and newest snapshot on B: B's next turn reuses up to the snapshot and its 64 greedy
     tokens and logits equal A's own next turn, which resumes at the same snapshot from its own slot (no block restored)."""
     home, away = _engine(gguf), _engine(gguf)
     try:
         _turn(home, prompt(700), 20, session="gate")
-        tokens, pos = _move(home, away, "gate")
+        tokens, pos = move_replica(home, away, "gate")
         assert pos == len(tokens) > 640  # the reply crossed a block boundary: a snapshot there
         held = home.session_tokens("gate")
         assert held is not None

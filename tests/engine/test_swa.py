@@ -19,9 +19,9 @@ from kvmesh.node.engine.llamacpp import LlamaRunner
 from kvmesh.node.lab.workload import text
 
 
-def _engine() -> Engine:
+def _engine(swa: str = "full") -> Engine:
     return Engine(EngineConfig(model="gemma3-270m", slots=1, max_context=4096, cache_tokens=4096,
-                               llamacpp=LlamaCppConfig(threads=2)))
+                               llamacpp=LlamaCppConfig(threads=2, swa=swa)))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

@@ -12,22 +12,18 @@ import random
 import numpy as np
 import pytest
 from test_exactness import MAX_LOGIT_DIFF, STEPS, _turn
+from test_swa import _engine
 
-from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.llamacpp import LlamaRunner
+from kvmesh.node.lab.bench.exactness import move_replica
 from kvmesh.node.lab.workload import text
-
-
-def _engine(swa: str = "window") -> Engine:
-    return Engine(EngineConfig(model="gemma3-270m", slots=1, max_context=4096, cache_tokens=4096,
-                               llamacpp=LlamaCppConfig(threads=2, swa=swa)))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
 def gemma() -> tuple[Engine, Engine]:
-    home, away = _engine(), _engine()
+    home, away = _engine("window"), _engine("window")
     yield home, away
     home.close()
     away.close()
@@ -36,18 +32,6 @@ def gemma() -> tuple[Engine, Engine]:
 def _prompt(e: Engine, seed: int, chars: int = 9000) -> list[int]:
     rng = random.Random(seed)
     return list(e.tokenizer.apply_chat_template([{"role": "user", "content": "Read this:\n" + text(rng, chars) + "\nWhat is it about?"}]))
-
-
-def _move(home: Engine, away: Engine, session: str) -> int:
-    """A's blocks of the session imported into B, and A's newest window snapshot they reach; returns its position."""
-    with home.export(session) as blocks:
-        tokens = np.concatenate([b.tokens for b in blocks])
-        away.import_blocks(session, home.fingerprint, tokens, [b.hash for b in blocks], [bytes(b.data) for b in blocks])
-    assert home.snapshots is not None and away.snapshots is not None
-    w = home.snapshots.newest(tokens)
-    assert w is not None
-    assert away.snapshots.put(tokens[: w.pos], w.blob, received=True) is None
-    return w.pos
 
 
 def test_window_mode_blocks_hold_the_full_attention_cache_only() -> None:
@@ -70,7 +54,7 @@ def test_a_moved_session_continues_exactly_from_blocks_and_its_window_snapshot(g
     home, away = gemma
     p1 = _prompt(home, 3)
     out1, _, _, _ = _turn(home, p1, 20, session="gate")
-    pos = _move(home, away, "gate")
+    _, pos = move_replica(home, away, "gate")
     assert pos == len(p1) // home.block_size * home.block_size and pos >= 3 * 512
     p2 = p1 + out1 + home.tokenizer.encode(" And in one word?")
     on_b, logits_b, _, done_b = _turn(away, p2, STEPS, session="gate")

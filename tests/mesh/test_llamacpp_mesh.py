@@ -35,26 +35,27 @@ def _start(workdir: Path, engine: dict[str, Any], kvshare: dict[str, Any]) -> Me
     return m
 
 
+def _serve(m: Mesh, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """A fixture's mesh for its test: the nodes' logs printed when the test failed, then stopped."""
+    yield m
+    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
+        print(m.logs())
+    m.stop()
+
+
 @pytest.fixture
 def llama_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     gguf = gguf_gen.write_gguf(tmp_path / "tiny.gguf", gguf_gen.spec_for("tiny"))
     engine = {"kind": "llamacpp", "model": str(gguf), "slots": 2, "cache_bytes": 64 << 20, "max_context": 8192,
               "block_size": BLOCK, "llamacpp": {"threads": 1}}
-    m = _start(tmp_path / "mesh", engine, {"replicate_min_tokens": 512})
-    yield m
-    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-        print(m.logs())
-    m.stop()
+    yield from _serve(_start(tmp_path / "mesh", engine, {"replicate_min_tokens": 512}), request)
 
 
 @pytest.fixture
 def smollm2_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     """Two nodes serving the real SmolLM2 by its alias, every size the model's own (context, blocks, threshold)."""
-    m = _start(tmp_path / "mesh", {"model": "smollm2", "slots": 1, "cache_tokens": 16384, "llamacpp": {"threads": 1}}, {})
-    yield m
-    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-        print(m.logs())
-    m.stop()
+    engine = {"model": "smollm2", "slots": 1, "cache_tokens": 16384, "llamacpp": {"threads": 1}}
+    yield from _serve(_start(tmp_path / "mesh", engine, {}), request)
 
 
 def pinned_turn(m: Mesh, host: str, session: str, messages: list[dict[str, str]], max_tokens: int = 12,
@@ -132,11 +133,7 @@ def gemma_window_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: 
     """Two nodes serving the real Gemma 3 270M with llama.cpp's windowed cache (llamacpp.swa = "window")."""
     engine = {"model": "gemma3-270m", "slots": 1, "max_context": 4096, "cache_tokens": 8192,
               "llamacpp": {"threads": 1, "swa": "window"}}
-    m = _start(tmp_path / "mesh", engine, {"replicate_min_tokens": 512})
-    yield m
-    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-        print(m.logs())
-    m.stop()
+    yield from _serve(_start(tmp_path / "mesh", engine, {"replicate_min_tokens": 512}), request)
 
 
 def test_gemma3_window_mode_moves_warm_with_its_snapshot_and_answers_as_if_it_never_moved(gemma_window_mesh: Mesh) -> None:
@@ -191,11 +188,7 @@ def test_gemma3_window_mode_moves_warm_with_its_snapshot_and_answers_as_if_it_ne
 def recurrent_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     """Two nodes serving a generated model with recurrent state by its alias: LFM2's hybrid layout, or Mamba's."""
     engine = {"model": request.param, "slots": 2, "cache_tokens": 8192, "max_context": 4096, "llamacpp": {"threads": 1}}
-    m = _start(tmp_path / "mesh", engine, {"replicate_min_tokens": 256})
-    yield m
-    if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
-        print(m.logs())
-    m.stop()
+    yield from _serve(_start(tmp_path / "mesh", engine, {"replicate_min_tokens": 256}), request)
 
 
 def test_a_session_with_recurrent_state_moves_warm_with_its_snapshot(recurrent_mesh: Mesh) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
-from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnDone
+from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
 from kvmesh.node.lab.bench.common import emit
 from kvmesh.node.lab.workload import text
 
@@ -43,9 +43,10 @@ def _engine(alias: str, llama: dict[str, Any]) -> Engine:
                                llamacpp=LlamaCppConfig(threads=0, **llama)))
 
 
-def _greedy(engine: Engine, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], TurnDone]:
-    """A greedy turn, with the logits of every forward it ran (the prefill's last, then each decode step's):
-    the runner's forward and its decode batches are wrapped for the turn."""
+def greedy(engine: Engine, prompt: list[int], steps: int, *, session: str = "gate",
+           ignore_eos: bool = True) -> tuple[list[torch.Tensor], TurnDone, str]:
+    """A greedy turn: the logits of every forward it ran (the prefill's last, then each decode step's), its
+    end, and its text. The runner's forward and its decode batches are wrapped for the turn."""
     seen: list[torch.Tensor] = []
     runner: Any = engine.runner
     forward, batcher = runner.forward, runner.decoder
@@ -62,31 +63,36 @@ def _greedy(engine: Engine, prompt: list[int], steps: int) -> tuple[list[torch.T
         return rows
 
     done: list[TurnDone] = []
+    said: list[str] = []
 
     async def go() -> None:
-        async for ev in engine.generate(GenerateRequest("gate", prompt, max_tokens=steps, temperature=0.0, ignore_eos=True)):
+        req = GenerateRequest(session, prompt, max_tokens=steps, temperature=0.0, ignore_eos=ignore_eos)
+        async for ev in engine.generate(req):
             if isinstance(ev, TurnDone):
                 done.append(ev)
+            elif isinstance(ev, TextDelta):
+                said.append(ev.text)
 
     runner.forward, batcher._run_batch = capture_forward, capture_batch
     try:
         asyncio.run(go())
     finally:
         runner.forward, batcher._run_batch = forward, run_batch
-    return seen, done[0]
+    return seen, done[0], "".join(said)
 
 
-def _move(home: Engine, away: Engine) -> int:
-    """A's blocks of the session into B, and its newest snapshot they reach; returns the snapshot's position (0: none)."""
-    with home.export("gate") as blocks:
+def move_replica(home: Engine, away: Engine, session: str = "gate") -> tuple[np.ndarray, int]:
+    """A's whole blocks of the session into B, and A's newest snapshot they reach (what kv_share's landing and
+    /v1/peer/snapshots would carry). Returns the blocks' tokens and the snapshot's position (0: none)."""
+    with home.export(session) as blocks:
         tokens = np.concatenate([b.tokens for b in blocks])
-        away.import_blocks("gate", home.fingerprint, tokens, [b.hash for b in blocks], [bytes(b.data) for b in blocks])
+        away.import_blocks(session, home.fingerprint, tokens, [b.hash for b in blocks], [bytes(b.data) for b in blocks])
     w = home.snapshots.newest(tokens) if home.snapshots is not None else None
     if w is None or away.snapshots is None:
-        return 0
+        return tokens, 0
     if (why := away.snapshots.put(tokens[: w.pos], w.blob, received=True)) is not None:
         raise RuntimeError(f"the snapshot was refused: {why}")
-    return w.pos
+    return tokens, w.pos
 
 
 def gate(kind: str, steps: int) -> dict[str, object]:
@@ -97,13 +103,13 @@ def gate(kind: str, steps: int) -> dict[str, object]:
         rng = random.Random(3)
         msgs = [{"role": "user", "content": "Read this:\n" + text(rng, chars) + "\nWhat is it about?"}]
         p1 = list(home.tokenizer.apply_chat_template(msgs))
-        _greedy(home, p1, 16)
-        snapshot = _move(home, away)
+        greedy(home, p1, 16)
+        _, snapshot = move_replica(home, away)
         held = home.session_tokens("gate")
         assert held is not None
         p2 = [int(t) for t in held] + home.tokenizer.encode(" And in one word?")
-        on_b, done_b = _greedy(away, p2, steps)
-        on_a, _ = _greedy(home, p2, steps)
+        on_b, done_b, _ = greedy(away, p2, steps)
+        on_a, _, _ = greedy(home, p2, steps)
         picks_a, picks_b = [int(x.argmax()) for x in on_a], [int(x.argmax()) for x in on_b]
         same = next((i for i, (a, b) in enumerate(zip(picks_a, picks_b)) if a != b), min(len(picks_a), len(picks_b)))
         diff = max(float((a - b).abs().max()) for a, b in zip(on_a, on_b))

@@ -107,7 +107,8 @@ def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict
 
 def _export(home: Engine, store: ReplicaStore) -> tuple[np.ndarray, int, Snapshot | None]:
     """The home engine's cache of the conversation to a replica file: (its tokens, whole blocks written, and in
-    window mode the newest window snapshot those blocks reach, the rest of the replica: node.engine.snapshots)."""
+    window mode or with recurrent state the newest snapshot those blocks reach, the rest of the replica:
+    node.engine.snapshots)."""
     man_tokens = home.session_tokens(SESSION)
     assert man_tokens is not None
     with home.export(SESSION) as blocks:
@@ -119,8 +120,8 @@ def _export(home: Engine, store: ReplicaStore) -> tuple[np.ndarray, int, Snapsho
             for b in blocks:
                 w.write_block(b.index, b.data, payload_digest(b.data))
             w.commit()
-    window = home.snapshots.newest(man_tokens[: n * home.block_size]) if home.snapshots is not None else None
-    return man_tokens, n, window
+    snapshot = home.snapshots.newest(man_tokens[: n * home.block_size]) if home.snapshots is not None else None
+    return man_tokens, n, snapshot
 
 
 def _no_replicas(cfg: EngineConfig, reason: str) -> dict[str, object]:
@@ -144,7 +145,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 return _no_replicas(cfg, home.inexact_reason)
             prompt = home.tokenizer.apply_chat_template(msgs)
             cold_s, reply = await _ttft(home, prompt, max_tokens=16)
-            man_tokens, n, window = _export(home, store)
+            man_tokens, n, snapshot = _export(home, store)
             swa = _swa_facts(home, n * home.block_size)
             home.close()
             del home
@@ -153,9 +154,9 @@ def run_ttft(args: argparse.Namespace) -> int:
             prompt2 = away.tokenizer.apply_chat_template(follow)
             t0 = time.monotonic()
             store.import_into(away, SESSION)
-            if window is not None and away.snapshots is not None:
-                if (why := away.snapshots.put(man_tokens[: window.pos], window.blob, received=True)) is not None:
-                    raise RuntimeError(f"the window snapshot was refused: {why}")
+            if snapshot is not None and away.snapshots is not None:
+                if (why := away.snapshots.put(man_tokens[: snapshot.pos], snapshot.blob, received=True)) is not None:
+                    raise RuntimeError(f"the snapshot was refused: {why}")
             import_s = time.monotonic() - t0
             gen_s, _ = await _ttft(away, prompt2)
             warm_s = import_s + gen_s
@@ -173,8 +174,8 @@ def run_ttft(args: argparse.Namespace) -> int:
                 "warm_cached_tokens": cached,
                 "engine": cfg.kind,
                 "block_size": away.block_size, **swa,
-                "replica_bytes": n * away.block_bytes + (window.nbytes if window is not None else 0),
-                **({"snapshot_bytes": window.nbytes, "snapshot_pos": window.pos} if window is not None else {}),
+                "replica_bytes": n * away.block_bytes + (snapshot.nbytes if snapshot is not None else 0),
+                **({"snapshot_bytes": snapshot.nbytes, "snapshot_pos": snapshot.pos} if snapshot is not None else {}),
                 "errors": len(errors), "error_samples": errors,
                 **({"model": cfg.served_model, "device": str(away.device), "dtype": str(away.dtype).removeprefix("torch.")}
                    if model is not None or cfg.kind == "llamacpp" else {}),
