@@ -98,6 +98,21 @@ class Soak:
             self.rss_max[p.name] = max(self.rss_max.get(p.name, 0.0), s["rss"])
             self.series.setdefault(p.name, []).append((time.monotonic() - self.t0, s["rss"] - s["shared"], s["fds"]))
 
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait (at most timeout_s) until no node has a replica push in flight or queued, then half a second for
+        receivers to close: the end sample is of idle nodes, whose threads and fds only a leak still holds."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                pending = sum(httpx.get(f"{p.api}/v1/stats", timeout=5.0).json()["kvshare"]["pushes_pending"]
+                              for p in self.nodes)
+            except (httpx.HTTPError, ValueError, KeyError):
+                return
+            if not pending:
+                break
+            time.sleep(0.2)
+        time.sleep(0.5)
+
     def stores_full(self) -> bool:
         """Sample every node's store bytes; True when each is at STORE_FULL of its budget."""
         full = True
@@ -153,6 +168,7 @@ class Soak:
             if not load.done():
                 load.cancel()
         elapsed = time.monotonic() - t0
+        await asyncio.to_thread(self.settle)
         await asyncio.to_thread(self.take, "end")
         async with httpx.AsyncClient(timeout=10.0) as http:
             node_stats = {p.name: (await http.get(f"{p.api}/v1/stats")).json() for p in self.nodes}
