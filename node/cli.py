@@ -252,6 +252,9 @@ def _add_side_by_side(bsub: Subparsers) -> None:
     e.add_argument("--streams", type=_int_list, default=[1, 4], help="concurrent streams per point (comma-separated)")
     e.add_argument("--prompts", type=_int_list, default=[1000, 4000, 7000], help="prompt tokens per point (comma-separated)")
     e.add_argument("--max-tokens", type=int, default=128, help="tokens decoded per stream (ignore_eos)")
+    e.add_argument("--extra-bufts", choices=["auto", "on", "off"], default="auto",
+                   help="llama.cpp's repacked weight buffers on both sides (engine.llamacpp.extra_bufts; "
+                   "llama-server's --repack/--no-repack): compare on and off on one host")
     v = bsub.add_parser("versus", help="two hosts: kvmesh against llama-servers behind nginx (sticky, round robin)")
     v.add_argument("--json", action="store_true")
     v.add_argument("--duration", type=float, default=300.0, help="seconds per arm")

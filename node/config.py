@@ -66,6 +66,9 @@ class LlamaCppConfig(_Strict):
     type_k: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] = "f16"
     type_v: Literal["f32", "f16", "bf16", "q8_0", "q4_0"] = "f16"
     use_mmap: bool = True
+    extra_bufts: Literal["auto"] | bool = Field("auto", description="llama.cpp's repacked weight buffers (REPACK, "
+                                               "AMX): true, false, or 'auto': on, except on CPUs that report AMX_INT8, "
+                                               "where they segfault (llama.cpp#20824; node.engine.repack)")
     swa: Literal["full", "window"] = Field("full", description="a sliding-window model's cache (Gemma 2/3, gpt-oss): "
                                            "'full' keeps every position of its window layers, so blocks restore "
                                            "exactly at a full-attention cache's memory; 'window' keeps the last "

@@ -25,6 +25,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from kvmesh.node.config import HOST_NAME_PATTERN, REPLICATE_MIN_TOKENS, KVShareConfig, NodeConfig, describe
+from kvmesh.node.engine import repack
 from kvmesh.node.engine.ggufmeta import GGUFFacts, read_facts
 from kvmesh.node.engine.models import resolve as resolve_model
 from kvmesh.node.errors import ConfigError
@@ -75,7 +76,7 @@ def _sized(plan: MeshPlan) -> tuple[str, str]:
         # Unset, the node fits these to the model it loads; a fixed 8192 would never fire on an 8k model.
         return (f"# {plan.model} is not on this machine: sizes are defaults; max_context is the model's trained\n"
                 f"# context when unset.\n# KV pool: the byte budget for resident session caches (LRU beyond it).\n"
-                f"cache_bytes = {1 << 30}\n",
+                f"cache_bytes = {1 << 30}\n{_llamacpp_section('')}",
                 "# Sessions shorter than this are not replicated (recomputing them is cheap). Unset: 8192, at most\n"
                 f"# a quarter of the model's context per slot.\n# replicate_min_tokens = {REPLICATE_MIN_TOKENS}\n")
     if f is None:
@@ -88,7 +89,7 @@ def _sized(plan: MeshPlan) -> tuple[str, str]:
             "# any), and the recurrent state travels as a snapshot beside them (taken at block boundaries).\n"
             if f.recurrent_layers else "")
     replicate = KVShareConfig().for_context(f.context).replicate_min_tokens  # the node's own rule
-    swa = (f"[engine.llamacpp]\n# Its window layers: \"full\" keeps every position (blocks restore exactly, also from disk\n"
+    swa = (f"# Its window layers: \"full\" keeps every position (blocks restore exactly, also from disk\n"
            f"# after a restart; a full cache's memory); \"window\" keeps the last {f.sliding_window} (llama.cpp's default) and a\n"
            "# replica is bare blocks plus a snapshot of the window, sent after them (memory only).\nswa = \"full\"\n"
            if f.sliding_window else "")
@@ -96,9 +97,19 @@ def _sized(plan: MeshPlan) -> tuple[str, str]:
             f"# per token ({f.context * f.kv_bytes_per_token / 2**20:.0f} MiB per full context).\n"
             f"{live}# Context per slot: the model's trained context.\nmax_context = {f.context}\n"
             f"# KV pool: two full contexts per slot ({pool / 2**30:.2f} GiB), so idle sessions stay resident.\n"
-            f"cache_bytes = {pool}\n{swa}",
+            f"cache_bytes = {pool}\n{_llamacpp_section(swa)}",
             f"# Sessions shorter than this are not replicated (recomputing them is cheap): 8192, at most a\n"
             f"# quarter of the model's {f.context}-token context, so sessions do replicate.\nreplicate_min_tokens = {replicate}\n")
+
+
+def _llamacpp_section(more: str) -> str:
+    """[engine.llamacpp]: the weight buffers (decided on each host at start), then `more`."""
+    here = repack.decide("auto", "", repack.read_cpuinfo())  # the kernel's flags; llama.cpp may not be installed here
+    return ("[engine.llamacpp]\n# llama.cpp's repacked weight buffers (REPACK, AMX): \"auto\" decides on each host at start:\n"
+            "# off where the CPU reports AMX_INT8 (they segfault there, llama.cpp#20824), on elsewhere;\n"
+            "# true or false forces it. /v1/stats shows each host's choice (engine.weights).\n"
+            f"# On this machine: {'on' if here.extra_bufts else 'off'} ({here.reason}).\n"
+            f"extra_bufts = \"auto\"\n{more}")
 
 
 def _check_addr(addr: str, spec: str) -> str:

@@ -139,6 +139,21 @@ def test_init_sizes_a_gguf_host_from_the_model(tmp_path: Path, monkeypatch: pyte
     assert cfg.kvshare.never_replicates(cfg.engine.max_context) is None
 
 
+@pytest.mark.parametrize("model", ["smollm2", "/models/qwen3-8b-q4_k_m.gguf"])
+def test_init_explains_the_weight_buffer_choice(tmp_path: Path, model: str) -> None:
+    """A llama.cpp host's config sets extra_bufts = "auto", says it is off on AMX_INT8 CPUs and why, and what
+    this machine would pick; a sim host's config has no llama.cpp section."""
+    r = _init("--host", "a=10.0.0.1", "--model", model, "--out", str(tmp_path / "m"))
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "m" / "a.toml").read_text()
+    assert "off where the CPU reports AMX_INT8" in text and "llama.cpp#20824" in text and "# On this machine: o" in text
+    assert load_config(tmp_path / "m" / "a.toml").engine.llamacpp.extra_bufts == "auto"
+    assert "extra_bufts" in load_config(tmp_path / "m" / "a.toml").engine.llamacpp.model_fields_set
+    r = _init("--host", "a=10.0.0.1", "--engine", "sim", "--out", str(tmp_path / "s"))
+    assert r.returncode == 0, r.stderr
+    assert "extra_bufts" not in (tmp_path / "s" / "a.toml").read_text()
+
+
 @pytest.mark.parametrize(("alias", "recurrent", "says"), [("mamba-tiny", "2 of its 2 layers", "travels as a snapshot"),
                                                          ("hybrid-tiny", "2 of its 4 layers", "travels as a snapshot")])
 def test_init_says_how_a_model_with_recurrent_state_replicates(tmp_path: Path, alias: str, recurrent: str, says: str) -> None:

@@ -21,6 +21,7 @@ from kvmesh.node.engine.llamamodel import LlamaModel
 from kvmesh.node.engine.llamamodel import fingerprint as llama_fingerprint
 from kvmesh.node.engine.model import ModelConfig, fingerprint, preset
 from kvmesh.node.engine.models import gguf_name
+from kvmesh.node.engine.repack import WeightBuffers
 from kvmesh.node.engine.runner import Runner, SimCost, SimRunner, TorchRunner
 from kvmesh.node.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -44,6 +45,7 @@ class Backend:
     checkpoint: Checkpoint | None = None  # kind "torch": the checkpoint its weights load from
     llama: LlamaRunner | None = None  # kind "llamacpp": the runner, its model loaded
     inexact_reason: str | None = None  # why its cache cannot be cut into blocks: live caches only (node.engine.live)
+    weights: WeightBuffers | None = None  # kind "llamacpp": repacked weight buffers or not, and why
 
 
 def _pick_device(want: str) -> torch.device:
@@ -138,7 +140,7 @@ def _open_llamacpp(cfg: EngineConfig) -> Backend:
     return Backend(model.tokenizer, ModelConfig(name=model.path.stem, vocab_size=model.n_vocab, max_context=ctx),
                    torch.uint8, torch.device("cpu"), (runner.block_bytes,), runner.block_bytes,
                    runner.kv_bytes_per_token, llama_fingerprint(model, cfg.llamacpp, None if runner.inexact else runner.layout, bs),
-                   bs, llama=runner, inexact_reason=runner.inexact)
+                   bs, llama=runner, inexact_reason=runner.inexact, weights=model.weights)
 
 
 def make_runner(cfg: EngineConfig, backend: Backend, pool: BlockPool, seed_hash: bytes) -> Runner:

@@ -23,7 +23,7 @@ from typing import Any
 import xxhash
 
 from kvmesh.node.config import LlamaCppConfig
-from kvmesh.node.engine import llamastate
+from kvmesh.node.engine import llamastate, repack
 from kvmesh.node.engine.llamatok import LlamaTokenizer
 from kvmesh.node.engine.models import GENERATED, PACKAGED
 from kvmesh.node.engine.models import resolve as resolve_model
@@ -131,6 +131,7 @@ class LlamaModel:
     n_ctx_train: int  # the context the model was trained for (GGUF `context_length`)
     n_swa: int = 0  # the sliding window of its SWA layers (0: none)
     recurrent: bool = False  # recurrent layers, with attention ones (hybrid) or alone (node.engine.snapshots)
+    weights: repack.WeightBuffers | None = None  # repacked weight buffers or not, and why (node.engine.repack)
 
     @classmethod
     def open(cls, path: str | Path, cfg: LlamaCppConfig) -> LlamaModel:
@@ -141,9 +142,11 @@ class LlamaModel:
         lib = _lib()
         _install_logging(lib)
         lib.llama_backend_init()
+        weights = weight_buffers(cfg, lib)
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = 10**6 if cfg.gpu_layers < 0 else cfg.gpu_layers
         mp.use_mmap = cfg.use_mmap
+        mp.use_extra_bufts = weights.extra_bufts
         handle = lib.llama_model_load_from_file(str(p).encode(), mp)
         if not handle:
             raise CheckpointError(f"llama.cpp could not load {p}: {llama_error('see the log')}", path=str(p))
@@ -155,12 +158,33 @@ class LlamaModel:
                              allowed=_allowed_tokens(p))
         return cls(p, lib, handle, vocab, int(lib.llama_model_n_layer(handle)), int(lib.llama_vocab_n_tokens(vocab)),
                    gguf_digest(p), tok, int(lib.llama_model_n_ctx_train(handle)), int(lib.llama_model_n_swa(handle)),
-                   has_recurrent_state(lib, handle))
+                   has_recurrent_state(lib, handle), weights)
 
     def close(self) -> None:
         if self.handle:
             self.lib.llama_model_free(self.handle)
             self.handle = None
+
+
+def system_info(lib: ModuleType) -> str:
+    """ggml's report of the CPU features it was built for (`AVX2 = 1 | AMX_INT8 = 1 | ...`)."""
+    raw = lib.llama_print_system_info()
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw or "")
+
+
+_choice_logged: set[repack.WeightBuffers] = set()
+
+
+def weight_buffers(cfg: LlamaCppConfig, lib: ModuleType | None = None) -> repack.WeightBuffers:
+    """This host's weight buffers for `cfg.extra_bufts` (node.engine.repack), said once per process.
+
+    Everything that loads a GGUF here, or starts llama-server beside kvmesh, takes its choice from this."""
+    lib = lib or _lib()
+    w = repack.decide(cfg.extra_bufts, system_info(lib), repack.read_cpuinfo())
+    if w not in _choice_logged:
+        _choice_logged.add(w)
+        log.info("llama.cpp weight buffers: %s (%s)", "repacked" if w.extra_bufts else "plain CPU", w.reason)
+    return w
 
 
 def _allowed_tokens(path: Path) -> list[int] | None:

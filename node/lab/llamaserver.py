@@ -8,7 +8,10 @@ folder keyed by the binding's version and the CMake arguments; `make llama-serve
     python -m kvmesh.node.lab.llamaserver build [CMAKE_ARGS...]   # idempotent; prints the binary
     python -m kvmesh.node.lab.llamaserver path                    # the binary, or exit 1
 
-`LlamaServer` runs one as a child process on loopback, pinned to given cores, and stops it.
+`LlamaServer` runs one as a child process on loopback, pinned to given cores, and stops it. Its
+weights are repacked or not as the caller says (`--repack` / `--no-repack`): a bench passes the
+choice kvmesh's engine made on this host (node.engine.repack), so both sides run the same kernels
+and neither segfaults on an AMX host.
 """
 
 from __future__ import annotations
@@ -101,8 +104,10 @@ class LlamaServer:
 
     def __init__(self, model: Path, *, slots: int, ctx_per_slot: int, threads: int, cores: set[int] | None = None,
                  cache_ram_mib: int = 8192, host: str = "127.0.0.1", log: Path | None = None,
-                 extra: list[str] | None = None, prefix: list[str] | None = None, bind: str | None = None) -> None:
+                 extra: list[str] | None = None, prefix: list[str] | None = None, bind: str | None = None,
+                 repack: bool) -> None:
         self.model, self.slots, self.ctx_per_slot, self.threads = model, slots, ctx_per_slot, threads
+        self.repack = repack
         self.cores, self.cache_ram_mib, self.host, self.extra = cores, cache_ram_mib, host, extra or []
         self.log = log
         self.prefix, self.bind = prefix or [], bind or host  # e.g. `ip netns exec NS`, listening on 0.0.0.0 there
@@ -121,7 +126,8 @@ class LlamaServer:
         # -c is shared by the -np slots (no -kvu), so slots x ctx gives each slot ctx_per_slot
         return [str(find()), "-m", str(self.model), "-c", str(self.slots * self.ctx_per_slot), "-np", str(self.slots),
                 "-t", str(self.threads), "-tb", str(self.threads), "--host", self.bind, "--port", str(self.port),
-                "--cache-ram", str(self.cache_ram_mib), "--no-webui", "--metrics", "-fa", "on", *self.extra]
+                "--cache-ram", str(self.cache_ram_mib), "--no-webui", "--metrics", "-fa", "on",
+                "--repack" if self.repack else "--no-repack", *self.extra]
 
     def start(self, timeout_s: float = 180.0) -> LlamaServer:
         self.port = free_port("127.0.0.1") if self.prefix else free_port(self.host)  # another namespace: any port is free there

@@ -24,6 +24,7 @@ import torch
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine.engine import Engine, TurnDone
+from kvmesh.node.engine.llamamodel import weight_buffers
 from kvmesh.node.lab.bench.exactness import greedy
 from kvmesh.node.lab.workload import text
 
@@ -68,6 +69,19 @@ def _gate(kv_type: str, reuse_tail: bool | None = None) -> tuple[int, float, int
     finally:
         home.close()
         away.close()
+
+
+def test_smollm2_runs_with_this_hosts_weight_buffers() -> None:
+    """The default config takes this host's weight-buffer choice (plain on AMX_INT8, repacked elsewhere) and a
+    real prefill and decode of SmolLM2 Q4_1 run with it: the first llama_decode is where AMX hosts crashed."""
+    engine = _engine("f16")
+    try:
+        assert engine.weights == weight_buffers(LlamaCppConfig())
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Name three sorting algorithms."}])
+        seen, done, said = greedy(engine, prompt, 8, session="weights", ignore_eos=True)
+        assert len(seen) >= 2 and said and done.stats.prompt_tokens == len(prompt) and done.stats.completion_tokens == 8
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -42,8 +42,19 @@ def test_argv_gives_each_slot_its_context(monkeypatch: pytest.MonkeyPatch, tmp_p
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
     monkeypatch.setenv("KVMESH_LLAMA_SERVER", str(fake))
-    argv = LlamaServer(Path("m.gguf"), slots=4, ctx_per_slot=8192, threads=1, cache_ram_mib=2048).argv()
+    argv = LlamaServer(Path("m.gguf"), slots=4, ctx_per_slot=8192, threads=1, cache_ram_mib=2048, repack=True).argv()
     opts = dict(zip(argv[1::2], argv[2::2]))
     assert argv[0] == str(fake) and opts["-m"] == "m.gguf" and opts["-c"] == str(4 * 8192) and opts["-np"] == "4"
     assert opts["-t"] == opts["-tb"] == "1" and opts["--cache-ram"] == "2048" and opts["-fa"] == "on"
+    assert "--repack" in argv and "--no-repack" not in argv
+
+
+def test_argv_follows_the_weight_buffer_choice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A host where kvmesh keeps weights in the plain buffer starts llama-server with --no-repack too."""
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("KVMESH_LLAMA_SERVER", str(fake))
+    argv = LlamaServer(Path("m.gguf"), slots=1, ctx_per_slot=512, threads=1, repack=False).argv()
+    assert "--no-repack" in argv and "--repack" not in argv
     assert os.access(fake, os.X_OK)

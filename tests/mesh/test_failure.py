@@ -64,11 +64,11 @@ def _metric(m: Mesh, node: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
 
 
-@pytest.mark.parametrize(("temperature", "fault"), [(0.0, "kill"), (0.9, "kill"), (0.0, "stop")])
+@pytest.mark.parametrize(("temperature", "fault"), [(0.0, "kill"), (0.9, "kill"), (0.0, "stop"), (0.0, "segv")])
 def test_stream_continues_on_a_survivor_when_its_host_dies(make_mesh, temperature: float, fault: str) -> None:  # type: ignore[no-untyped-def]
-    """The serving host is killed (or stops answering: SIGSTOP) mid-answer: the client's stream goes on
-    from a survivor, one whole answer with no error (greedy: the never-failing answer; sampled: the
-    entry's seed repeats it)."""
+    """The serving host is killed, segfaults (SIGSEGV: what a native crash in llama_decode delivers) or
+    stops answering (SIGSTOP) mid-answer: the client's stream goes on from a survivor, one whole answer
+    with no error (greedy: the never-failing answer; sampled: the entry's seed repeats it)."""
     m: Mesh = make_mesh(slots=2, sim={"decode_tps": 25.0})  # 40 ms a token: the fault lands mid-answer
     conv = Conversation(f"resume-{temperature}", seed=977)
     home = m.turn(conv, "a").host
@@ -95,6 +95,12 @@ def test_stream_continues_on_a_survivor_when_its_host_dies(make_mesh, temperatur
             before_kill = "".join(parts)
             if fault == "kill":
                 m.nodes[home].kill()
+            elif fault == "segv":
+                crashed = m.nodes[home].proc
+                assert crashed is not None
+                crashed.send_signal(signal.SIGSEGV)
+                # died of the segfault itself (faulthandler re-raises it), as systemd's on-failure sees it
+                assert crashed.wait(10) == -signal.SIGSEGV, crashed.returncode
             else:
                 stopped = m.nodes[home].proc
                 assert stopped is not None

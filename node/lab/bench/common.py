@@ -11,7 +11,7 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvmesh.node.lab.launcher import NodeProcess, merge_config, write_mesh
 from kvmesh.node.lab.workload import text
@@ -73,6 +73,9 @@ def llamacpp_engine(args: argparse.Namespace, max_context: int | None) -> dict[s
     context = {} if max_context is None else {"max_context": max_context}
     return {"kind": "llamacpp", "model": str(model), **context, "llamacpp": {"threads": 1}}
 
+
+# `--extra-bufts` of the llama.cpp benches: engine.llamacpp.extra_bufts's values (node.engine.repack).
+EXTRA_BUFTS: dict[str, Literal["auto"] | bool] = {"auto": "auto", "on": True, "off": False}
 
 # With llama.cpp the context is the model's trained one, capped here: 4 slots of a long-context
 # model on a CPU would take GBs of KV per node for turns a bench or demo never reaches.

@@ -26,7 +26,9 @@ from typing import Any
 
 import httpx
 
-from kvmesh.node.lab.bench.common import LLAMA_CONTEXT_CAP, chars_per_token, emit
+from kvmesh.node.config import LlamaCppConfig
+from kvmesh.node.engine.llamamodel import weight_buffers
+from kvmesh.node.lab.bench.common import EXTRA_BUFTS, LLAMA_CONTEXT_CAP, chars_per_token, emit
 from kvmesh.node.lab.launcher import pinned, write_mesh
 from kvmesh.node.lab.llamaserver import LlamaServer
 from kvmesh.node.lab.streamclient import StreamedTurn, TurnFailed, stream_chat
@@ -75,14 +77,15 @@ async def _measure(url: str, model: str, points: list[tuple[int, int]], per_toke
 
 
 def _start(who: str, work: Path, model: Path, slots: int, ctx: int, threads: int,
-           cores: set[int]) -> tuple[Callable[[], None], str]:
-    """Start one server of the pair on `cores`; returns how to stop it and its URL."""
+           cores: set[int], repack: bool) -> tuple[Callable[[], None], str]:
+    """Start one server of the pair on `cores`, weights repacked or not; returns how to stop it and its URL."""
     if who == "server":
         srv = LlamaServer(model, slots=slots, ctx_per_slot=ctx, threads=threads, cores=cores,
-                          log=work / "llama-server.log").start()
+                          log=work / "llama-server.log", repack=repack).start()
         return srv.stop, srv.url
     engine = {"kind": "llamacpp", "model": str(model), "slots": slots, "max_context": ctx,
-              "cache_tokens": slots * ctx * 2, "queue_timeout_s": 1800.0, "llamacpp": {"threads": threads}}
+              "cache_tokens": slots * ctx * 2, "queue_timeout_s": 1800.0,
+              "llamacpp": {"threads": threads, "extra_bufts": repack}}
     mesh = write_mesh(work, ["a"], engine=engine, extra={"kvshare": {"enabled": False}})
     mesh.nodes["a"].prefix = pinned(cores)
     mesh.start(ready_timeout=300, peers_timeout=None)
@@ -98,12 +101,14 @@ def run_engine(args: argparse.Namespace) -> int:
     cores = set(sorted(os.sched_getaffinity(0))[:threads])
     points = [(s, t) for s in args.streams for t in args.prompts]
     ctx = min(n_ctx_train, LLAMA_CONTEXT_CAP)  # both servers get the model's own context per slot
+    weights = weight_buffers(LlamaCppConfig(extra_bufts=EXTRA_BUFTS[args.extra_bufts]))  # both sides take it
     result: dict[str, Any] = {"model": model.stem, "threads": threads, "slots": args.slots, "ctx_per_slot": ctx,
-                              "max_tokens": args.max_tokens, "errors": 0, "error_samples": []}
+                              "max_tokens": args.max_tokens, "extra_bufts": weights.extra_bufts,
+                              "weights_reason": weights.reason, "errors": 0, "error_samples": []}
     measured: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-engine-") as tmp:
         for who in ("kvmesh", "server") if args.against == "llama-server" else ("kvmesh",):
-            stop, url = _start(who, Path(tmp), model, args.slots, ctx, threads, cores)
+            stop, url = _start(who, Path(tmp), model, args.slots, ctx, threads, cores, weights.extra_bufts)
             try:
                 measured[who] = asyncio.run(_measure(url, _served(url), points, per_token, args.max_tokens, who))
             except TurnFailed as e:

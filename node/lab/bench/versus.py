@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvmesh.node.config import LlamaCppConfig
+from kvmesh.node.engine.llamamodel import weight_buffers
 from kvmesh.node.lab.bench.common import emit, llama_shape
 from kvmesh.node.lab.launcher import pinned, wait_peers, write_mesh
 from kvmesh.node.lab.llamaserver import LlamaServer
@@ -78,8 +80,10 @@ def _servers(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, po
              lab: TwoHostLab | None) -> tuple[list[str], Callable[[], None]]:
     where: list[dict[str, Any]] = [{}, {}] if lab is None else \
         [{"prefix": h.exec_prefix(), "host": h.mgmt_ip, "bind": "0.0.0.0"} for h in lab.hosts]
+    repack = weight_buffers(LlamaCppConfig()).extra_bufts  # the kernels kvmesh's nodes run on this host (auto)
     servers = [LlamaServer(model, slots=slots, ctx_per_slot=ctx, threads=1, cores=cores, cache_ram_mib=cache_bytes >> 20,
-                           log=work / f"llama-server-{i}.log", **where[i]) for i, cores in enumerate(host_cores())]
+                           log=work / f"llama-server-{i}.log", repack=repack, **where[i])
+               for i, cores in enumerate(host_cores())]
     proxies: list[Proxy] = []  # made once the servers' ports are known
 
     def stop() -> None:
@@ -115,7 +119,7 @@ def run_versus(args: argparse.Namespace) -> int:
                               "slots_per_host": args.slots, "ctx_per_slot": ctx, "duration_s": args.duration,
                               "hosts": ("2 on loopback" if lab is None else f"2 network namespaces, {args.link} between them")
                               + ", each pinned to its own core, 1 compute thread; client and proxy beside them",
-                              "shape": said}
+                              "shape": said, "extra_bufts": weight_buffers(LlamaCppConfig()).extra_bufts}
     result.update(summarize(arms))
     return emit(result, args)
 
