@@ -15,7 +15,9 @@ import httpx
 import numpy as np
 import pytest
 
+from kvmesh.node.config import LlamaCppConfig
 from kvmesh.node.engine import gguf_gen
+from kvmesh.node.engine.llamamodel import weight_buffers
 from kvmesh.node.lab.launcher import wait_for, write_mesh
 from kvmesh.node.lab.workload import text
 
@@ -109,6 +111,8 @@ def test_smollm2_session_moves_warm_and_answers_as_if_it_never_moved(smollm2_mes
     m, s = smollm2_mesh, "smol-conv"
     stats = m.http.get(m.api("a") + "/v1/stats", timeout=10).json()
     assert (stats["max_context"], stats["block_size"], stats["replicate_min_tokens"]) == (8192, 64, 2048)
+    # the node's weight buffers are this host's choice for the default setting, with its reason
+    assert stats["engine"]["weights"] == weight_buffers(LlamaCppConfig()).as_dict()
     rng = random.Random(12)
     msgs = [{"role": "system", "content": "You are a coding agent.\n" + text(rng, 11000)},
             {"role": "user", "content": "Summarise the spec above in one sentence."}]
