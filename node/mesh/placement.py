@@ -7,10 +7,18 @@ keeps the turn while it has a free slot and little prefill ahead. Otherwise ever
 available host is scored by expected time to first token: queue wait + the
 prefill already running there + uncached tokens / that host's measured prefill
 rate + import time; the replica holder usually wins, and waiting for the home
-wins when that is quicker. A move that is not warm is
-refused (unless the home cannot be warm either and the move reuses
-`warm_fraction` of what the home would) until waiting for the home would take
-longer than `cold_move_after_s`.
+wins when that is quicker.
+
+A move must pay for itself, counting what it costs the mesh and not only the
+moved turn: the prefill it adds (what the target computes and imports beyond
+what the home would) delays every turn behind it, so a move is taken only when
+the turn's expected TTFT there plus `move_cost_factor` x that added prefill beats
+waiting for the home. A move is warm when it reuses `warm_fraction` of the
+prompt; one that is not (it recomputes what the home holds) is the rare
+exception: only to a host with a free slot and an idle prefill engine (so it
+spends capacity nobody is using, never deepens a queue), and only once the wait
+at the home exceeds `cold_move_after_s`. Under load no host is idle, so load
+never turns into recompute: at worst the mesh does what session hashing does.
 """
 
 from __future__ import annotations
@@ -67,6 +75,9 @@ class Policy:
     # A free home keeps the turn while the prefill ahead of it there takes less than this: a shorter
     # one costs less than a move would save, and may already be over (pushed state is up to 0.25 s old).
     home_prefill_wait_s: float = 0.25
+    # Seconds of other turns' TTFT that one second of prefill added to the mesh by a move costs: the
+    # turns queued behind the moved one on its target wait for it (1: at least the one that arrives next).
+    move_cost_factor: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -95,12 +106,12 @@ def next_seq(holdings: dict[str, Holding]) -> int:
     return 1 + max((max(h.home_seq, h.turn_seq) for h in holdings.values()), default=0)
 
 
-def _estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) -> tuple[float, int]:
-    """(expected TTFT seconds, tokens reused) if the turn ran on h."""
+def _estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) -> tuple[float, int, float]:
+    """(expected TTFT seconds, tokens reused, seconds of h's prefill engine the turn takes) if it ran on h."""
     wait = h.wait_s() + h.prefill_wait_s()
-    reuse, extra = 0, 0.0
+    reuse, extra, resident = 0, 0.0, 0
     if held is not None:
-        reuse = held.resident
+        reuse = resident = held.resident
         if held.stored > reuse:
             reuse = held.stored
             extra = (held.stored - held.resident) * policy.kv_bytes_per_token / max(h.import_bps, 1e6)
@@ -113,7 +124,8 @@ def _estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) ->
             if held.inbound_eta_s < gain_s:
                 reuse, extra = held.inbound, max(extra, held.inbound_eta_s)
     reuse = min(reuse, max(0, prompt - 1))
-    return wait + extra + (prompt - reuse) / h.prefill_tps, reuse
+    work = max(0, reuse - resident) * policy.kv_bytes_per_token / max(h.import_bps, 1e6) + (prompt - reuse) / h.prefill_tps
+    return wait + extra + (prompt - reuse) / h.prefill_tps, reuse, work
 
 
 def spread(session: str, host: str) -> int:
@@ -141,26 +153,35 @@ def choose(
     if home in est and hosts[home].free and hosts[home].prefill_wait_s() <= policy.home_prefill_wait_s:
         # Stay where the cache is while that host has a free slot and little prefill ahead (else a warm
         # replica elsewhere may start sooner: the scores decide).
-        ttft, reuse = est[home]
+        ttft, reuse, _ = est[home]
         return Decision(home, home, prev, reuse, ttft, "home")
     home_wait = hosts[home].wait_s() if home in est else None
-    home_reuse = est[home][1] if home in est else 0
 
     def allowed(name: str) -> bool:
         if home_wait is None or name == home or prompt_tokens == 0:
             return True
-        # A move keeps the cache when it is warm, or, for a follow-up that added so much text that even
-        # the home cannot be warm, when it reuses nearly all the home would (it may move to the replica).
-        # A home holding nothing yet is mid-turn (or evicted it): the old rule, wait for it.
-        reuse, warm = est[name][1], policy.warm_fraction * prompt_tokens
-        keeps = reuse >= warm or (0 < home_reuse < warm and reuse >= policy.warm_fraction * home_reuse)
-        return keeps or home_wait > policy.cold_move_after_s
+        ttft, reuse, work = est[name]
+        home_ttft, _, home_work = est[home]  # type: ignore[index]
+        target = hosts[name]
+        if not target.free:
+            # Queued there, the turn would find its cache there only if nothing evicted it meanwhile, and
+            # a queue's wait is the least certain estimate: a move goes to a host that starts it now.
+            return False
+        # The move pays for itself: its TTFT, plus what the prefill it adds to the mesh costs the turns
+        # behind it, beats waiting for the home (a warm replica adds an import; a stale one, its gap).
+        if ttft + policy.move_cost_factor * max(0.0, work - home_work) >= home_ttft:
+            return False
+        if reuse >= policy.warm_fraction * prompt_tokens:
+            return True
+        # A move that is not warm recomputes what no host need recompute (or, when the home holds nothing
+        # yet, it is mid-turn: its cache will be there): only onto idle capacity, after a long wait.
+        return target.busy == 0 and target.prefill_wait_s() <= policy.home_prefill_wait_s and home_wait > policy.cold_move_after_s
 
     ok = [h for h in cands if allowed(h.name)]
     # Lowest expected TTFT; ties: the home, then more reuse, then fewer busy slots, then the session's spread.
     best = min(ok, key=lambda h: (round(est[h.name][0], 4), h.name != home, -est[h.name][1], h.busy,
                                   spread(session, h.name), h.name))
-    ttft, reuse = est[best.name]
+    ttft, reuse, _ = est[best.name]
     if best.name == home:
         reason = "home" if best.free else "wait-for-home"
     elif reuse and holdings.get(best.name) is not None:

@@ -58,16 +58,64 @@ def test_equal_hosts_share_new_sessions_evenly() -> None:
     assert set(picks) == set(hosts) and max(picks.values()) < 2 * 800 / 8, picks
 
 
-def test_a_follow_up_that_adds_much_text_may_still_move_to_its_replica() -> None:
-    """Home busy; the prompt doubled since the last turn, so no host can reuse 90% of it: the replica holder,
-    which reuses as much as the home would, takes it (it keeps the cache); a host holding nothing does not."""
+def test_a_follow_up_no_host_can_serve_warm_waits_for_its_home() -> None:
+    """Home busy; the prompt doubled since the last turn, so no host can reuse 90% of it: the turn waits for the
+    home rather than move as a handoff that is not warm (the replica holder would reuse only what the home does)."""
     hosts = {"a": HostLoad("a", 1, 1, 3, 5.0, PREFILL, 1e9), "b": HostLoad("b", 1, 0, 0, 1.0, PREFILL, 1e9),
              "c": HostLoad("c", 1, 0, 0, 1.0, PREFILL, 1e9)}
     held = {"a": Holding(resident=10_000, home_seq=4, turn_seq=4), "b": Holding(stored=10_000)}
     d = choose(hosts, held, 20_000, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "a" and d.reason == "wait-for-home", d
+
+
+def _busy_home(wait_s: float, **target: int) -> dict[str, HostLoad]:
+    """Home a: one slot, busy, its queue `wait_s` long; b as given (one slot)."""
+    return {"a": HostLoad("a", 1, 1, max(0, round(wait_s) - 1), 1.0, PREFILL, 1e9),
+            "b": HostLoad("b", 1, target.get("busy", 0), target.get("queued", 0), 1.0, PREFILL, 1e9,
+                          backlog_tokens=target.get("backlog", 0))}
+
+
+def test_a_cold_move_never_goes_to_a_busy_host_however_long_the_home_queue() -> None:
+    """A 60 s queue at the home, b holding nothing: b with its one slot taken (or a prefill running) is no place to
+    recompute the session (that deepens b's queue: load turns into recompute); an idle b is."""
+    held = {"a": Holding(resident=20_000, home_seq=2, turn_seq=2)}
+    for busy_b in ({"busy": 1}, {"backlog": 20_000}):
+        d = choose(_busy_home(60, **busy_b), held, 21_000, Policy(kv_bytes_per_token=1))
+        assert d is not None and d.host == "a", (busy_b, d)
+    d = choose(_busy_home(60), held, 21_000, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "b" and d.reason == "least-loaded", d
+
+
+def test_a_cold_move_waits_out_cold_move_after_s() -> None:
+    """An idle b holding nothing: a 10 s queue at the home is waited out (under cold_move_after_s), a 60 s one is not."""
+    held = {"a": Holding(resident=20_000, home_seq=2, turn_seq=2)}
+    d = choose(_busy_home(10), held, 21_000, Policy(kv_bytes_per_token=1, cold_move_after_s=30))
+    assert d is not None and d.host == "a", d
+    d = choose(_busy_home(60), held, 21_000, Policy(kv_bytes_per_token=1, cold_move_after_s=30))
+    assert d is not None and d.host == "b", d
+
+
+def test_a_warm_move_never_joins_a_queue() -> None:
+    """b holds the whole replica but has no free slot: the turn waits for its home, where it is resident (queued at
+    b its replica could be evicted before it starts, and a queue's length is the least certain estimate)."""
+    held = {"a": Holding(resident=20_000, home_seq=2, turn_seq=2), "b": Holding(stored=20_000)}
+    d = choose(_busy_home(6, busy=1), held, 20_500, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "a", d
+    d = choose(_busy_home(6), held, 20_500, Policy(kv_bytes_per_token=1))
     assert d is not None and d.host == "b" and d.reason == "replica", d
-    d = choose(hosts, {"a": held["a"]}, 20_000, Policy(kv_bytes_per_token=1))
-    assert d is not None and d.host == "a", d  # c would recompute what a holds: wait for the home
+
+
+def test_a_stale_replica_moves_only_when_the_wait_pays_for_its_recompute() -> None:
+    """b's replica lacks the last 2,000 tokens the home holds (0.2 s of prefill the move adds to the mesh, counted
+    twice by default: the moved turn's and the next one's behind it). A 1 s wait at the home is worth more than
+    that (0.2 + 2 x 0.2 s), so it moves; a 0.5 s wait is not, so it waits, though b alone would be 0.3 s quicker."""
+    held = {"a": Holding(resident=30_000, home_seq=2, turn_seq=2), "b": Holding(stored=28_000)}
+    hosts = {"a": HostLoad("a", 2, 2, 0, 1.0, PREFILL, 1e12), "b": HostLoad("b", 2, 0, 0, 1.0, PREFILL, 1e12)}
+    d = choose(hosts, held, 30_100, Policy(kv_bytes_per_token=1))  # home wait: 1.0 / 2 slots = 0.5 s
+    assert d is not None and d.host == "a" and abs(d.expected_ttft_s - 0.51) < 1e-3, d
+    hosts["a"] = HostLoad("a", 2, 2, 0, 2.0, PREFILL, 1e12)  # 1 s
+    d = choose(hosts, held, 30_100, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "b" and d.reason == "replica", d
 
 
 def test_a_home_busy_prefilling_gives_way_to_a_warm_replica_but_never_to_a_cold_host() -> None:

@@ -167,10 +167,12 @@ class Cluster:
     def loads(self) -> dict[str, HostLoad]:
         return self._loads
 
-    def least_loaded(self, k: int, session: str, prompt: int) -> list[str]:
+    def least_loaded(self, k: int, session: str, prompt: int, *, idle: bool = False) -> list[str]:
         """The k hosts placement would put a `prompt`-token turn of `session` that reuses nothing on, in
-        its order: expected TTFT (as `choose` rounds it), busy slots, the session's spread of the hosts."""
+        its order: expected TTFT (as `choose` rounds it), busy slots, the session's spread of the hosts;
+        `idle`: of the hosts running nothing (the only ones a cold move may go to)."""
         def key(h: HostLoad) -> tuple[float, int, int, str]:
             return (round(h.wait_s() + h.prefill_wait_s() + prompt / h.prefill_tps, 4), h.busy, spread(session, h.name), h.name)
 
-        return [h.name for h in heapq.nsmallest(k, self._loads.values(), key=key)]
+        hosts = [h for h in self._loads.values() if h.busy == 0] if idle else self._loads.values()
+        return [h.name for h in heapq.nsmallest(k, hosts, key=key)]

@@ -1,7 +1,7 @@
 """Where each policy sends a turn in `kvmesh sim`, and what it does after one.
 
 - `kvmesh`: node.mesh.placement's `choose` on what the session's holdings are (stay home while it
-  has a free slot, else the lowest expected TTFT, refusing a cold move unless waiting is worse),
+  has a free slot, else the lowest expected TTFT of the moves that pay for themselves),
   a replica pushed after each turn to `predict_next`'s host, in node.kvshare.pushorder's order,
   and past `directory_after_hosts` one directory lookup (node.mesh.directory) per turn.
 - `session_hash`: production-stack's SessionRouter: a session always goes to its hashed host.
@@ -70,12 +70,13 @@ class KvmeshRouter(Router):
         return d.host if d is not None else None
 
     def _candidates(self, held: dict[str, Holding], session: str, prompt: int) -> dict[str, HostLoad]:
-        """The hosts `choose` weighs: every host holding something of the session, and the three that a
-        turn reusing nothing would start soonest on. With every host's prefill rate equal (as here), a
-        host holding nothing can only win as one of those, so the decision is the one over all hosts,
-        at a cost that does not grow with the mesh."""
-        loads = self.cluster.loads()
-        return {n: loads[n] for n in (*held, *self.cluster.least_loaded(3, session, prompt))}
+        """The hosts `choose` weighs: every host holding something of the session, the three that a
+        turn reusing nothing would start soonest on, and the three such of the idle hosts (a cold move
+        goes only to one of those). With every host's prefill rate equal (as here), a host holding
+        nothing can only win as one of those, so the decision is the one over all hosts, at a cost that
+        does not grow with the mesh."""
+        loads, c = self.cluster.loads(), self.cluster
+        return {n: loads[n] for n in (*held, *c.least_loaded(3, session, prompt), *c.least_loaded(3, session, prompt, idle=True))}
 
 
 class SessionHashRouter(Router):
