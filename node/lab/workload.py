@@ -63,6 +63,12 @@ class TraceRequest:
     shared: int = 0  # tokens of prompt prefix shared with the conversation's previous request
     think_s: float = 0.0  # sent at least this long after the client's previous reply (closed loop)
     client: str = ""  # who sends it: one request at a time per client ("": the session is the client)
+    conversation: str = ""  # its prefix thread within the session ("": the session is the one thread)
+
+    @property
+    def thread(self) -> str:
+        """The conversation the request continues: what a host's cache and replica of it are kept by."""
+        return self.conversation or self.session
 
 
 def _chain(blocks: tuple[int, ...] | list[int]) -> list[int]:
@@ -127,6 +133,87 @@ def _trace_line(line: str, n: int, path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{where}: input_length {r['input_length']} does not fit {len(ids)} blocks of "
                          f"{TRACE_BLOCK_TOKENS} tokens")
     return r
+
+
+CLAUDE_CODE_BLOCK_TOKENS = 64  # a Claude Code trace's hash_ids cover 64 tokens each
+
+
+def read_trace(path: str | Path) -> list[TraceRequest]:
+    """Either trace format `kvmesh sim --trace` reads: Claude Code's (a directory of trace_*.json[.gz],
+    or one such file) or Mooncake's (JSONL, or a name in TRACES)."""
+    p = Path(TRACES.get(str(path), path))
+    if p.is_dir() or p.name.endswith((".json", ".json.gz")):
+        return read_claude_code(p)
+    return read_mooncake(p)
+
+
+def read_claude_code(path: str | Path) -> list[TraceRequest]:
+    """Claude Code traces (kv-cache-tester's format, one JSON object per conversation, maybe gzipped):
+    a file, or a directory of `trace_*.json.gz` / `trace_*.json`.
+
+    Each file is one session; its main requests are one conversation (one client, closed loop: a
+    request goes at its recorded `t`, and never sooner than its `think_time` after the previous
+    reply); each `subagent` entry is a conversation of its own in the same session, started at the
+    parent's `t` plus its own requests' times, sent by a client of its own (it runs beside the parent).
+    The 64-token `hash_ids` become the sim's 512-token blocks: a block is equal where all eight of
+    its hash ids and every one before them are; the tail past the last whole block is the request's
+    own. Ids are local to a file, so no block is shared across files. Raises ValueError naming the
+    file and request that is wrong."""
+    p = Path(path)
+    files = sorted([*p.glob("trace_*.json.gz"), *p.glob("trace_*.json")]) if p.is_dir() else [p]
+    if not files:
+        raise ValueError(f"{p}: no trace_*.json.gz files in it")
+    blocks: dict[tuple[int, int], int] = {}  # (file, key of a prefix of hash ids) -> the block id
+    out: list[TraceRequest] = []
+    for i, f in enumerate(files):
+        try:
+            with gzip.open(f, "rt", encoding="utf-8") if f.name.endswith(".gz") else open(f, encoding="utf-8") as fh:
+                d = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: not JSON ({e.msg})") from None
+        if not isinstance(d, dict) or not isinstance(d.get("requests"), list):
+            raise ValueError(f"{f}: a Claude Code trace is a JSON object with a list of requests")
+        session = str(d.get("id") or f.name.split(".")[0])
+        _claude_conversation(out, d["requests"], f"{f}", i, blocks, t0=0.0, session=session, conv=session)
+    out.sort(key=lambda q: q.t)
+    return out
+
+
+def _claude_conversation(out: list[TraceRequest], requests: list[Any], where: str, file: int,
+                         blocks: dict[tuple[int, int], int], *, t0: float, session: str, conv: str) -> None:
+    per = TRACE_BLOCK_TOKENS // CLAUDE_CODE_BLOCK_TOKENS
+    prev: tuple[int, ...] = ()
+    turn = 0
+    for n, r in enumerate(requests):
+        at = f"{where}: {conv} request {n}"
+        if not isinstance(r, dict) or not isinstance(r.get("t"), int | float) or isinstance(r.get("t"), bool):
+            raise ValueError(f"{at}: a request is an object with a number `t`")
+        if r.get("type") == "subagent":
+            if not isinstance(r.get("requests"), list):
+                raise ValueError(f"{at}: a subagent has a list of requests")
+            sub = f"{conv}/{r.get('agent_id') or n}"
+            _claude_conversation(out, r["requests"], where, file, blocks, t0=t0 + r["t"], session=session, conv=sub)
+            continue
+        ids = r.get("hash_ids")
+        for k in ("in", "out"):
+            if not isinstance(r.get(k), int) or isinstance(r.get(k), bool) or r[k] < 0:
+                raise ValueError(f"{at}: {k} must be an integer >= 0, got {r.get(k)!r}")
+        if not isinstance(ids, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
+            raise ValueError(f"{at}: hash_ids must be a list of integers")
+        if r["in"] < 1 or r["in"] < len(ids) * CLAUDE_CODE_BLOCK_TOKENS:
+            raise ValueError(f"{at}: in ({r['in']}) is under its {len(ids)} hash ids' {CLAUDE_CODE_BLOCK_TOKENS} tokens each")
+        keys = _chain(ids)
+        mine = [blocks.setdefault((file, keys[j + per - 1]), len(blocks)) for j in range(0, len(ids) - per + 1, per)]
+        while len(mine) * TRACE_BLOCK_TOKENS < r["in"]:  # the tail: this request's own text
+            mine.append(blocks.setdefault((file, -1 - len(blocks)), len(blocks)))
+        shared = 0
+        while shared < min(len(prev), len(mine)) and prev[shared] == mine[shared]:
+            shared += 1
+        think = r.get("think_time") or 0.0
+        out.append(TraceRequest(t=t0 + r["t"], session=session, turn=turn, input_length=r["in"], output_length=max(1, r["out"]),
+                                blocks=tuple(mine), shared=min(shared * TRACE_BLOCK_TOKENS, r["in"]),
+                                think_s=float(think) if turn else 0.0, client=conv, conversation=conv))
+        prev, turn = tuple(mine), turn + 1
 
 
 def agent_trace(*, agents: int, duration_s: float, seed: int = 1, system_tokens: tuple[int, int] = (2500, 4000),

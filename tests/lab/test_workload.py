@@ -1,14 +1,16 @@
-"""The lab's trace reader (node.lab.workload): Mooncake-format requests joined into conversations, bad lines named."""
+"""The lab's trace readers (node.lab.workload): Mooncake-format requests joined into conversations, Claude Code
+traces as sessions with subagent conversations, bad input named."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, agent_trace, read_mooncake
-
+from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, agent_trace, read_claude_code, read_mooncake, read_trace
 
 
 def _write(path: Path, rows: list[dict[str, object]]) -> Path:
@@ -66,3 +68,48 @@ def test_the_agent_workload_grows_each_conversation_at_its_end() -> None:
     for turns in by_session.values():
         for a, b in zip(turns, turns[1:], strict=False):
             assert b.blocks[: len(a.blocks)] == a.blocks and b.shared == a.input_length and b.think_s > 0
+
+
+CLAUDE_CODE = Path(__file__).parent / "data" / "claude_code"  # two small generated traces in kv-cache-tester's format
+
+
+def test_claude_code_traces_read_as_sessions_whose_subagents_are_conversations_of_their_own() -> None:
+    """A directory of trace_*.json.gz: one session per file; a subagent shares its session id, starts at the
+    parent's t plus its own times, and is its own conversation and client; 64-token hash ids become 512-token blocks
+    (a whole block equal where its eight ids and all before are; the tail is the request's own)."""
+    reqs = read_trace(CLAUDE_CODE)
+    assert [(r.session, r.thread, r.t) for r in reqs] == [
+        ("trace_0001", "trace_0001", 0.0), ("trace_0002", "trace_0002", 5.0),
+        ("trace_0001", "trace_0001/agent_001", 20.0), ("trace_0001", "trace_0001/agent_001", 24.0),
+        ("trace_0001", "trace_0001", 30.0), ("trace_0001", "trace_0001", 90.0)]
+    main = [r for r in reqs if r.thread == "trace_0001"]
+    sub = [r for r in reqs if r.thread == "trace_0001/agent_001"]
+    assert [len(r.blocks) for r in main] == [3, 4, 2] and [r.turn for r in main] == [0, 1, 2]
+    assert main[1].blocks[:2] == main[0].blocks[:2] and main[1].blocks[2] != main[0].blocks[2]  # the tail is not shared
+    assert [r.shared for r in main] == [0, 1024, 512]  # the last one rewrote its history (compaction)
+    assert [r.think_s for r in main] == [0.0, 25.0, 55.5] and main[0].input_length == 16 * 64 + 10
+    assert [r.shared for r in sub] == [0, 512] and sub[0].client != main[0].client
+    assert not set(sub[0].blocks) & set(main[0].blocks)
+    other = next(r for r in reqs if r.session == "trace_0002")
+    assert not set(other.blocks) & {b for r in main for b in r.blocks}  # hash ids are local to their file
+    one = read_trace(CLAUDE_CODE / "trace_0002.json.gz")  # one file reads alone too
+    assert [(r.session, r.input_length, len(r.blocks)) for r in one] == [("trace_0002", 1024, 2)]
+
+
+def test_a_bad_claude_code_trace_is_refused_naming_its_file_and_request(tmp_path: Path) -> None:
+    """A request whose `in` is under its hash ids' tokens: ValueError naming the file, the conversation and the request."""
+    bad = tmp_path / "trace_0009.json"
+    bad.write_text(json.dumps({"id": "x", "requests": [{"t": 0, "in": 100, "out": 1, "hash_ids": [1, 2]}]}))
+    with pytest.raises(ValueError, match=r"trace_0009\.json: x request 0: in \(100\)"):
+        read_trace(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no trace_"):
+        read_claude_code(tmp_path / "empty")
+
+
+def test_the_sim_replays_a_claude_code_directory() -> None:
+    """`kvmesh sim --trace DIR`: every request of the traces runs; the three that continue a conversation are follow-ups."""
+    out = subprocess.run([sys.executable, "-m", "kvmesh", "sim", "--hosts", "2", "--trace", str(CLAUDE_CODE), "--json"],
+                         capture_output=True, text=True, timeout=120, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["requests"] == 6 and r["follow_ups"] == 3, r

@@ -3,7 +3,7 @@
 `--load U` sizes the traffic to the mesh: every host offered about U of its busier resource (its
 prefill engine, or its slots' time), counting each turn's new tokens' prefill and its decode as if
 every cache hit, by replaying more (or fewer) conversations, never by compressing their think
-times: a Mooncake trace is replayed in copies, each conversation of a copy shifted by its own
+times: a trace (Mooncake's or Claude Code's) is replayed in copies, each conversation of a copy shifted by its own
 random offset within the trace's span (wrapping round, so arrivals stay even over the span), with
 its own session ids and blocks, plus a random share of its conversations for a fraction of a copy;
 the agent workload gets more agents. Without `--load` the workload runs once, whatever N.
@@ -22,23 +22,24 @@ from collections import defaultdict
 
 from kvmesh.node.lab.sim.params import SimParams
 from kvmesh.node.lab.sim.run import Simulation
-from kvmesh.node.lab.workload import TraceRequest, agent_trace, read_mooncake
+from kvmesh.node.lab.workload import TraceRequest, agent_trace, read_trace
 
 AGENT_SHAPE = {"tool_tokens": (300, 4000), "reply_tokens": 64, "think_s": (0.5, 2.0)}  # agent_trace's defaults
 
 
 def scale_trace(requests: list[TraceRequest], factor: float, span_s: float, rng: random.Random) -> list[TraceRequest]:
-    """The trace's conversations `factor` times over: whole copies (the first as it is, each other's
-    conversations shifted within the span, with their own ids and blocks), then a random share of
-    the conversations for the fraction left (below 1: a random share of the trace itself)."""
+    """The trace's sessions `factor` times over: whole copies (the first as it is, each other's
+    sessions shifted within the span, a session's conversations together, with their own ids and
+    blocks), then a random share of the sessions for the fraction left (below 1: a random share of
+    the trace itself)."""
     top = 1 + max(b for r in requests for b in r.blocks)
-    by_client: dict[str, list[TraceRequest]] = defaultdict(list)
+    by_session: dict[str, list[TraceRequest]] = defaultdict(list)  # a session's clients (its subagents) move together
     for r in requests:
-        by_client[r.client or r.session].append(r)
+        by_session[r.session].append(r)
     out: list[TraceRequest] = []
     for c in range(max(1, math.ceil(factor))):
         keep = min(1.0, factor - c)
-        for client, reqs in by_client.items():
+        for reqs in by_session.values():
             if keep < 1.0 and rng.random() >= keep:
                 continue
             if c == 0:
@@ -47,7 +48,9 @@ def scale_trace(requests: list[TraceRequest], factor: float, span_s: float, rng:
             shift = rng.uniform(0, span_s)
             if reqs[0].t + shift >= span_s:
                 shift -= span_s
-            out += [dataclasses.replace(r, t=max(0.0, r.t + shift), session=f"{r.session}#{c}", client=f"{client}#{c}",
+            out += [dataclasses.replace(r, t=max(0.0, r.t + shift), session=f"{r.session}#{c}",
+                                        client=f"{r.client}#{c}" if r.client else "",
+                                        conversation=f"{r.conversation}#{c}" if r.conversation else "",
                                         blocks=tuple(b + c * top for b in r.blocks)) for r in reqs]
     return sorted(out, key=lambda r: r.t)
 
@@ -63,7 +66,11 @@ def offered(requests: list[TraceRequest], p: SimParams, span_s: float) -> float:
 def workload(args: argparse.Namespace, p: SimParams) -> tuple[list[TraceRequest], float, str, SimParams]:
     rng = random.Random(args.seed)
     if args.trace:
-        base = read_mooncake(args.trace)
+        base = read_trace(args.trace)
+        if args.span is not None:
+            base = [r for r in base if r.t < args.span]
+            if not base:
+                raise ValueError(f"{args.trace}: no request in its first {args.span} s")
         span = max(r.t for r in base) or 1.0
         factor = args.load * p.hosts / offered(base, p, span) if args.load else 1.0
         return scale_trace(base, factor, span, rng), span, f"trace:{args.trace} x{factor:.2f}", p
@@ -89,6 +96,8 @@ def run_sim(args: argparse.Namespace) -> int:
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimParams) if hasattr(args, f.name)}
     bad = [f"--{k.replace('_', '-')} must be above 0, got {v}" for k, v in kw.items()
            if isinstance(v, int | float) and not isinstance(v, bool) and v <= 0 and k not in ("replicate_min_tokens", "seed")]
+    if args.span is not None and args.span <= 0:
+        bad.append(f"--span must be above 0, got {args.span}")
     if bad or args.duration <= 0:
         print(f"kvmesh sim: {'; '.join(bad or [f'--duration must be above 0, got {args.duration}'])}", file=sys.stderr)
         return 2

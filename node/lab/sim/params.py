@@ -37,10 +37,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     s.add_argument("--policy", choices=POLICIES, default="kvmesh")
     src = s.add_mutually_exclusive_group()
     src.add_argument("--trace", help="a Mooncake-format JSONL trace (timestamp ms, input_length, output_length, hash_ids; "
-                     "plain or .gz), or `mooncake`: the one kvmesh ships")
+                     "plain or .gz), `mooncake` (the one kvmesh ships), or Claude Code traces: a directory of "
+                     "trace_*.json.gz (one conversation each, subagents inside) or one such file")
     src.add_argument("--agents", action="store_true", help="the built-in coding-agent workload (the default)")
     s.add_argument("--load", type=float, default=None, help="offered utilisation per host, above 0 and at most 1.5 (default: the workload once)")
     s.add_argument("--duration", type=float, default=300.0, help="agent workload: seconds of virtual time")
+    s.add_argument("--span", type=float, default=None, help="a trace: only the requests it sends in its first SPAN seconds "
+                   "(a trace whose think times run to hours needs hundreds of copies to load a mesh over its whole span)")
     s.add_argument("--agents-per-host", type=float, default=None, help="agent workload without --load (default 4)")
     for f in dataclasses.fields(SimParams):
         if f.name in ("hosts", "policy", "until_s", "seed"):

@@ -1,7 +1,7 @@
 """Where each policy sends a turn in `kvmesh sim`, and what it does after one.
 
-- `kvmesh`: node.mesh.placement's `choose` on what the session's holdings are (stay home while it
-  has a free slot, else the lowest expected TTFT of the moves that pay for themselves),
+- `kvmesh`: node.mesh.placement's `choose` on what the conversation's holdings are (stay home while
+  it has a free slot, else the lowest expected TTFT of the moves that pay for themselves),
   a replica pushed after each turn to `predict_next`'s host, in node.kvshare.pushorder's order,
   and past `directory_after_hosts` one directory lookup (node.mesh.directory) per turn.
 - `session_hash`: production-stack's SessionRouter: a session always goes to its hashed host.
@@ -54,9 +54,9 @@ class KvmeshRouter(Router):
     def route(self, req: TraceRequest, entry: str, now: float) -> Route:
         c = self.cluster
         lookups = int(self.directory and directory_host(req.session, c.names) != entry)
-        held = c.holdings(req.session, now)
-        d = choose(self._candidates(held, req.session, req.input_length), held, req.input_length, self.placement,
-                   session=req.session)
+        held = c.holdings(req.thread, now)  # a thread's cache is its own (subagents share the session id)
+        d = choose(self._candidates(held, req.thread, req.input_length), held, req.input_length, self.placement,
+                   session=req.thread)
         assert d is not None, "every simulated host is available"
         h = held.get(d.host)
         counted = h is not None and h.inbound > max(h.resident, h.stored) and d.predicted_reused >= h.inbound - TRACE_BLOCK_TOKENS

@@ -120,7 +120,7 @@ class Simulation:
         req, c = turn.req, self.cluster
         host.busy += 1
         host.changes.append(now)
-        held = c.holding(req.session, host.name)
+        held = c.holding(req.thread, host.name)
         begin = now
         if turn.route.counted_inbound and held.inbound and held.inbound_eta > now:
             begin = held.inbound_eta  # placement counted the replica landing here: the turn waits for it
@@ -139,7 +139,7 @@ class Simulation:
         self.fig.prefill_tokens += turn.todo
         self.fig.prompt_tokens += req.input_length
         self._account_reuse(req, host.name, reused)
-        seq = 1 + max((max(h.home_seq, h.turn_seq) for h in c.held[req.session].values()), default=0)
+        seq = 1 + max((max(h.home_seq, h.turn_seq) for h in c.held[req.thread].values()), default=0)
         held.home_seq = held.turn_seq = seq
         held.blocks = req.blocks
         evicted = host.engine.add(req.blocks)
@@ -148,12 +148,12 @@ class Simulation:
         self._at(start + prefill_s, self._prefilled, host.name, turn, now)
 
     def _account_reuse(self, req: TraceRequest, host: str, reused: int) -> None:
-        prev = self._last_host.get(req.session)
-        self._last_host[req.session] = host
+        prev = self._last_host.get(req.thread)
+        self._last_host[req.thread] = host
         if prev is not None and prev != host:
             # The old home hears it is home no more: its copy is a replica now (a real node does so
             # when a peer reports the session homed there: Mesh._heard).
-            old = self.cluster.holding(req.session, prev)
+            old = self.cluster.holding(req.thread, prev)
             self.cluster.hosts[prev].store.demote(old.stored)
         if req.turn == 0 or req.shared <= 0:
             return
@@ -179,12 +179,12 @@ class Simulation:
         self.cluster.changed(host)
         self.fig.turns += 1
         self.fig.session_deltas += 1
-        last, think = self._think.get(req.session, (now, 10.0))
-        self._think[req.session] = (now, think)
+        last, think = self._think.get(req.thread, (now, 10.0))
+        self._think[req.thread] = (now, think)
         # Every policy's hosts keep their own sessions in host memory (kvmesh's persist_own; a vLLM with
         # CPU offload, llama-server's --cache-ram): the routing is what differs, and kvmesh's replicas.
         host.store.add(req.blocks, own=True)
-        self.cluster.holding(req.session, host.name).stored = req.blocks
+        self.cluster.holding(req.thread, host.name).stored = req.blocks
         if self.router.replicates:
             self._after_turn(now, host, req)
         if host.queue:
@@ -200,7 +200,7 @@ class Simulation:
     def _after_turn(self, now: float, host: SimHost, req: TraceRequest) -> None:
         if req.input_length < self.p.replicate_min_tokens:
             return
-        target = self.router.replica_target(req.session, now)
+        target = self.router.replica_target(req.thread, now)
         if target is None or target == host.name:
             return
         dst = self.cluster.hosts[target]
@@ -209,8 +209,8 @@ class Simulation:
         if nbytes <= 0:
             return
         queue = self._pushes[host.name]
-        queue[:] = [j for j in queue if j.session != req.session]  # a newer replica replaces a queued one
-        queue.append(_Push(req.session, req.blocks, target, nbytes))
+        queue[:] = [j for j in queue if j.session != req.thread]  # a newer replica replaces a queued one
+        queue.append(_Push(req.thread, req.blocks, target, nbytes))
         self._pump(now, host)
 
     def _pump(self, now: float, host: SimHost) -> None:
