@@ -222,10 +222,13 @@ class MeshConfig(_Strict):
     # (node.mesh.directory), and an entry asks that host where the session is before placing a turn.
     directory_after_hosts: int = Field(16, ge=1)
     forward_timeout_s: float = Field(600.0, gt=0)
-    # A move that cannot be warm (predicted reuse below warm_fraction) is taken only when
-    # waiting for the warm host is expected to take longer than this.
+    # A move that cannot be warm (predicted reuse below warm_fraction) is taken only to a host running
+    # nothing, when it pays for itself, and once waiting for the warm host is expected to take longer than this.
     cold_move_after_s: float = Field(30.0, ge=0)
     warm_fraction: float = Field(0.9, gt=0, le=1)
+    # Where turns go (node.mesh.placement.choose_by): kvmesh's placement, or a baseline to A/B it against on
+    # real hosts (or fall back to); the baselines push no replicas, as in `kvmesh sim`.
+    policy: Literal["kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin"] = "kvmesh"
 
     @model_validator(mode="after")
     def _heartbeat_within_staleness(self) -> MeshConfig:

@@ -26,7 +26,7 @@ from kvmesh.node.mesh.placement import (
     Holding,
     HostLoad,
     Policy,
-    choose,
+    choose_by,
     home_of,
     last_host_of,
     next_seq,
@@ -96,6 +96,8 @@ class Mesh:
         self.book = SessionBook()
         self.draining = False
         self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, engine.kv_bytes_per_token)
+        self.policy_name = cfg.policy  # mesh.policy: kvmesh, or a baseline (node.mesh.placement.choose_by)
+        self._turns_placed = 0  # round_robin's counter
         # Where this entry node last sent each session, and when: fresher than any poll.
         # session -> (host, turn sequence) of the last turn this entry placed; LRU, capped like the book
         self.routed: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
@@ -241,8 +243,9 @@ class Mesh:
     def decide(self, session: str, prompt_tokens: int, *, unavailable: frozenset[str] = frozenset()) -> Decision | None:
         # Wall time includes waiting for a core or the GIL; this thread's CPU time is the decision's own cost.
         t0, c0 = time.perf_counter(), time.thread_time()
-        d = choose(self.hosts(), self.holdings(session), prompt_tokens, self.policy, unavailable=unavailable,
-                   session=session)
+        d = choose_by(self.policy_name, self.hosts(), self.holdings(session), prompt_tokens, self.policy,
+                      unavailable=unavailable, session=session, turn=self._turns_placed)
+        self._turns_placed += 1
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         self.decision_s.append(dt)
         self.decision_cpu_s.append(dc)
@@ -254,6 +257,11 @@ class Mesh:
 
     def last_host(self, session: str) -> str | None:
         return last_host_of(self.holdings(session))
+
+    @property
+    def replicates(self) -> bool:
+        """Whether a turn's end pushes a replica to the next host: kvmesh's policy does, the baselines do not."""
+        return self.policy_name == "kvmesh"
 
     def predict_next(self, session: str) -> Decision | None:
         return predict_next(self.hosts(), self.holdings(session), self.policy, session=session)

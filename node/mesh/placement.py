@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvmesh.node.mesh.directory import directory_host
+
 
 @dataclass(frozen=True)
 class HostLoad:
@@ -204,3 +206,33 @@ def predict_next(hosts: dict[str, HostLoad], holdings: dict[str, Holding], polic
     held = holdings[home]
     size = max(held.resident, held.stored)
     return choose(hosts, holdings, size, policy, unavailable=frozenset({home}), session=session)
+
+
+POLICIES = ("kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin")
+
+
+def choose_by(name: str, hosts: dict[str, HostLoad], holdings: dict[str, Holding], prompt_tokens: int, policy: Policy, *,
+              unavailable: frozenset[str] = frozenset(), session: str = "", turn: int = 0) -> Decision | None:
+    """The host `mesh.policy` = `name` picks (None when no host can take it): `choose` for kvmesh; the
+    baselines `kvmesh sim` compares it with, for an A/B on real hosts or a fallback: session_hash (the
+    session's rendezvous hash over the available hosts: where node.mesh.directory puts it while all are
+    up), kv_overlap (the lowest expected TTFT from what each host holds, no move rule), least_loaded
+    (fewest busy and queued turns per slot), round_robin (the `turn`-th available host by name)."""
+    if name == "kvmesh":
+        return choose(hosts, holdings, prompt_tokens, policy, unavailable=unavailable, session=session)
+    cands = sorted(h.name for h in hosts.values() if h.available and h.name not in unavailable)
+    if not cands:
+        return None
+    if name == "session_hash":
+        host = directory_host(session, cands)
+    elif name == "kv_overlap":
+        host = min(cands, key=lambda n: (round(_estimate(hosts[n], holdings.get(n), prompt_tokens, policy)[0], 4),
+                                         spread(session, n), n))
+    elif name == "least_loaded":
+        host = min(cands, key=lambda n: ((hosts[n].busy + hosts[n].queued) / max(1, hosts[n].slots), spread(session, n), n))
+    elif name == "round_robin":
+        host = cands[turn % len(cands)]
+    else:
+        raise ValueError(f"unknown placement policy {name!r}; one of {', '.join(POLICIES)}")
+    ttft, reuse, _ = _estimate(hosts[host], holdings.get(host), prompt_tokens, policy)
+    return Decision(host, home_of(holdings), last_host_of(holdings), reuse, ttft, name)

@@ -232,10 +232,11 @@ class HostTurn:
         return HandoffRecord(self.prev_host, cls, stale, why.shortfall)
 
     def _replicate(self, turn_s: float) -> None:
-        """Push the session to the host it would move to next: placement decides, here where the turn ended."""
+        """Push the session to the host it would move to next: placement decides, here where the turn ended
+        (under a baseline mesh.policy, nowhere)."""
         p, session = self.path, self.req.session
         target = None
-        if p.replicas.worth_replicating(session):
+        if p.mesh.replicates and p.replicas.worth_replicating(session):
             d = p.mesh.predict_next(session)
             target = d.host if d is not None else None
         p.replicas.after_turn(session, target, turn_s)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose
 
 PREFILL = 10_000.0  # tokens/s on every host here
@@ -128,3 +130,43 @@ def test_a_home_busy_prefilling_gives_way_to_a_warm_replica_but_never_to_a_cold_
     assert d is not None and d.host == "b" and d.reason == "replica", d
     d = choose(hosts, home, 21_000, Policy(kv_bytes_per_token=1))
     assert d is not None and d.host == "a", d
+
+
+def test_the_baseline_policies_place_as_their_names_say() -> None:
+    """mesh.policy baselines: session_hash by the session's rendezvous hash (the next host by it when that one is
+    down), least_loaded by busy+queued per slot, round_robin by turn, kv_overlap by TTFT with no move rule (it takes
+    the busy replica holder kvmesh would not queue behind); an unknown name is refused."""
+    from kvmesh.node.mesh.directory import directory_host
+    from kvmesh.node.mesh.placement import choose_by
+
+    hosts = {"a": HostLoad("a", 2, 2, 0, 1.0, PREFILL, 1e9), "b": HostLoad("b", 2, 2, 1, 1.0, PREFILL, 1e9),
+             "c": HostLoad("c", 2, 0, 0, 1.0, PREFILL, 1e9)}
+    held = {"a": Holding(resident=20_000, home_seq=1, turn_seq=1), "b": Holding(stored=20_000)}
+    pol = Policy(kv_bytes_per_token=1)
+    for s in ("s1", "s2", "s3", "s4"):
+        d = choose_by("session_hash", hosts, held, 20_500, pol, session=s)
+        assert d is not None and d.host == directory_host(s, "abc") and d.reason == "session_hash", d
+        down = choose_by("session_hash", hosts, held, 20_500, pol, session=s, unavailable=frozenset({d.host}))
+        assert down is not None and down.host == directory_host(s, sorted(set("abc") - {d.host})), down
+    assert [choose_by("round_robin", hosts, held, 1, pol, turn=i).host for i in range(4)] == ["a", "b", "c", "a"]  # type: ignore[union-attr]
+    assert choose_by("least_loaded", hosts, held, 1, pol).host == "c"  # type: ignore[union-attr]
+    hosts["a"] = HostLoad("a", 2, 2, 6, 1.0, PREFILL, 1e9)  # the home's queue: 3.5 s
+    hosts["b"] = HostLoad("b", 2, 2, 0, 1.0, PREFILL, 1e9)  # the replica holder, full: 0.5 s
+    assert choose_by("kv_overlap", hosts, held, 20_500, pol).host == "b"  # type: ignore[union-attr]
+    assert choose_by("kvmesh", hosts, held, 20_500, pol).host == "a"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        choose_by("random", hosts, held, 1, pol)
+
+
+def test_every_policy_name_is_one_config_sim_and_node_agree_on() -> None:
+    """mesh.policy accepts exactly the policies `kvmesh sim` runs and placement implements."""
+    import typing
+
+    from kvmesh.node.config import MeshConfig
+    from kvmesh.node.lab.sim.params import POLICIES as SIM
+    from kvmesh.node.mesh.placement import POLICIES
+
+    assert POLICIES == SIM == typing.get_args(MeshConfig.model_fields["policy"].annotation)
+    assert MeshConfig().policy == "kvmesh"
+    with pytest.raises(ValueError):
+        MeshConfig(policy="random")  # type: ignore[arg-type]

@@ -162,3 +162,18 @@ def test_a_turn_through_an_entry_that_has_not_polled_the_home_yet_is_placed_and_
     t2 = m.turn(conv, "c")
     assert t2.host == "a" or t2.handoff != "none", \
         f"{conv.session}: ran on a, then on {t2.host} (free home) with X-Kvmesh-Handoff: none"
+
+
+def test_mesh_policy_session_hash_places_every_turn_by_the_hash_and_pushes_no_replica(make_mesh) -> None:  # type: ignore[no-untyped-def]
+    """mesh.policy = "session_hash": each session's turns, through every entry, run on its rendezvous-hash host
+    (kvmesh would put new sessions by load and spread), and no replica is pushed anywhere."""
+    from kvmesh.node.mesh.directory import directory_host
+
+    m: Mesh = make_mesh(mesh={"policy": "session_hash"})
+    for i in range(4):
+        conv = Conversation(f"hashed-{i}", seed=300 + i)
+        want = directory_host(conv.session, m.names)
+        for entry in m.names:
+            t = m.turn(conv, entry)
+            assert t.status == 200 and t.host == want, (conv.session, entry, t.host, want)
+    assert all(m.transfers_in(h, src) == 0 for h in m.names for src in m.names if src != h)
