@@ -79,8 +79,7 @@ class Engine:
             num_blocks = 4  # no block is ever written
             log.warning("%s: %s, so it is served without blocks or replicas: a session reuses only the cache its "
                         "slot still holds, and a turn that moves host recomputes its prompt", self.model_name, reason)
-        self.inexact_reason = reason
-        self.weights = backend.weights  # llama.cpp: repacked weight buffers or not, and why (node.engine.repack)
+        self.inexact_reason, self.weights = reason, backend.weights  # weights: llama.cpp's buffers, and why
         self.pool = BlockPool(num_blocks, backend.block_shape, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, self.block_size)
         runner = make_runner(cfg, backend, self.pool, self.seed_hash)
