@@ -11,8 +11,9 @@ import json
 import random
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from kvmesh.node.engine.repack import Setting
 from kvmesh.node.lab.launcher import NodeProcess, merge_config, write_mesh
 from kvmesh.node.lab.workload import text
 
@@ -75,7 +76,7 @@ def llamacpp_engine(args: argparse.Namespace, max_context: int | None) -> dict[s
 
 
 # `--extra-bufts` of the llama.cpp benches: engine.llamacpp.extra_bufts's values (node.engine.repack).
-EXTRA_BUFTS: dict[str, Literal["auto"] | bool] = {"auto": "auto", "on": True, "off": False}
+EXTRA_BUFTS: dict[str, Setting] = {"auto": "auto", "on": True, "off": False}
 
 # With llama.cpp the context is the model's trained one, capped here: 4 slots of a long-context
 # model on a CPU would take GBs of KV per node for turns a bench or demo never reaches.
