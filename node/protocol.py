@@ -1,7 +1,8 @@
 """The wire contract: every event, snapshot and command that crosses a process boundary.
 
 The console and any third-party consumer import this module and nothing else
-from `node`; it depends on pydantic only. Every event carries `type`, `v`
+from `node`; it depends on pydantic only (and `node.sessionids`, the session-id rules, whose
+names it re-exports). Every event carries `type`, `v`
 (the protocol version), `ts` (wall-clock seconds), `node` (who emitted it) and
 `seq` (that node's event counter: with `node` it identifies an event, so a
 consumer dedupes replays by `(node, seq)`). Events delivered from the replay
@@ -10,21 +11,21 @@ ring on (re)connect have `replay=True`.
 
 from __future__ import annotations
 
-import hashlib
-import unicodedata
+from collections.abc import Iterable
 from typing import Annotated, Literal
-from urllib.parse import quote
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from kvmesh.node.sessionids import MAX_SESSION_ID_BYTES as MAX_SESSION_ID_BYTES
+from kvmesh.node.sessionids import SessionId as SessionId
+from kvmesh.node.sessionids import is_valid_session_id as is_valid_session_id
+from kvmesh.node.sessionids import session_from_header as session_from_header
+from kvmesh.node.sessionids import session_header as session_header
+from kvmesh.node.sessionids import session_id_problem as session_id_problem
+from kvmesh.node.sessionids import session_key as session_key
+from kvmesh.node.sessionids import session_path as session_path
 
 PROTOCOL_VERSION = 1
-
-# Session ids are what clients send (emails, base64, paths): any printable text up to this many
-# UTF-8 bytes. Nothing is named by the id itself: files and store directories by `session_key`.
-MAX_SESSION_ID_BYTES = 256
-# Characters that steer how text is laid out rather than being text: bidi embeddings, overrides and
-# isolates (an id could otherwise show as another id in a log or the console).
-_BIDI_CONTROLS = frozenset({"LRE", "RLE", "LRO", "RLO", "PDF", "LRI", "RLI", "FSI", "PDI"})
 
 HandoffClass = Literal["warm", "partial", "cold"]
 # Why a handoff reused less than placement predicted (one reason per handoff; "none" when it did not).
@@ -37,69 +38,6 @@ ShortfallReason = Literal["none", "prompt_diverged", "replica_in_flight", "repli
                           "unexplained"]
 SHORTFALL_REASONS: tuple[ShortfallReason, ...] = (
     "none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "no_replicas", "unexplained")
-
-
-def session_id_problem(value: object) -> str | None:
-    """Why `value` is not a session id, or None when it is one: a non-empty string of at most
-    MAX_SESSION_ID_BYTES UTF-8 bytes with no control character (C0/C1 controls, DEL, line and
-    paragraph separators, bidi controls). Anything else printable is fine: '/', '+', '=', '@', spaces."""
-    if not isinstance(value, str):
-        return "is not a string"
-    if not value:
-        return "is empty"
-    try:
-        n = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        return "is not valid Unicode (an unpaired surrogate)"
-    if n > MAX_SESSION_ID_BYTES:
-        return f"is {n} bytes long; at most {MAX_SESSION_ID_BYTES} UTF-8 bytes"
-    for c in value:
-        if unicodedata.category(c) in ("Cc", "Zl", "Zp") or unicodedata.bidirectional(c) in _BIDI_CONTROLS:
-            return f"contains the control character U+{ord(c):04X}"
-    return None
-
-
-def is_valid_session_id(value: object) -> bool:
-    """Whether `value` is a session id (see `session_id_problem`)."""
-    return session_id_problem(value) is None
-
-
-def session_key(session: str) -> str:
-    """The name of a session where an id cannot go verbatim (file and directory names): 32 hex
-    digits of the SHA-256 of its UTF-8 bytes. Fixed length, no '/', '.' or '~', one per id."""
-    return hashlib.sha256(session.encode("utf-8")).hexdigest()[:32]
-
-
-def session_from_header(value: str) -> str:
-    """The id a header carried. HTTP servers hand header bytes over as latin-1 text; an id sent as
-    UTF-8 (the only way to send non-ASCII) is read back as that text, anything else as it came."""
-    try:
-        return value.encode("latin-1").decode("utf-8")
-    except (UnicodeEncodeError, UnicodeDecodeError):
-        return value
-
-
-def session_path(session: str) -> str:
-    """`session` as one URL path segment: every byte but letters, digits, '-', '_' and '~'
-    percent-encoded ('/' and '.' too, so no client or server folds '..' or splits the id)."""
-    return quote(session, safe="").replace(".", "%2E")
-
-
-def session_header(session: str) -> str:
-    """`session` as a header value: its UTF-8 bytes as latin-1 text (what HTTP stacks put on the
-    wire unchanged), so `session_from_header` reads back the same id."""
-    return session.encode("utf-8").decode("latin-1")
-
-
-def _checked_session_id(v: str) -> str:
-    problem = session_id_problem(v)
-    if problem is not None:
-        raise ValueError(f"the session id {problem}")
-    return v
-
-
-# A session id field of a wire model: refused (naming the problem) where `session_id_problem` says so.
-SessionId = Annotated[str, AfterValidator(_checked_session_id)]
 
 
 def classify(reused_fraction: float) -> HandoffClass:
@@ -198,6 +136,56 @@ class ClusterSnapshot(_Model):
     sessions: list[SessionInfo] = []
     links: list[LinkInfo] = []
     counters: HandoffCounters = HandoffCounters()
+    # "mesh": every session some host holds is listed. "partial": past `mesh.directory_after_hosts` a node
+    # lists only the sessions it holds and those it is directory for (hosts, links and counters are whole);
+    # `note` then says how to get the whole: `GET /v1/cluster?scope=mesh`, or a console following every node.
+    scope: Literal["mesh", "partial"] = "mesh"
+    note: str = ""
+    parts: list[str] = []  # a fan-in's: the hosts whose snapshots were merged into it
+
+
+def merge_session_parts(parts: Iterable[tuple[SessionInfo, float]], now: float) -> SessionInfo:
+    """One session as the mesh holds it, from what several nodes' snapshots (each with its `ts`) said of it.
+
+    Each part is one node's view: what it holds itself, and what every host holds if it is the session's
+    directory. The home is the one with the highest `home_seq` any part names (the mesh's turn order, never a
+    clock), so a host that says it is home outranks an older home's claim; every other host named as holding
+    tokens (an older home's cache, a replica) is a replica candidate and the largest wins, as a node's own
+    `/v1/cluster` picks it. Turn and move counts are the largest any part saw (the directory's covers every
+    host), so nothing is counted twice. Replica ages are re-based from each part's `ts` to `now`."""
+    parts = list(parts)
+    best = max(parts, key=lambda p: (p[0].home_seq, p[0].home is not None, p[0].resident_tokens))[0]
+    home = best.home
+    replica: tuple[int, float | None, str] | None = None  # (tokens, write time, host)
+    for info, ts in parts:
+        cands = [(info.resident_tokens, None, info.home), (info.replica_tokens, info.replica_age_s, info.replica_host)]
+        for tokens, age, host in cands:
+            if host and host != home and tokens > 0:
+                at = ts - age if age is not None else None
+                if replica is None or (tokens, at or 0.0) > (replica[0], replica[1] or 0.0):
+                    replica = (tokens, at, host)
+    tokens, at, rhost = replica if replica is not None else (0, None, None)
+    return best.model_copy(update={
+        "replica_host": rhost, "replica_tokens": tokens,
+        "replica_behind_tokens": max(0, best.resident_tokens - tokens) if rhost else 0,
+        "replica_age_s": round(now - at, 2) if at is not None else None,
+        "turns": max(p.turns for p, _ in parts), "moves": max(p.moves for p, _ in parts),
+        "last_turn_at": max(p.last_turn_at for p, _ in parts),
+        "id_source": best.id_source or next((p.id_source for p, _ in parts if p.id_source), ""),
+    })
+
+
+def merge_clusters(own: ClusterSnapshot, others: Iterable[ClusterSnapshot]) -> ClusterSnapshot:
+    """A mesh-wide snapshot from nodes' partial ones: `own`'s hosts, links and counters (every node's are
+    whole), and the sessions of all of them, each merged by `merge_session_parts`."""
+    snaps = [own, *others]
+    by_session: dict[str, list[tuple[SessionInfo, float]]] = {}
+    for snap in snaps:
+        for info in snap.sessions:
+            by_session.setdefault(info.session, []).append((info, snap.ts))
+    sessions = [merge_session_parts(p, own.ts) for _, p in sorted(by_session.items())]
+    return own.model_copy(update={"sessions": sessions, "scope": "mesh", "note": "",
+                                  "parts": sorted(s.node for s in snaps)})
 
 
 class SessionHolding(_Model):

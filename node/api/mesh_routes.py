@@ -9,7 +9,7 @@ who is asking, parse, and answer.
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import (
     APIRouter,
@@ -27,12 +27,14 @@ from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.errors import Conflict, InvalidRequest, NotFound, Unauthorized
 from kvmesh.node.mesh.actions import RelayFailed, relay_action
 from kvmesh.node.mesh.auth import PEER_HEADER, check_bearer, check_peer_token
+from kvmesh.node.mesh.clusterview import mesh_wide, scoped
 from kvmesh.node.mesh.discovery import hello
 from kvmesh.node.mesh.statefeed import StateFeed
 from kvmesh.node.mesh.statestream import push
 from kvmesh.node.node import Node
 from kvmesh.node.protocol import (
     ActionResult,
+    ClusterSnapshot,
     MigrateCommand,
     PeerHello,
     SnapshotEvent,
@@ -88,9 +90,20 @@ def _check_host(node: Node, host: str) -> None:
 # ---- read-only views -------------------------------------------------------
 
 
+def _cluster(node: Node) -> ClusterSnapshot:
+    """This node's view, marked partial past the directory threshold (node.mesh.clusterview)."""
+    return scoped(node.mesh.cluster(), len(node.mesh.members()), node.mesh.directory_after_hosts)
+
+
 @router.get("/v1/cluster")
-async def cluster(node: NodeDep) -> Response:
-    return _json(node.mesh.cluster().model_dump_json())
+async def cluster(node: NodeDep, scope: Literal["node", "mesh"] = "node") -> Response:
+    """This node's view (`scope` in the answer says whether it is the whole mesh); `?scope=mesh`: a fan-in
+    over every host, for a mesh past the directory threshold (node.mesh.clusterview)."""
+    snap = _cluster(node)
+    if scope == "mesh" and snap.scope == "partial":
+        peers = [(p.name, p.cfg.api) for p in node.mesh.peers.peers.values()]
+        snap = await mesh_wide(snap, peers, node.mesh.peers.client)
+    return _json(snap.model_dump_json())
 
 
 @router.get("/v1/stats")
@@ -110,7 +123,7 @@ async def events(ws: WebSocket, node: NodeDep) -> None:
     await ws.accept()
     sub, replay = node.hub.subscribe()
     try:
-        snap = node.hub.stamp(SnapshotEvent(cluster=node.mesh.cluster()))
+        snap = node.hub.stamp(SnapshotEvent(cluster=_cluster(node)))
         await ws.send_text(snap.model_dump_json())
         for old in replay:
             await ws.send_text(old.model_dump_json())
