@@ -212,7 +212,7 @@ class KvmeshConsole(App[None]):
             return  # the screen is being torn down (quitting): nothing left to patch
         self.patch_ms.append((time.perf_counter() - t0) * 1000)
         self.call_after_refresh(self._painted, t0, c0)
-        if changes.full:
+        if changes.full or changes.snapshot:
             self.call_after_refresh(self._settle_gc)
 
     def _settle_gc(self) -> None:

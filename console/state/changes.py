@@ -27,12 +27,13 @@ class Changes:
     counters: bool = False
     log: bool = False
     nodes: bool = False
-    full: bool = False  # a snapshot was applied: every row may have changed
+    full: bool = False  # every row may have changed (a theme, a layout)
+    snapshot: bool = False  # a node's snapshot was applied (its rows are marked one by one)
 
     def any(self) -> bool:
         return bool(
             self.hosts or self.sessions or self.removed_sessions or self.links
-            or self.counters or self.log or self.nodes or self.full
+            or self.counters or self.log or self.nodes or self.full or self.snapshot
         )
 
     def take(self) -> Changes:
@@ -42,10 +43,10 @@ class Changes:
         emptied in place rather than replaced (the sets move over, nothing is copied)."""
         taken = Changes(
             hosts=self.hosts, sessions=self.sessions, removed_sessions=self.removed_sessions, links=self.links,
-            counters=self.counters, log=self.log, nodes=self.nodes, full=self.full,
+            counters=self.counters, log=self.log, nodes=self.nodes, full=self.full, snapshot=self.snapshot,
         )
         self.hosts, self.sessions, self.removed_sessions, self.links = set(), set(), set(), set()
-        self.counters = self.log = self.nodes = self.full = False
+        self.counters = self.log = self.nodes = self.full = self.snapshot = False
         return taken
 
     def merge(self, changes: Changes) -> None:
@@ -58,6 +59,7 @@ class Changes:
         self.log |= changes.log
         self.nodes |= changes.nodes
         self.full |= changes.full
+        self.snapshot |= changes.snapshot
 
 
 class Ordered(Protocol):

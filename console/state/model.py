@@ -22,6 +22,10 @@ from kvmesh.console.state.sessions import IDLE_AFTER_S, Lifecycle, ReplicaFreshn
 from kvmesh.console.state.stream import Stream
 from kvmesh.node.protocol import Event, HandoffCounters
 
+# A node whose stream is lost keeps its part of the sessions this long (shown on a DISCONNECTED host: a
+# restart is back well within it); past it the node is taken as gone and its part is dropped (state/parts.py).
+PART_GRACE_S = 120.0
+
 
 class ConsoleState:
     """The whole mesh as the console knows it. See the package docstring (`kvmesh.console.state`) for the rules."""
@@ -34,8 +38,10 @@ class ConsoleState:
         noisy_log_cap: int = 300,
         glyphs: Glyphs = UNICODE,
         idle_after_s: float = IDLE_AFTER_S,
+        part_grace_s: float = PART_GRACE_S,
     ) -> None:
         self.clock = clock
+        self.part_grace_s = part_grace_s
         self.glyphs = glyphs
         self.idle_after_s = idle_after_s
         self._changes = Changes()
@@ -51,6 +57,10 @@ class ConsoleState:
         self._stream = Stream(self._apply, self._log, self._changes, clock)
 
     # ---- what widgets read -------------------------------------------------------
+
+    def session_parts(self, sid: str) -> int:
+        """How many nodes' snapshots list the session (0: only live events have)."""
+        return len(self._sessions.parts.of(sid))
 
     @property
     def hosts(self) -> dict[str, HostRow]:
@@ -177,6 +187,9 @@ class ConsoleState:
     def tick(self) -> None:
         """Called on the UI timer: age out link history, update the event rate and the lifecycles."""
         now = self.clock()
+        for conn in self._nodes.conns.values():
+            if not conn.connected and conn.stale_since is not None and now - conn.stale_since > self.part_grace_s:
+                self._router.drop_node(conn, now)
         if self._sessions.update_lifecycles(now, self.idle_after_s):
             self._changes.nodes = True
         self._links.tick(now)

@@ -99,17 +99,27 @@ class Router:
         for info in snap.hosts:
             if info.api:
                 self._nodes.maybe_discover(info)
-        self._sessions.apply_snapshot(snap.sessions, ts)
+        # Only this node's part of the sessions is replaced: past the directory threshold its snapshot
+        # lists what it holds and what it is directory for, never the whole mesh (state/parts.py).
+        self._sessions.apply_snapshot(conn.url, conn.name, snap.sessions, ts)
         self._links.apply_snapshot(snap.links, ts)
         self._counters.apply_snapshot(snap.counters)
-        self._changes.full = True
-        self._changes.counters = True
-        self._changes.nodes = True
+        ch = self._changes
+        ch.hosts.update(info.name for info in snap.hosts)
+        ch.links.update((li.src, li.dst) for li in snap.links)
+        ch.snapshot = ch.counters = ch.nodes = True
+        part = " (its part: the mesh is past the directory threshold)" if snap.scope == "partial" else ""
         self._log.add_console(
-            f"snapshot from {conn.name}: {len(snap.hosts)} hosts, {len(snap.sessions)} sessions,"
-            f" {len(snap.links)} links",
+            f"snapshot from {conn.name}: {len(snap.hosts)} hosts, {len(snap.sessions)} sessions{part},"
+            f" {len(snap.links)} links; {len(self._sessions.rows)} sessions in all",
             ts=event.ts or None,
         )
+
+    def drop_node(self, conn: NodeConn, now: float) -> None:
+        """A node gone for good (disconnected past the grace): its part of the sessions goes, the rest stays."""
+        if self._sessions.parts.has(conn.url):
+            n = self._sessions.drop_part(conn.url, conn.name, now)
+            self._log.add_console(f"{conn.name or conn.url} gone; dropped its part ({n} sessions listed)", level="warn")
 
     # ---- events that touch more than one part ---------------------------------------
 

@@ -1,7 +1,10 @@
 """Sessions: one row per session id, where it lives, its lifecycle and its replica's freshness.
 
-A snapshot replaces the whole table (sessions absent from it are removed); turn,
-handoff and migrate events move a session's home. Across nodes a session's turns
+Every node's snapshot is one part of the table (`parts.py`: past the directory threshold no node
+lists every session); a snapshot replaces its own source's part and re-derives only the sessions
+that part named (or that the console has living on that node), so what other nodes said stays. A
+session no part lists and no live event vouches for is removed. Turn, handoff and migrate events
+move a session's home. Across nodes a session's turns
 are ordered by their turn sequence (`turn_seq`), so a late event of an older turn
 does not move the home back. Lifecycles (running / idle / ended) are re-derived on
 the UI's tick, since time alone ends a session. Replica events are `replicas.py`'s.
@@ -15,7 +18,16 @@ from typing import Literal
 
 from kvmesh.console.state.changes import Changes, advance
 from kvmesh.console.state.hosts import Hosts
-from kvmesh.node.protocol import Handoff, MigrateCompleted, MigrateStarted, SessionInfo, TurnFinished, TurnStarted
+from kvmesh.console.state.parts import SessionParts
+from kvmesh.node.protocol import (
+    Handoff,
+    MigrateCompleted,
+    MigrateStarted,
+    SessionInfo,
+    TurnFinished,
+    TurnStarted,
+    merge_session_parts,
+)
 
 FreshKind = Literal["fresh", "behind", "inflight", "stale", "none"]
 Lifecycle = Literal["running", "idle", "ended"]
@@ -53,6 +65,7 @@ class SessionRow:
     inflight_tokens: int = 0  # ...covering this many tokens,
     inflight_eta_s: float | None = None  # ...expected to take this long (the link's last measured rate)
     id_source: str = ""  # what the client sent that named it (a header, a body field, or "digest")
+    from_live: bool = False  # made by a live event, not (yet) listed by any node's snapshot
 
     @classmethod
     def from_info(cls, info: SessionInfo, snap_ts: float) -> SessionRow:
@@ -145,6 +158,7 @@ class Sessions:
 
     def __init__(self, changes: Changes, clock: Callable[[], float], hosts: Hosts) -> None:
         self.rows: dict[str, SessionRow] = {}
+        self.parts = SessionParts()
         # Each session's lifecycle as of the last tick, and how many are in each state.
         self.lifecycles: dict[str, Lifecycle] = {}
         self.lifecycle_counts: dict[Lifecycle, int] = dict.fromkeys(LIFECYCLES, 0)
@@ -152,18 +166,53 @@ class Sessions:
         self._clock = clock
         self._hosts = hosts
 
-    def apply_snapshot(self, infos: Iterable[SessionInfo], ts: float) -> None:
-        new_sessions = {si.session: SessionRow.from_info(si, ts) for si in infos}
-        removed = set(self.rows) - set(new_sessions)
-        self.rows = new_sessions
-        self.changes.removed_sessions |= removed
-        self.changes.sessions -= removed
+    def apply_snapshot(self, source: str, host: str | None, infos: Iterable[SessionInfo], ts: float) -> int:
+        """`source`'s snapshot (from the node named `host`) is its part now; returns how many rows changed."""
+        again = self.parts.has(source)
+        affected = self.parts.replace(source, infos, ts)
+        if again and host:
+            # A node that comes back may have forgotten sessions the console saw live on it.
+            affected |= {sid for sid, row in self.rows.items() if row.home == host}
+        for sid in affected:
+            self._rebuild(sid, host, ts)
+        return len(affected)
+
+    def drop_part(self, source: str, host: str | None, now: float) -> int:
+        """The node at `source` left: its part goes, and with it only what no other part lists."""
+        affected = self.parts.drop(source)
+        for sid in affected:
+            self._rebuild(sid, host, now)
+        return len(affected)
+
+    def _rebuild(self, sid: str, host: str | None, ts: float) -> None:
+        """Re-derive one session's row from every part that lists it (see the module docstring)."""
+        pairs = self.parts.of(sid)
+        old = self.rows.get(sid)
+        if not pairs:
+            if old is not None and (not old.from_live or old.home in (None, host)):
+                del self.rows[sid]
+                self.changes.removed_sessions.add(sid)
+                self.changes.sessions.discard(sid)
+            return
+        new = SessionRow.from_info(merge_session_parts(pairs, ts), ts)
+        if old is not None:
+            if old.home_seq > new.home_seq:
+                return  # live events have moved it past what any snapshot says
+            if old.home == new.home and new.home != host:
+                new.active = old.active  # a snapshot from another node says nothing of a turn running there
+            new.migrating_to = old.migrating_to
+            if old.inflight_to:
+                new.inflight_to, new.inflight_at = old.inflight_to, old.inflight_at
+                new.inflight_tokens, new.inflight_eta_s = old.inflight_tokens, old.inflight_eta_s
+        self.rows[sid] = new
+        self.changes.sessions.add(sid)
+        self.changes.removed_sessions.discard(sid)
 
     def session(self, sid: str) -> SessionRow:
         """The session's row, created if new, marked to be rendered again."""
         row = self.rows.get(sid)
         if row is None:
-            row = self.rows[sid] = SessionRow(sid=sid)
+            row = self.rows[sid] = SessionRow(sid=sid, from_live=True)
             self.changes.removed_sessions.discard(sid)
         self.changes.sessions.add(sid)
         return row

@@ -95,7 +95,7 @@ def test_reconnect_rebuilds_from_new_snapshot(clock: Clock) -> None:
     assert len(state.sessions) == 4
     assert state.counters.warm == 60
     changes = state.take_changes()
-    assert changes.full and {"s-004", "s-005"} <= changes.removed_sessions
+    assert changes.snapshot and {"s-004", "s-005"} <= changes.removed_sessions
     assert state.nodes[NODE1].connected and state.nodes[NODE1].stale_since is None
     assert [e.seq for e in state.log if e.kind == "handoff"] == [1, 2]
 
