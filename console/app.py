@@ -22,6 +22,7 @@ from typing import Any
 from textual.app import App
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen
+from textual.timer import Timer
 
 from kvmesh.console.actions import MeshAction
 from kvmesh.console.admin import AdminClient, TokenSource
@@ -43,6 +44,7 @@ from kvmesh.node.protocol import ActionResult
 Source = Callable[[ConsoleState], Awaitable[None]]
 # Below this many sessions a full collection is quick and freezing is not worth its one-off cost.
 GC_FREEZE_MIN_SESSIONS = 500
+GC_SETTLE_AFTER_S = 1.0  # freeze this long after the last snapshot landed
 
 
 class KvmeshConsole(App[None]):
@@ -80,6 +82,8 @@ class KvmeshConsole(App[None]):
         self.refresh_ms: deque[float] = deque(maxlen=100_000)
         self.refresh_cpu_ms: deque[float] = deque(maxlen=100_000)
         self._gc_frozen_at = 0.0
+        self._gc_frozen_sessions = 0
+        self._gc_timer: Timer | None = None
 
     # ---- theme ---------------------------------------------------------------------------
 
@@ -213,7 +217,15 @@ class KvmeshConsole(App[None]):
         self.patch_ms.append((time.perf_counter() - t0) * 1000)
         self.call_after_refresh(self._painted, t0, c0)
         if changes.full or changes.snapshot:
-            self.call_after_refresh(self._settle_gc)
+            # Once the snapshots stop coming: 256 nodes' parts arrive over seconds, and a freeze after the
+            # first would leave the rest (most of the heap) for the collector to walk again and again.
+            # Until then each refresh freezes what is there without collecting (cheap): otherwise every 25%
+            # the heap grows, a full collection walks all of it (~0.6 s at 20,000 sessions).
+            if len(self.state.sessions) >= GC_FREEZE_MIN_SESSIONS:
+                gc.freeze()
+            if self._gc_timer is not None:
+                self._gc_timer.stop()
+            self._gc_timer = self.set_timer(GC_SETTLE_AFTER_S, self._settle_gc)
 
     def _settle_gc(self) -> None:
         """After a snapshot is on screen, move the long-lived heap out of the collector's way.
@@ -223,13 +235,16 @@ class KvmeshConsole(App[None]):
         p95 of the refresh. Collecting once and freezing what survives (the
         state, the widgets, the row caches) leaves later full collections only
         the objects made since. Objects freed by reference counting, which is
-        nearly all of the console's churn, are unaffected. At most once a minute,
-        so a flapping node cannot turn this into the stall it removes.
+        nearly all of the console's churn, are unaffected. At most once a minute
+        (unless the sessions doubled since), so a flapping node cannot turn this
+        into the stall it removes.
         """
         now = time.monotonic()
-        if now - self._gc_frozen_at < 60 or len(self.state.sessions) < GC_FREEZE_MIN_SESSIONS:
+        self._gc_timer = None
+        n = len(self.state.sessions)
+        if n < GC_FREEZE_MIN_SESSIONS or (now - self._gc_frozen_at < 60 and n < 2 * self._gc_frozen_sessions):
             return
-        self._gc_frozen_at = now
+        self._gc_frozen_at, self._gc_frozen_sessions = now, n
         gc.unfreeze()
         gc.collect()
         gc.freeze()

@@ -1,7 +1,9 @@
 """`kvmesh-console bench`: the real app, headless, against a synthetic busy mesh.
 
-Defaults: 2,000 sessions, 200 events/s, 30 s, a 120x40 screen (every panel on
-screen). `--ended N`: N of the sessions finished long ago (a long run's history);
+Defaults: 2,000 sessions on 4 hosts, 200 events/s, 30 s, a 120x40 screen (every
+panel on screen). `--hosts 256 --sessions 20000`: a mesh past the directory threshold, one
+stream per host, each snapshot only that host's part (console.synthetic), so startup_s is the
+time until every part is merged into the full view (all sessions, all hosts). `--ended N`: N of the sessions finished long ago (a long run's history);
 the sessions table lists live ones only, so `rows_on_screen_table` is the live count. Events go through the same path as the wire (JSON -> parse_event ->
 ConsoleState) and the same timer-driven patching; only the terminal write is
 skipped (headless driver), the rendering into screen lines is not.
@@ -27,7 +29,7 @@ from typing import Any
 from kvmesh.console.app import KvmeshConsole
 from kvmesh.console.config import ConsoleConfig
 from kvmesh.console.state import ConsoleState
-from kvmesh.console.synthetic import SyntheticMesh, run_synthetic
+from kvmesh.console.synthetic import SyntheticMesh, run_synthetic, snapshot_frames
 
 WARMUP_S = 2.0
 
@@ -41,20 +43,23 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def _run(
-    seconds: float, sessions: int, events_per_s: float, size: tuple[int, int], warmup: float, ended: int
+    seconds: float, sessions: int, events_per_s: float, size: tuple[int, int], warmup: float, ended: int, hosts: int
 ) -> dict[str, Any]:
-    mesh = SyntheticMesh(sessions=sessions, hosts=4, ended=ended)
+    mesh = SyntheticMesh(sessions=sessions, hosts=hosts, ended=ended)
     state = ConsoleState()
+    # What the nodes would send is made before the clock starts: the console's cost is parsing it, not this.
+    frames = snapshot_frames(mesh, time.time())
 
     async def source(st: ConsoleState) -> None:
-        await run_synthetic(mesh, st.feed_frame, st.node_connected, events_per_s=events_per_s, clock=time.time)
+        await run_synthetic(mesh, st.feed_frame, st.node_connected, events_per_s=events_per_s, clock=time.time,
+                            frames=frames)
 
     app = KvmeshConsole(ConsoleConfig(discover=False), state=state, sources=[("synthetic", source)])
     t_start = time.perf_counter()
     cpu_start = time.process_time()
     async with app.run_test(size=size, headless=True) as pilot:
         # Wait for the snapshot to be on screen, then let the first builds settle.
-        while len(state.sessions) < sessions:
+        while len(state.sessions) < sessions or len(state.hosts) < hosts:
             await asyncio.sleep(0.05)
         await pilot.pause()
         startup_s = time.perf_counter() - t_start
@@ -76,6 +81,8 @@ async def _run(
     wall = wall1 - wall0
     return {
         "sessions": len(state.sessions),
+        "hosts": len(state.hosts),
+        "streams": len(state.nodes),
         "ended_sessions": state.lifecycle_counts["ended"],
         "events_per_s": round((events1 - events0) / wall, 1),
         "cpu_core_fraction": round((cpu1 - cpu0) / wall, 4),
@@ -99,18 +106,19 @@ async def _run(
 
 def run_bench(
     seconds: float = 30.0, sessions: int = 2000, events_per_s: float = 200.0, size: tuple[int, int] = (120, 40),
-    as_json: bool = False, warmup: float = WARMUP_S, ended: int = 0,
+    as_json: bool = False, warmup: float = WARMUP_S, ended: int = 0, hosts: int = 4,
 ) -> dict[str, Any]:
-    print(f"kvmesh-console bench: {sessions} sessions ({ended} ended), {events_per_s:g} events/s, {seconds:g} s,"
-          f" {size[0]}x{size[1]}", flush=True)
-    result = asyncio.run(_run(seconds, sessions, events_per_s, size, warmup, ended))
+    print(f"kvmesh-console bench: {sessions} sessions ({ended} ended) on {hosts} hosts, {events_per_s:g} events/s,"
+          f" {seconds:g} s, {size[0]}x{size[1]}", flush=True)
+    result = asyncio.run(_run(seconds, sessions, events_per_s, size, warmup, ended, hosts))
     print(f"  events applied      {result['events_per_s']:.0f}/s")
     print(f"  cpu core fraction   {result['cpu_core_fraction']:.3f}  (goal <= 0.25)")
     print(f"  refresh p50 / p95   {result['p50_refresh_ms']:.1f} / {result['p95_refresh_ms']:.1f} ms  (goal p95 <= 100)")
     print(f"  refresh CPU p95     {result['p95_refresh_cpu_ms']:.1f} ms  (this thread's own cost)")
     print(f"  load average        {result['loadavg_1m']:.1f} on {result['cpu_cores']} cores (other processes)")
     print(f"  max RSS             {result['max_rss_mb']:.0f} MiB")
-    print(f"  startup             {result['startup_s']:.2f} s")
+    print(f"  startup             {result['startup_s']:.2f} s to the full view ({result['streams']} streams)"
+          "  (goal <= 5)")
     print(f"  sessions table      {result['rows_on_screen_table']} rows ({result['ended_sessions']} ended not listed)")
     if as_json:
         print(json.dumps(result), flush=True)

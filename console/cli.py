@@ -5,7 +5,7 @@
     kvmesh-console --demo                 # a synthetic mesh, no nodes needed
     kvmesh-console --view demo            # the demo view (read-only unless --admin)
     kvmesh-console --serve [--port 8080]  # the same console in a browser (read-only unless --admin)
-    kvmesh-console bench --json [--seconds 30] [--ended 1800]
+    kvmesh-console bench --json [--seconds 30] [--ended 1800] [--hosts 256 --sessions 20000]
 
 The admin token is read from KVMESH_ADMIN_TOKEN or --admin-token-file, never
 from a flag value (it would be visible in `ps`).
@@ -61,6 +61,8 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--sessions", type=int, default=2000)
+    p.add_argument("--hosts", type=int, default=4,
+                   help="hosts; past 16 (the directory threshold) each streams its own part, as a large mesh does")
     p.add_argument("--ended", type=int, default=0, help="of the sessions, this many finished long ago")
     p.add_argument("--events-per-s", type=float, default=200.0)
     p.add_argument("--size", default="120x40", help="terminal size WxH")
@@ -97,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvmesh.console.bench import run_bench
 
         run_bench(bargs.seconds, bargs.sessions, bargs.events_per_s, (int(w), int(h)), as_json=bargs.json,
-                  warmup=bargs.warmup, ended=bargs.ended)
+                  warmup=bargs.warmup, ended=bargs.ended, hosts=bargs.hosts)
         return 0
     for a in argv:
         if a == "--admin-token" or a.startswith("--admin-token="):

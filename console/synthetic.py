@@ -1,17 +1,22 @@
 """A synthetic mesh: deterministic snapshots and event streams, as JSON frames.
 
 Used by `kvmesh-console bench` (2,000 sessions at 200 events/s, `--ended N` of
-them long finished), by `--demo` (the console with no nodes, for trying the UI,
+them long finished; `--hosts 256 --sessions 20000` for a big mesh), by `--demo` (the console with no nodes, for trying the UI,
 the demo view and the browser view), and by tests. Ended sessions get no events;
 live ones take turns, move, and have replicas pushed (started, then sent and ready). It emits exactly
 what a node would put on the wire (protocol models serialized to JSON), so the
 console's parse path is exercised too.
+
+Past `directory_after_hosts` hosts it plays what a large mesh sends: one stream per host, each
+snapshot that host's part only (the sessions it is home of or holds a replica of, and those it is
+directory for, with the whole picture), so the console must merge the parts to see the mesh.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +63,7 @@ class SyntheticMesh:
     seed: int = 7
     slots: int = 4
     ended: int = 0  # this many sessions (the first ones) finished long ago: no events for them
+    directory_after_hosts: int = 16  # past this many hosts, each host's snapshot is its part (see the docstring)
     t0: float = 1_700_000_000.0
     _rng: random.Random = field(init=False)
     _seq: dict[str, int] = field(init=False, default_factory=dict)
@@ -70,6 +76,7 @@ class SyntheticMesh:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         self.host_names = [f"node-{i + 1}" for i in range(self.hosts)]
+        self._host_index = {name: i for i, name in enumerate(self.host_names)}
         for name in self.host_names:
             self._seq[name] = 0
             self._busy[name] = 0
@@ -98,7 +105,7 @@ class SyntheticMesh:
         return self._seq[node]
 
     def host_info(self, name: str, now: float) -> HostInfo:
-        i = self.host_names.index(name)
+        i = self._host_index[name]
         return HostInfo(
             name=name, api=f"http://127.0.0.1:{8000 + i}", slots=self.slots, busy=self._busy[name],
             queued=max(0, self._busy[name] - self.slots + 1) if self._busy[name] >= self.slots else 0,
@@ -108,31 +115,58 @@ class SyntheticMesh:
             prefill_tps=6000.0, last_seen=now, block_size=BLOCK,
         )
 
-    def snapshot(self, now: float | None = None, node: str | None = None) -> SnapshotEvent:
+    @property
+    def partitioned(self) -> bool:
+        """Whether each host's snapshot is its own part (a mesh past the directory threshold)."""
+        return self.hosts > self.directory_after_hosts
+
+    def _info(self, s: _Sess, now: float, *, home: bool = True, replica: bool = True) -> SessionInfo:
+        rep = s.replica if replica else None
+        return SessionInfo(
+            session=s.sid, home=s.home if home else None, resident_tokens=s.tokens if home else 0,
+            home_seq=s.turns + s.moves if home else 0, replica_host=rep,
+            replica_tokens=s.replica_tokens if rep else 0,
+            replica_behind_tokens=max(0, s.tokens - s.replica_tokens) if rep else 0,
+            replica_age_s=(now - s.replica_at) if rep and s.replica_at else None,
+            last_handoff=s.last, turns=s.turns, moves=s.moves, last_turn_at=s.last_turn_at + (now - self.t0),
+        )
+
+    def _parts(self, now: float) -> dict[str, list[SessionInfo]]:
+        """What each host lists in a large mesh: all it knows of the sessions it is directory for (the whole
+        picture), and its own holding of the others (home or replica)."""
+        out: dict[str, list[SessionInfo]] = {h: [] for h in self.host_names}
+        for s in self._sess:
+            d = self.host_names[zlib.crc32(s.sid.encode()) % self.hosts]
+            out[d].append(self._info(s, now))
+            if s.home != d:
+                out[s.home].append(self._info(s, now, replica=False))
+            if s.replica is not None and s.replica not in (d, s.home):
+                out[s.replica].append(self._info(s, now, home=False))
+        return out
+
+    def snapshots(self, now: float) -> list[SnapshotEvent]:
+        """One snapshot per host, each its part (partitioned), or the one whole snapshot."""
+        if not self.partitioned:
+            return [self.snapshot(now)]
+        parts = self._parts(now)
+        return [self.snapshot(now, h, parts[h]) for h in self.host_names]
+
+    def snapshot(self, now: float | None = None, node: str | None = None,
+                 sessions: list[SessionInfo] | None = None) -> SnapshotEvent:
         now = self.t0 if now is None else now
         node = node or self.host_names[0]
         hosts = [self.host_info(h, now) for h in self.host_names]
-        sessions = [
-            SessionInfo(
-                session=s.sid, home=s.home, resident_tokens=s.tokens, replica_host=s.replica,
-                replica_tokens=s.replica_tokens if s.replica else 0,
-                replica_behind_tokens=max(0, s.tokens - s.replica_tokens) if s.replica else 0,
-                replica_age_s=(now - s.replica_at) if s.replica_at else None,
-                last_handoff=s.last, turns=s.turns, moves=s.moves, last_turn_at=s.last_turn_at + (now - self.t0),
-            )
-            for s in self._sess
+        if sessions is None:
+            sessions = self._parts(now)[node] if self.partitioned else [self._info(s, now) for s in self._sess]
+        names = self.host_names
+        links = [
+            LinkInfo(src=a, dst=names[(i + 1) % self.hosts], bytes_sent=40 * GiB, transfers=310, last_transfer_s=0.42,
+                     last_transfer_bytes=180 * (1 << 20), goodput_gbps=3.6, throughput_bps=2.4e9,
+                     warm=300, partial=2, cold=0)
+            for i, a in enumerate(names) if self.hosts > 1
         ]
-        links = []
-        for a in self.host_names:
-            for b in self.host_names:
-                if a != b and (self.host_names.index(b) - self.host_names.index(a)) % self.hosts == 1:
-                    links.append(LinkInfo(
-                        src=a, dst=b, bytes_sent=40 * GiB, transfers=310, last_transfer_s=0.42,
-                        last_transfer_bytes=180 * (1 << 20), goodput_gbps=3.6, throughput_bps=2.4e9,
-                        warm=300, partial=2, cold=0,
-                    ))
         cluster = ClusterSnapshot(node=node, ts=now, hosts=hosts, sessions=sessions, links=links,
-                                  counters=self.counters.model_copy())
+                                  counters=self.counters.model_copy(), scope="partial" if self.partitioned else "mesh")
         return SnapshotEvent(ts=now, node=node, seq=self._seq[node], cluster=cluster)
 
     def events(self, now: float, n: int) -> list[Event]:
@@ -156,7 +190,7 @@ class SyntheticMesh:
         return out
 
     def _next_host(self, s: _Sess) -> str:
-        return self.host_names[(self.host_names.index(s.home) + 1) % self.hosts]
+        return self.host_names[(self._host_index[s.home] + 1) % self.hosts]
 
     def _turn(self, s: _Sess, now: float, *, started: bool) -> Event:
         if started:
@@ -195,7 +229,7 @@ class SyntheticMesh:
         sid, (dst, blocks) = next(iter(self._inflight.items()))
         del self._inflight[sid]
         s = self._index[sid]
-        src = s.home if s.home != dst else self.host_names[(self.host_names.index(dst) - 1) % self.hosts]
+        src = s.home if s.home != dst else self.host_names[(self._host_index[dst] - 1) % self.hosts]
         tokens, nbytes = blocks * BLOCK, blocks * BLOCK * 4096
         s.replica, s.replica_tokens, s.replica_at = dst, tokens, now
         return [
@@ -204,6 +238,11 @@ class SyntheticMesh:
             ReplicaReady(ts=now, node=dst, seq=self._next_seq(dst), session=sid, src=src, dst=dst, tokens=tokens,
                          bytes=nbytes, lag_s=0.04, imported=True),
         ]
+
+
+def snapshot_frames(mesh: SyntheticMesh, now: float, url: str = "synthetic://mesh") -> list[tuple[str, str]]:
+    """(source, JSON frame) of each snapshot the mesh opens its streams with (see `run_synthetic`)."""
+    return [(f"{url}/{snap.node}" if mesh.partitioned else url, snap.model_dump_json()) for snap in mesh.snapshots(now)]
 
 
 async def run_synthetic(
@@ -215,10 +254,19 @@ async def run_synthetic(
     events_per_s: float = 200.0,
     clock: Callable[[], float],
     batch_interval: float = 0.05,
+    frames: list[tuple[str, str]] | None = None,
 ) -> None:
-    """Play the mesh into a sink as JSON frames: a snapshot, then events at a steady rate."""
-    on_connected(url)
-    feed_frame(url, mesh.snapshot(clock()).model_dump_json())
+    """Play the mesh into a sink as JSON frames: a snapshot, then events at a steady rate.
+
+    A partitioned mesh plays one stream per host (`{url}/{host}`), each event on its emitter's stream.
+    `frames`: the snapshots already made (`snapshot_frames`), so a benchmark does not time their making."""
+    def source(node: str) -> str:
+        return f"{url}/{node}" if mesh.partitioned else url
+
+    for src, frame in frames if frames is not None else snapshot_frames(mesh, clock(), url):
+        on_connected(src)
+        feed_frame(src, frame)
+        await asyncio.sleep(0)  # the streams connect one by one, as 256 websockets would
     loop = asyncio.get_running_loop()
     start = loop.time()
     sent = 0
@@ -228,5 +276,5 @@ async def run_synthetic(
         if due <= 0:
             continue
         for ev in mesh.events(clock(), due):
-            feed_frame(url, ev.model_dump_json())
+            feed_frame(source(ev.node), ev.model_dump_json())
         sent += due

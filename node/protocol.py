@@ -80,6 +80,7 @@ class HostInfo(_Model):
     # missing just the partial last block is as fresh as it can be. 0: not reported (older node).
     block_size: int = 0
     no_replicas: str = ""  # why its model keeps no blocks, so no replicas (recurrent or hybrid: node.engine.live)
+    zone: str = ""  # a rack or zone label from the node's config; the console groups hosts by it
 
 
 class SessionInfo(_Model):

@@ -52,6 +52,8 @@ class MainScreen(Screen[None]):
         Binding("question_mark", "help", "Help", tooltip="this list of keys"),
         Binding("slash", "filter", "Filter", tooltip="filter sessions and the event log by text (id, host, WARM/PART/COLD, event type)"),
         Binding("escape", "clear_filter", "Clear filter", show=False, tooltip="clear the filter"),
+        Binding("f", "find", "Find", show=False,
+                tooltip="find a session by the id its user reads out (Claude Code session id, prompt_cache_key...) and jump to it"),
         Binding("p", "pause", "Pause", tooltip="freeze the view; updates queue (N pending) and apply in order on resume"),
         Binding("d", "drain", "Drain", tooltip="drain the selected host, or every marked host (confirm first)"),
         Binding("u", "undrain", "Undrain", tooltip="undrain the selected host, or every marked host (confirm first)"),
@@ -67,6 +69,8 @@ class MainScreen(Screen[None]):
         Binding("2", "view('links')", "Links", show=False, tooltip="links panel"),
         Binding("3", "view('events')", "Events", show=False, tooltip="event log panel"),
         Binding("h", "focus_hosts", "Hosts", show=False, tooltip="move to the hosts table to select a host"),
+        Binding("g", "group_hosts", "Group hosts", show=False,
+                tooltip="hosts: group by state (problems first), by zone, or list by name"),
         Binding("v", "demo_view", "Demo view", show=False,
                 tooltip="big counters, link sparklines, handoffs as they happen (v or Esc comes back)"),
     ]
@@ -101,6 +105,7 @@ class MainScreen(Screen[None]):
             yield LinksTable(id="links", classes="view")
             yield EventLog(id="events", classes="view")
         yield Input(placeholder="filter sessions and events (Enter keeps it, Esc clears)", id="filter")
+        yield Input(placeholder="find a session by id: Enter jumps to its row (Esc closes)", id="find")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -186,7 +191,18 @@ class MainScreen(Screen[None]):
         box.add_class("-shown")
         box.focus()
 
+    def action_find(self) -> None:
+        box = self.query_one("#find", Input)
+        box.add_class("-shown")
+        box.focus()
+
     def action_clear_filter(self) -> None:
+        find = self.query_one("#find", Input)
+        if find.has_class("-shown"):
+            find.value = ""
+            find.remove_class("-shown")
+            self.query_one(SessionsTable).focus()
+            return
         box = self.query_one("#filter", Input)
         if box.value or box.has_class("-shown"):
             box.value = ""
@@ -199,6 +215,22 @@ class MainScreen(Screen[None]):
             self._apply_filter(event.value)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input.id == "find":
+            table = self.query_one(SessionsTable)
+            sid, message = table.find(self.console_app.state, event.value)
+            if message:
+                self.notify(message, timeout=4, severity="information" if sid else "warning")
+            event.input.value = ""
+            event.input.remove_class("-shown")
+            box = self.query_one("#filter", Input)
+            if box.value and not table.filter_text:  # the find cleared a filter that hid the session
+                box.value = ""
+                box.remove_class("-shown")
+            if self.view != "sessions":
+                self.action_view("sessions")
+            table.focus()
+            self.console_app.schedule_refresh()
+            return
         if event.input.id == "filter":
             if not event.value:
                 event.input.remove_class("-shown")
@@ -284,6 +316,13 @@ class MainScreen(Screen[None]):
 
     def action_demo_view(self) -> None:
         self.console_app.show_demo_view()
+
+    def action_group_hosts(self) -> None:
+        table = self.query_one(HostsTable)
+        grouping = table.cycle_grouping()
+        shown = table.effective_grouping(self.console_app.state)
+        self.notify(f"hosts by {shown}" + (" (auto)" if grouping == "auto" else ""), timeout=2)
+        self.console_app.schedule_refresh()
 
     def action_focus_hosts(self) -> None:
         self.query_one(HostsTable).focus()

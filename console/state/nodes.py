@@ -50,6 +50,7 @@ class Nodes:
         self._changes = changes
         self._clock = clock
         self._discovered: dict[str, str] = {}  # host name -> url, not yet connected
+        self._by_name: dict[str, NodeConn] = {}  # host name -> connection, as last found
 
     def add(self, url: str, *, discovered: bool = False) -> NodeConn:
         key = normalize_url(url)
@@ -86,8 +87,13 @@ class Nodes:
         return conn, was_connected
 
     def for_host(self, name: str) -> NodeConn | None:
+        """The connection whose node is `name` (by an index: the hosts table asks for each of 256 hosts)."""
+        conn = self._by_name.get(name)
+        if conn is not None and conn.name == name:
+            return conn
         for conn in self.conns.values():
             if conn.name == name:
+                self._by_name[name] = conn
                 return conn
         return None
 

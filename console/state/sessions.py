@@ -39,6 +39,8 @@ LIFECYCLES: tuple[Lifecycle, ...] = ("running", "idle", "ended")
 REPLICA_PUSH_GRACE_S = 60.0
 # A session with no turn for longer than this has ended (the default view hides it).
 IDLE_AFTER_S = 300.0
+# Every row's lifecycle is re-derived this often (rows events touch, every tick): time alone only ends one.
+LIFECYCLE_SWEEP_S = 2.0
 
 
 @dataclass(slots=True)
@@ -162,6 +164,7 @@ class Sessions:
         # Each session's lifecycle as of the last tick, and how many are in each state.
         self.lifecycles: dict[str, Lifecycle] = {}
         self.lifecycle_counts: dict[Lifecycle, int] = dict.fromkeys(LIFECYCLES, 0)
+        self._swept_at = float("-inf")  # when every row's lifecycle was last re-derived
         self.changes = changes
         self._clock = clock
         self._hosts = hosts
@@ -269,8 +272,36 @@ class Sessions:
     # ---- lifecycles -----------------------------------------------------------------
 
     def update_lifecycles(self, now: float, idle_after: float) -> bool:
-        """Re-derive every session's lifecycle (time alone ends a session); changed rows are marked
-        dirty. True when the counts per state changed."""
+        """Re-derive lifecycles (changed rows are marked dirty); True when the counts per state changed.
+
+        Events mark the rows they change, so each tick re-derives those; time alone only ends an idle
+        session (minutes), so every row is looked at once per LIFECYCLE_SWEEP_S, not every tick: at
+        20,000 sessions a walk of all of them is ~40 ms."""
+        if now - self._swept_at >= LIFECYCLE_SWEEP_S or now < self._swept_at:
+            self._swept_at = now
+            return self._sweep(now, idle_after)
+        lifecycles, rows, dirty = self.lifecycles, self.rows, self.changes.sessions
+        counts = dict(self.lifecycle_counts)
+        for sid in self.changes.removed_sessions:
+            gone = lifecycles.pop(sid, None)
+            if gone is not None:
+                counts[gone] -= 1
+        for sid in list(dirty):
+            row = rows.get(sid)
+            if row is None:
+                continue
+            life, old = row.lifecycle(now, idle_after), lifecycles.get(sid)
+            if life != old:
+                if old is not None:
+                    counts[old] -= 1
+                counts[life] += 1
+                lifecycles[sid] = life
+        if counts != self.lifecycle_counts:
+            self.lifecycle_counts = counts
+            return True
+        return False
+
+    def _sweep(self, now: float, idle_after: float) -> bool:
         old = self.lifecycles
         new: dict[str, Lifecycle] = {}
         counts: dict[Lifecycle, int] = dict.fromkeys(LIFECYCLES, 0)

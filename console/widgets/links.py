@@ -15,6 +15,7 @@ from kvmesh.console.theme import Palette
 from kvmesh.console.widgets.table import Cell, Column, KeyedTable
 
 SPARK_WIDTH = 10
+LINKS_RENDER_ALL = 64  # up to this many links every row is rendered each patch
 
 
 def link_row_key(key: LinkKey) -> str:
@@ -46,9 +47,14 @@ class LinksTable(KeyedTable):
         now = state.clock()
         added = False
         stale = {n for n in state.hosts if state.is_stale_host(n)}
-        for key in sorted(state.links):
-            link = state.links[key]
-            added |= self.sync_row(link_row_key(key), self.render_link(link, palette, glyphs, now, stale))
+        # Sparklines move with the clock, so rows are rendered every patch: in a big mesh (256 hosts, as many
+        # links) only the rows on screen and new ones; the rest are rendered when scrolled to.
+        keys = sorted(state.links)
+        visible = None if len(keys) <= LINKS_RENDER_ALL else set(self.visible_keys())
+        for key in keys:
+            rk = link_row_key(key)
+            if visible is None or rk in visible or not self.has_row(rk):
+                added |= self.sync_row(rk, self.render_link(state.links[key], palette, glyphs, now, stale))
         self.flush()
         if added:
             self.sort_rows(lambda k: k)

@@ -23,6 +23,7 @@ from kvmesh.console.format import CLASS_WORDS, Glyphs, fmt_age, fmt_tokens, trun
 from kvmesh.console.state import Changes, ConsoleState, Lifecycle, ReplicaFreshness, SessionRow
 from kvmesh.console.theme import Palette
 from kvmesh.console.widgets.table import Cell, Column, KeyedTable
+from kvmesh.console.widgets.window import Window
 
 SORTS: tuple[str, ...] = ("state", "session", "home", "tokens", "behind", "age", "last", "turns", "moves")
 _CLASS_RANK = {"cold": 0, "partial": 1, "warm": 2}
@@ -52,6 +53,8 @@ class SessionsTable(KeyedTable):
         self._resort = False
         self._stale_homes: frozenset[str] = frozenset()
         self._styles: tuple[object, object] | None = None
+        self.window = Window()
+        self._follow: str | None = None  # a session to bring onto the page and put the cursor on (find, paging)
 
     # ---- operator controls ---------------------------------------------------------------
 
@@ -106,7 +109,6 @@ class SessionsTable(KeyedTable):
 
     def sort_key_fn(self, state: ConsoleState) -> Callable[[str], object]:
         sessions = state.sessions
-        now = state.clock()
         by = self.sort_by
 
         def key(sid: str) -> object:
@@ -122,7 +124,8 @@ class SessionsTable(KeyedTable):
             if by == "behind":
                 return (s.replica_behind_tokens if s.replica_host else -1, sid)
             if by == "age":
-                return (now - s.replica_at if s.replica_at else -1.0, sid)
+                # Oldest replica first when reversed; by write time, so a key never goes stale with the clock.
+                return (-s.replica_at if s.replica_at else float("-inf"), sid)
             if by == "last":
                 return (_CLASS_RANK.get(s.last_handoff or "", 3), sid)
             if by == "turns":
@@ -139,39 +142,42 @@ class SessionsTable(KeyedTable):
         if stale_homes != self._stale_homes:
             self._stale_homes = stale_homes
             full = True  # rows homed on a host that went stale (or came back) change style
-        full = full or changes.full or self._refilter
-        self._refilter = False
+        full = full or changes.full or self._refilter or self._resort
+        self._refilter = self._resort = False
         if self._styles != (palette, glyphs):
             self._styles = (palette, glyphs)
             self.forget_signatures()
             full = True  # every row must be drawn in the new theme
         now = state.clock()
-        drop = set(changes.removed_sessions)
+        win = self.window
+        win.set_reverse(self.sort_reverse)
         if full:
-            drop.update(k for k in self.shown_keys() if k not in state.sessions)
-        candidates = state.sessions.keys() if full else changes.sessions
-        keep = []
+            win.clear()
+        # The filter and the sort run over every session (window.py); the table holds one page of them.
+        candidates = state.sessions.keys() if full else changes.sessions | changes.removed_sessions
+        key = self.sort_key_fn(state)
         show_all = self.show_all
         for sid in candidates:
             s = state.sessions.get(sid)
             if s is None or not (show_all or state.lifecycle(sid) != "ended") or not self.matches(s):
-                drop.add(sid)
+                win.discard(sid)
             else:
-                keep.append(s)
-        self.drop_rows(drop)  # first, in bulk: a narrowing filter can remove thousands
-        added = False
-        touched = False
-        for s in keep:
-            life = state.lifecycle(s.sid)
-            fresh = state.replica_freshness(s, now)
-            render = partial(self.render_session, s, life, fresh, palette, glyphs, now)
-            added |= self.sync_row(s.sid, render, self.signature(s, life, fresh, glyphs, now))
-            touched = True
-        dynamic = self.sort_by not in ("session", "home")
-        if added or self._resort or (touched and dynamic):
-            self.sort_rows(self.sort_key_fn(state), reverse=self.sort_reverse)
-            self._resort = False
-        self.restore_cursor(cursor)
+                win.put(sid, key(sid))
+        follow, self._follow = self._follow, None
+        if (win.settle() or follow) and (follow or cursor):
+            win.show(follow or cursor or "")  # the cursor stays on its session, whatever moves
+        rows = win.rows()
+        on_page = set(rows)
+        self.drop_rows([k for k in self.shown_keys() if k not in on_page])  # in bulk: a filter can drop thousands
+        for sid in rows:
+            if full or sid in candidates or not self.has_row(sid):
+                s = state.sessions[sid]
+                life = state.lifecycle(sid)
+                fresh = state.replica_freshness(s, now)
+                render = partial(self.render_session, s, life, fresh, palette, glyphs, now)
+                self.sync_row(sid, render, self.signature(s, life, fresh, glyphs, now))
+        self.set_order(rows)
+        self.restore_cursor(follow or cursor, scroll=follow is not None)
         self._patch_subtitle(state)
         # Ages move with the clock alone; paused means frozen, so they wait too.
         for sid in [] if state.paused else self.visible_keys():
@@ -180,6 +186,67 @@ class SessionsTable(KeyedTable):
                 self.sync_cell(sid, self.FRESH, self.fresh_cell(s, state.replica_freshness(s, now), palette, glyphs, now))
         self.flush()
         self._patch_title(state, glyphs)
+
+    # ---- paging and finding -------------------------------------------------------------
+
+    def _past_edge(self, delta: int) -> bool:
+        """A cursor move past the page's edge moves the page instead (at the next patch); True if it did."""
+        row = self.cursor_row + delta
+        pos = self.window.index(self.cursor_key)
+        if pos is None or 0 <= row < self.row_count:
+            return False
+        target = max(0, min(self.window.total - 1, pos + delta))
+        if target == pos:
+            return False
+        self._follow = self.window.at(target)
+        self.app.call_later(self.app.refresh_view)  # type: ignore[attr-defined]
+        return True
+
+    def action_cursor_down(self) -> None:
+        if not self._past_edge(1):
+            super().action_cursor_down()
+
+    def action_cursor_up(self) -> None:
+        if not self._past_edge(-1):
+            super().action_cursor_up()
+
+    def action_page_down(self) -> None:
+        if not self._past_edge(max(1, self.scrollable_content_region.height - 1)):
+            super().action_page_down()
+
+    def action_page_up(self) -> None:
+        if not self._past_edge(-max(1, self.scrollable_content_region.height - 1)):
+            super().action_page_up()
+
+    def find(self, state: ConsoleState, text: str) -> tuple[str | None, str]:
+        """Jump to a session by the id its user reads out (exact, else the shortest id starting with it, else
+        the first containing it), across every session: the filter and live-only view give way if they hide it.
+        Returns (session id or None, what to tell the operator)."""
+        text = text.strip()
+        if not text:
+            return None, ""
+        sessions = state.sessions
+        low = text.lower()
+        sid = text if text in sessions else None
+        if sid is None:
+            hits = [k for k in sessions if low in k.lower()]
+            starts = [k for k in hits if k.lower().startswith(low)]
+            pool = starts or hits
+            sid = min(pool, key=lambda k: (len(k), k)) if pool else None
+            if sid is None:
+                return None, f"no session id contains {text!r}"
+            note = f" (1 of {len(hits)} containing {text!r})" if len(hits) > 1 else ""
+        else:
+            note = ""
+        if self.filter_text and not self.matches(sessions[sid]):
+            self.set_filter("")
+            note += "; filter cleared"
+        if not self.show_all and state.lifecycle(sid) == "ended":
+            self.toggle_all()
+            note += "; showing all sessions (it has ended)"
+        self._follow = sid
+        self._refilter = True
+        return sid, f"found {sid}{note}"
 
     def counts_label(self, state: ConsoleState, glyphs: Glyphs) -> str:
         """'3 running · 21 idle · 57 ended': the sessions in each lifecycle state."""
@@ -197,7 +264,9 @@ class SessionsTable(KeyedTable):
         dot = glyphs.dot
         label = f"Sessions {self.counts_label(state, glyphs)}" + ("" if self.show_all else f" {dot} live shown")
         if self.filter_text:
-            label += f" {dot} {self.row_count} match '{self.filter_text}'"
+            label += f" {dot} {self.window.total} match '{self.filter_text}'"
+        if rows := self.window.label():
+            label += f" {dot} {rows}"
         arrow = "v" if self.sort_reverse else "^"
         title = f"{label} {dot} sort {self.sort_by} {arrow}"
         if self.border_title != title:

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from rich.text import Text
+from textual._two_way_dict import TwoWayDict
 from textual.coordinate import Coordinate
 from textual.geometry import Region
 from textual.widgets import DataTable
-from textual.widgets.data_table import ColumnKey, RowDoesNotExist, RowKey
+from textual.widgets.data_table import CellKey, ColumnKey, RowDoesNotExist, RowKey
 
 # DataTable keys its render caches on a table-wide update counter, so one
 # update_cell re-renders every visible cell (~0.3 ms each through Rich). With a
@@ -33,6 +34,7 @@ _RENDER_CELL_PARAMS = ["self", "row_index", "column_index", "base_style", "width
 _RENDER_LINE_PARAMS = ["self", "y", "x1", "x2", "base_style"]
 _PRIVATE_ATTRS = (
     "_row_locations", "_column_locations", "_data", "_pseudo_class_state", "_show_hover_cursor", "_header_row_key",
+    "_updated_cells", "_require_update_dimensions",
 )
 _CACHE_OK = (
     list(inspect.signature(DataTable._render_cell).parameters) == _RENDER_CELL_PARAMS
@@ -258,6 +260,9 @@ class KeyedTable(DataTable):
         drop = [k for k in keys if k in self._shown]
         if not drop:
             return
+        if len(drop) > 1 and getattr(self, "_use_cell_cache", False):
+            self._remove_many(drop)
+            return
         keep_count = len(self._shown) - len(drop)
         if len(drop) * self.row_count <= 250 * max(1, keep_count):
             for key in drop:
@@ -275,8 +280,33 @@ class KeyedTable(DataTable):
             self.add_row(*self._shown[key], key=key)
         self.restore_cursor(cursor)
 
+    def _remove_many(self, drop: list[str]) -> None:
+        """remove_row for many rows with one renumbering (remove_row renumbers every row, each time)."""
+        gone = {RowKey(k) for k in drop}
+        locations = self._row_locations
+        order = [rk for i in range(self.row_count) if (rk := locations.get_key(i)) is not None]
+        for rk in gone:
+            for ck in self._data.get(rk, {}):
+                self._updated_cells.discard(CellKey(rk, ck))
+            self.rows.pop(rk, None)
+            self._data.pop(rk, None)
+        self._row_locations = TwoWayDict({rk: i for i, rk in enumerate(r for r in order if r not in gone)})
+        for key in drop:
+            self._shown.pop(key, None)
+            self._sigs.pop(key, None)
+        self._changed_rows -= set(drop)
+        self._require_update_dimensions = True
+        self.check_idle()
+        self.cursor_coordinate = self.cursor_coordinate  # re-validated against the new row count
+        self.hover_coordinate = self.hover_coordinate
+        self._update_count += 1
+        self.refresh(layout=True)
+
     def ordered_keys(self) -> list[str]:
         """Row keys in display order."""
+        if getattr(self, "_use_cell_cache", False):
+            locations = self._row_locations
+            return [k.value for i in range(self.row_count) if (k := locations.get_key(i)) is not None and k.value]
         keys = []
         for index in range(self.row_count):
             row_key, _ = self.coordinate_to_cell_key(Coordinate(index, 0))
@@ -299,13 +329,26 @@ class KeyedTable(DataTable):
             return None
         return row_key.value
 
-    def restore_cursor(self, key: str | None) -> None:
-        """Put the cursor back on `key` if the row moved (sorting, rows added above)."""
+    def restore_cursor(self, key: str | None, *, scroll: bool = False) -> None:
+        """Put the cursor back on `key` if the row moved (sorting, rows added above); `scroll` brings it into view."""
         if key is None or key not in self._shown:
             return
         index = self.get_row_index(key)
-        if index != self.cursor_row:
-            self.move_cursor(row=index, animate=False, scroll=False)
+        if index != self.cursor_row or scroll:
+            self.move_cursor(row=index, animate=False, scroll=scroll)
+
+    def set_order(self, keys: list[str]) -> None:
+        """Show the rows in this order (`keys`: every row of the table, each once). Nothing is re-rendered."""
+        if len(keys) != self.row_count or keys == self.ordered_keys():
+            return
+        if getattr(self, "_use_cell_cache", False):
+            # What DataTable.sort does after its sort: only the row -> line map changes.
+            self._row_locations = TwoWayDict({RowKey(k): i for i, k in enumerate(keys)})
+            self._update_count += 1
+            self.refresh()
+        else:
+            rank = {k: i for i, k in enumerate(keys)}
+            self.sort_rows(lambda k: rank.get(k, 0))
 
     def sort_rows(self, sort_key: Callable[[str], object], reverse: bool = False) -> None:
         """Order rows by a key computed from the row key (the state knows the values)."""

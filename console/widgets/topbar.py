@@ -8,6 +8,7 @@ from textual.widgets import Static
 from kvmesh.console.format import Glyphs, fmt_clock
 from kvmesh.console.state import ConsoleState
 from kvmesh.console.theme import Palette
+from kvmesh.console.widgets.hosts import HOSTS_GROUP_AFTER, state_counts
 
 
 class TopBar(Static):
@@ -35,7 +36,13 @@ class TopBar(Static):
         t.append(f"nodes {up}/{total}", style=node_style)
         if total and up < total:
             t.append(" DISCONNECTED" if up == 0 else " degraded", style=node_style)
-        t.append(f"  hosts {len(state.hosts)}  sessions {len(state.sessions)}  {state.events_per_s:.0f} ev/s")
+        t.append(f"  hosts {len(state.hosts)}")
+        if len(state.hosts) > HOSTS_GROUP_AFTER:
+            # Too many to read off the hosts rows at 80x24: what needs a look is counted here.
+            down = state_counts({n: state.host_state(n) for n in state.hosts}, skip_up=True)
+            if down:
+                t.append(f" ({', '.join(down)})", style=palette.warn)
+        t.append(f"  sessions {len(state.sessions)}  {state.events_per_s:.0f} ev/s")
         if state.paused:
             n = state.pending_count
             t.append("  PAUSED", style=palette.warn + palette.bold)
