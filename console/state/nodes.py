@@ -101,6 +101,8 @@ class Nodes:
         return sum(1 for c in self.conns.values() if c.connected), len(self.conns)
 
     def maybe_discover(self, info: HostInfo) -> None:
+        if info.name in self._discovered:
+            return  # every snapshot names every host: 256 x 256 of these at a big mesh's start
         api = normalize_url(info.api)
         if api in self.conns or self.for_host(info.name) is not None:
             return

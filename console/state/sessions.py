@@ -197,7 +197,9 @@ class Sessions:
                 self.changes.removed_sessions.add(sid)
                 self.changes.sessions.discard(sid)
             return
-        new = SessionRow.from_info(merge_session_parts(pairs, ts), ts)
+        # One part (a small mesh, or the first node to list it): that node's view is the merge.
+        info = pairs[0][0] if len(pairs) == 1 else merge_session_parts(pairs, ts)
+        new = SessionRow.from_info(info, pairs[0][1] if len(pairs) == 1 else ts)
         if old is not None:
             if old.home_seq > new.home_seq:
                 return  # live events have moved it past what any snapshot says
