@@ -229,6 +229,14 @@ class MeshConfig(_Strict):
     # Where turns go (node.mesh.placement.choose_by): kvmesh's placement, or a baseline to A/B it against on
     # real hosts (or fall back to); the baselines push no replicas, as in `kvmesh sim`.
     policy: Literal["kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin"] = "kvmesh"
+    # Under mesh.policy kvmesh, a turn no host can start within admit_wait_s of queueing for a slot (a new
+    # session's first turn: admit_new_wait_s; either growing by the time the turn has been refused, up to
+    # admit_max_wait_s) is refused at once as overloaded: 429 with Retry-After (Anthropic's dialect: 529
+    # overloaded_error), which agents retry (node.mesh.admission).
+    admission: bool = True
+    admit_wait_s: float = Field(3.0, gt=0)
+    admit_new_wait_s: float = Field(1.0, gt=0)
+    admit_max_wait_s: float = Field(5.0, gt=0)
 
     @model_validator(mode="after")
     def _heartbeat_within_staleness(self) -> MeshConfig:

@@ -41,6 +41,8 @@ class Metrics:
         self.kv_bytes = Counter("kvmesh_kvshare_bytes", "kv_share bytes by peer and direction", ["peer", "direction"], registry=r)
         self.kv_seconds = Counter("kvmesh_kvshare_seconds", "kv_share transfer seconds by peer and direction", ["peer", "direction"], registry=r)
         self.refused = Counter("kvmesh_replicas_refused", "Replicas refused, by reason", ["reason"], registry=r)
+        self.overloaded = Counter("kvmesh_turns_refused_overloaded", "Turns this entry refused as overloaded, by "
+                                  "whether they were a new session's first", ["session"], registry=r)
         self.ready_lag = Histogram("kvmesh_replica_ready_lag_seconds", "Replica usable after its last byte",
                                    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5), registry=r)
         self.ttft = Histogram("kvmesh_ttft_seconds", "Time to first token of turns run here",
@@ -54,6 +56,9 @@ class Metrics:
         self.cache_used = Gauge("kvmesh_kv_cache_used_bytes", "KV pool bytes in use", registry=r)
         self.loop_lag = Histogram("kvmesh_event_loop_lag_seconds", "How late the node's event loop ran a periodic timer",
                                   buckets=LAG_BUCKETS, registry=r)
+
+    def on_refused(self, new_session: bool) -> None:
+        self.overloaded.labels("new" if new_session else "running").inc()
 
     def on_event(self, ev: Event) -> None:
         """Hub listener: count the events that feed a metric (the others pass by)."""

@@ -66,6 +66,7 @@ class Node:
                                publish=self.hub.publish, peer_address=self._peer_kvshare)
         self.mesh = Mesh(cfg.name, cfg.mesh, self.engine, self.kvshare, publish=self.hub.publish,
                          host_info=self.host_info, on_decision=self.metrics.decision.observe,
+                         on_refused=self.metrics.on_refused,
                          verify=client_context(cfg.api.tls) if cfg.api.tls else True)
         self.turns = TurnPath(cfg.name, self.engine, self.mesh, self.kvshare, publish=self.hub.publish,
                               forward_timeout_s=cfg.mesh.forward_timeout_s, on_resumed=self.metrics.resumed.inc)
@@ -234,6 +235,8 @@ class Node:
             "decision_p99_ms": round(m.decision_ms(0.99), 4),
             "decision_cpu_p99_ms": round(m.decision_ms(0.99, cpu=True), 4),
             "decisions": len(m.decision_s),
+            "admission": {"enabled": m.admission.enabled, "wait_s": m.admission.wait_s,
+                          "new_wait_s": m.admission.new_wait_s, "refused": dict(m.refused)},
             **self.loop_lag.stats(),
             "engine": {"turns": self.engine.counters.turns, "prefill_tokens": self.engine.counters.prefill_tokens,
                        "cached_tokens": self.engine.counters.cached_tokens,

@@ -46,11 +46,18 @@ def error_json(status: int, message: str, type_: str, code: str | None = None, p
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+def error_status(exc: KVMeshError, path: str) -> int:
+    """The HTTP status of `exc` in the route's dialect: Anthropic's API answers overload with 529
+    (`overloaded_error`, which its SDKs and Claude Code retry), keeping 429 for a client's own rate limit."""
+    return 529 if isinstance(exc, Overloaded) and is_anthropic(path) else exc.status
+
+
 def kvmesh_error_response(exc: KVMeshError, path: str = "") -> JSONResponse:
     headers = None
     if isinstance(exc, Overloaded):
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-    return error_json(exc.status, str(exc), exc.type, exc.code, getattr(exc, "param", None), headers, path=path)
+    return error_json(error_status(exc, path), str(exc), exc.type, exc.code, getattr(exc, "param", None), headers,
+                      path=path)
 
 
 def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

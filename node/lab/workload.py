@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
+import math
 import random
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,3 +246,31 @@ def agent_trace(*, agents: int, duration_s: float, seed: int = 1, system_tokens:
                 prev, size, turn, sent = size, size + reply_tokens + rng.randint(*tool_tokens), turn + 1, sent + 1
             conv += 1
     return out
+
+
+def scale_trace(requests: list[TraceRequest], factor: float, span_s: float, rng: random.Random) -> list[TraceRequest]:
+    """The trace's sessions `factor` times over: whole copies (the first as it is, each other's
+    sessions shifted within the span, a session's conversations together, with their own ids and
+    blocks), then a random share of the sessions for the fraction left (below 1: a random share of
+    the trace itself)."""
+    top = 1 + max(b for r in requests for b in r.blocks)
+    by_session: dict[str, list[TraceRequest]] = defaultdict(list)  # a session's clients (its subagents) move together
+    for r in requests:
+        by_session[r.session].append(r)
+    out: list[TraceRequest] = []
+    for c in range(max(1, math.ceil(factor))):
+        keep = min(1.0, factor - c)
+        for reqs in by_session.values():
+            if keep < 1.0 and rng.random() >= keep:
+                continue
+            if c == 0:
+                out += reqs
+                continue
+            shift = rng.uniform(0, span_s)
+            if reqs[0].t + shift >= span_s:
+                shift -= span_s
+            out += [dataclasses.replace(r, t=max(0.0, r.t + shift), session=f"{r.session}#{c}",
+                                        client=f"{r.client}#{c}" if r.client else "",
+                                        conversation=f"{r.conversation}#{c}" if r.conversation else "",
+                                        blocks=tuple(b + c * top for b in r.blocks)) for r in reqs]
+    return sorted(out, key=lambda r: r.t)

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from kvmesh.node.config import MeshConfig
 from kvmesh.node.engine.boundary import EngineAPI
+from kvmesh.node.mesh.admission import Admission, Refusal, admit
 from kvmesh.node.mesh.auth import peer_token
 from kvmesh.node.mesh.directory import directory_host
 from kvmesh.node.mesh.peers import PeerTable
@@ -44,6 +45,8 @@ from kvmesh.node.protocol import (
     SessionHolding,
     SessionInfo,
 )
+
+MAX_REFUSED_TRACKED = 10_000  # sessions whose refusal time is kept (oldest forgotten first)
 
 
 class ReplicaView(Protocol):
@@ -75,9 +78,11 @@ class ReplicaView(Protocol):
 class Mesh:
     def __init__(self, name: str, cfg: MeshConfig, engine: EngineAPI, replicas: ReplicaView, *,
                  publish: Callable[[Event], object], host_info: Callable[[], HostInfo],
-                 on_decision: Callable[[float], None], verify: ssl.SSLContext | bool = True):
+                 on_decision: Callable[[float], None], on_refused: Callable[[bool], None] = lambda new: None,
+                 verify: ssl.SSLContext | bool = True):
         """`host_info` reports this host (status polls and the cluster view); `on_decision` is
-        told how long each placement decision took; `verify` checks peers' TLS certificates."""
+        told how long each placement decision took, `on_refused` of each turn refused as overloaded
+        (whether it was a new session's); `verify` checks peers' TLS certificates."""
         self.name = name
         self.engine = engine
         self.replicas = replicas
@@ -98,6 +103,13 @@ class Mesh:
         self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, engine.kv_bytes_per_token)
         self.policy_name = cfg.policy  # mesh.policy: kvmesh, or a baseline (node.mesh.placement.choose_by)
         self._turns_placed = 0  # round_robin's counter
+        # The baselines queue every turn, as the routers they stand for do; only kvmesh refuses early.
+        self.admission = Admission(cfg.admit_wait_s, cfg.admit_new_wait_s, cfg.admit_max_wait_s,
+                                   enabled=cfg.admission and cfg.policy == "kvmesh")
+        self._on_refused = on_refused
+        # session -> when a turn of it was first refused and not admitted since (a new session's bound grows with it)
+        self._refused_since: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.refused = collections.Counter[str]()  # "new" / "running": turns refused as overloaded
         # Where this entry node last sent each session, and when: fresher than any poll.
         # session -> (host, turn sequence) of the last turn this entry placed; LRU, capped like the book
         self.routed: collections.OrderedDict[str, tuple[str, int]] = collections.OrderedDict()
@@ -251,6 +263,23 @@ class Mesh:
         self.decision_cpu_s.append(dc)
         self._on_decision(dt)
         return d
+
+    def admit(self, session: str, prompt_tokens: int, d: Decision, *,
+              unavailable: frozenset[str] = frozenset()) -> Decision | Refusal:
+        """`d`, another host that can start the turn within the bound, or a Refusal (node.mesh.admission)."""
+        now = time.monotonic()
+        since = self._refused_since.get(session)
+        a = admit(d, self.hosts(), self.holdings(session), prompt_tokens, self.policy, self.admission,
+                  unavailable=unavailable, session=session, waited_s=now - since if since is not None else 0.0)
+        if isinstance(a, Refusal):
+            self._refused_since.setdefault(session, now)
+            while len(self._refused_since) > MAX_REFUSED_TRACKED:
+                self._refused_since.popitem(last=False)
+            self.refused["new" if a.new_session else "running"] += 1
+            self._on_refused(a.new_session)
+        else:
+            self._refused_since.pop(session, None)
+        return a
 
     def home(self, session: str) -> str | None:
         return home_of(self.holdings(session))

@@ -110,7 +110,7 @@ def next_seq(holdings: dict[str, Holding]) -> int:
     return 1 + max((max(h.home_seq, h.turn_seq) for h in holdings.values()), default=0)
 
 
-def _estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) -> tuple[float, int, float]:
+def estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) -> tuple[float, int, float]:
     """(expected TTFT seconds, tokens reused, seconds of h's prefill engine the turn takes) if it ran on h."""
     wait = h.wait_s() + h.prefill_wait_s()
     reuse, extra, resident = 0, 0.0, 0
@@ -153,7 +153,7 @@ def choose(
     cands = [h for h in hosts.values() if h.available and h.name not in unavailable]
     if not cands:
         return None
-    est = {h.name: _estimate(h, holdings.get(h.name), prompt_tokens, policy) for h in cands}
+    est = {h.name: estimate(h, holdings.get(h.name), prompt_tokens, policy) for h in cands}
     if home in est and hosts[home].free and hosts[home].prefill_wait_s() <= policy.home_prefill_wait_s:
         # Stay where the cache is while that host has a free slot and little prefill ahead (else a warm
         # replica elsewhere may start sooner: the scores decide).
@@ -226,7 +226,7 @@ def choose_by(name: str, hosts: dict[str, HostLoad], holdings: dict[str, Holding
     if name == "session_hash":
         host = directory_host(session, cands)
     elif name == "kv_overlap":
-        host = min(cands, key=lambda n: (round(_estimate(hosts[n], holdings.get(n), prompt_tokens, policy)[0], 4),
+        host = min(cands, key=lambda n: (round(estimate(hosts[n], holdings.get(n), prompt_tokens, policy)[0], 4),
                                          spread(session, n), n))
     elif name == "least_loaded":
         host = min(cands, key=lambda n: ((hosts[n].busy + hosts[n].queued) / max(1, hosts[n].slots), spread(session, n), n))
@@ -234,5 +234,5 @@ def choose_by(name: str, hosts: dict[str, HostLoad], holdings: dict[str, Holding
         host = cands[turn % len(cands)]
     else:
         raise ValueError(f"unknown placement policy {name!r}; one of {', '.join(POLICIES)}")
-    ttft, reuse, _ = _estimate(hosts[host], holdings.get(host), prompt_tokens, policy)
+    ttft, reuse, _ = estimate(hosts[host], holdings.get(host), prompt_tokens, policy)
     return Decision(host, home_of(holdings), last_host_of(holdings), reuse, ttft, name)

@@ -32,8 +32,9 @@ from kvmesh.node.engine.engine import (
     TurnStats,
 )
 from kvmesh.node.engine.sampling import MIN_TEMPERATURE
-from kvmesh.node.errors import KVMeshError
+from kvmesh.node.errors import KVMeshError, Overloaded
 from kvmesh.node.kvshare.service import ReuseExplained
+from kvmesh.node.mesh.admission import Refusal
 from kvmesh.node.mesh.auth import PEER_HEADER, check_peer_token
 from kvmesh.node.mesh.forward import (
     PeerSilent,
@@ -272,6 +273,7 @@ class EntryTurn:
         self.client_keys, self.hop_path = client_keys, hop_path
         self.seq = path.mesh.next_seq(req.session)
         self.unavailable: set[str] = set()
+        self.admitted = False  # once a stream has started, placing it again never refuses it
 
     async def start(self) -> HostTurn | PeerAnswer | PeerStream:
         placed = await self.place()
@@ -290,6 +292,11 @@ class EntryTurn:
             self.seq = mesh.next_seq(session)  # numbered from what the lookup found
         while True:
             d = mesh.decide(session, len(self.req.prompt), unavailable=frozenset(self.unavailable))
+            if d is not None and not self.admitted:
+                a = mesh.admit(session, len(self.req.prompt), d, unavailable=frozenset(self.unavailable))
+                if isinstance(a, Refusal):
+                    raise Overloaded(a.message(), retry_after_s=a.retry_after_s)
+                d = a
             if d is None or d.host == self.path.name:
                 # No peer can take it (or this host is best): run here, even while draining.
                 return _Here(d.prev_host if d else mesh.last_host(session), d.predicted_reused if d else None)
@@ -377,4 +384,5 @@ class EntryTurn:
         self.path.on_resumed()
         self.unavailable.add(lost)
         splice.resume()
+        self.admitted = True
         return await self.place()

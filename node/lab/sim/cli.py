@@ -14,45 +14,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import random
 import sys
 import time
-from collections import defaultdict
 
 from kvmesh.node.lab.sim.params import SimParams
 from kvmesh.node.lab.sim.run import Simulation
-from kvmesh.node.lab.workload import TraceRequest, agent_trace, read_trace
+from kvmesh.node.lab.workload import TraceRequest, agent_trace, read_trace, scale_trace
 
 AGENT_SHAPE = {"tool_tokens": (300, 4000), "reply_tokens": 64, "think_s": (0.5, 2.0)}  # agent_trace's defaults
-
-
-def scale_trace(requests: list[TraceRequest], factor: float, span_s: float, rng: random.Random) -> list[TraceRequest]:
-    """The trace's sessions `factor` times over: whole copies (the first as it is, each other's
-    sessions shifted within the span, a session's conversations together, with their own ids and
-    blocks), then a random share of the sessions for the fraction left (below 1: a random share of
-    the trace itself)."""
-    top = 1 + max(b for r in requests for b in r.blocks)
-    by_session: dict[str, list[TraceRequest]] = defaultdict(list)  # a session's clients (its subagents) move together
-    for r in requests:
-        by_session[r.session].append(r)
-    out: list[TraceRequest] = []
-    for c in range(max(1, math.ceil(factor))):
-        keep = min(1.0, factor - c)
-        for reqs in by_session.values():
-            if keep < 1.0 and rng.random() >= keep:
-                continue
-            if c == 0:
-                out += reqs
-                continue
-            shift = rng.uniform(0, span_s)
-            if reqs[0].t + shift >= span_s:
-                shift -= span_s
-            out += [dataclasses.replace(r, t=max(0.0, r.t + shift), session=f"{r.session}#{c}",
-                                        client=f"{r.client}#{c}" if r.client else "",
-                                        conversation=f"{r.conversation}#{c}" if r.conversation else "",
-                                        blocks=tuple(b + c * top for b in r.blocks)) for r in reqs]
-    return sorted(out, key=lambda r: r.t)
 
 
 def offered(requests: list[TraceRequest], p: SimParams, span_s: float) -> float:
@@ -86,31 +56,48 @@ def workload(args: argparse.Namespace, p: SimParams) -> tuple[list[TraceRequest]
     return reqs, args.duration, f"agents:{agents}", dataclasses.replace(p, until_s=args.duration)
 
 
-def run_sim(args: argparse.Namespace) -> int:
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with `kvmesh sim`'s arguments, or None."""
     if not 1 <= args.hosts <= 4096:
-        print(f"kvmesh sim: --hosts must be 1-4096, got {args.hosts}", file=sys.stderr)
-        return 2
+        return f"--hosts must be 1-4096, got {args.hosts}"
     if args.load is not None and not 0 < args.load <= 1.5:
-        print(f"kvmesh sim: --load is a utilisation per host, 0-1.5; got {args.load}", file=sys.stderr)
-        return 2
+        return f"--load is a utilisation per host, 0-1.5; got {args.load}"
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimParams) if hasattr(args, f.name)}
     bad = [f"--{k.replace('_', '-')} must be above 0, got {v}" for k, v in kw.items()
            if isinstance(v, int | float) and not isinstance(v, bool) and v <= 0 and k not in ("replicate_min_tokens", "seed")]
     if args.span is not None and args.span <= 0:
         bad.append(f"--span must be above 0, got {args.span}")
-    if bad or args.duration <= 0:
-        print(f"kvmesh sim: {'; '.join(bad or [f'--duration must be above 0, got {args.duration}'])}", file=sys.stderr)
-        return 2
+    if args.duration <= 0:
+        bad.append(f"--duration must be above 0, got {args.duration}")
+    return "; ".join(bad) or None
+
+
+def simulate(args: argparse.Namespace) -> dict[str, object]:
+    """One run's figures (OSError or ValueError for a trace that cannot be read)."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimParams) if hasattr(args, f.name)}
     p = SimParams(**{**kw, "hosts": args.hosts, "policy": args.policy})
-    try:
-        reqs, span, what, p = workload(args, p)
-    except (OSError, ValueError) as e:
-        print(f"kvmesh sim: {e}", file=sys.stderr)
-        return 2
+    reqs, span, what, p = workload(args, p)
     t0 = time.perf_counter()
     sim = Simulation(p, reqs)
     sim.run()
-    out = {**sim.summary(max(span, sim.fig.end)), "workload": what, "load": args.load, "wall_s": round(time.perf_counter() - t0, 1)}
+    return {**sim.summary(max(span, sim.fig.end)), "workload": what, "load": args.load,
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    if args.sweep:
+        from kvmesh.node.lab.sim.sweep import run_sweep
+
+        return run_sweep(args)
+    problem = check_args(args)
+    if problem:
+        print(f"kvmesh sim: {problem}", file=sys.stderr)
+        return 2
+    try:
+        out = simulate(args)
+    except (OSError, ValueError) as e:
+        print(f"kvmesh sim: {e}", file=sys.stderr)
+        return 2
     if not args.json:
         for k, v in out.items():
             print(f"{k:>26}: {v}")

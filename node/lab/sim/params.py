@@ -26,6 +26,12 @@ class SimParams:
     rtt_s: float = 0.0002
     heartbeat_s: float = 1.0
     directory_after_hosts: int = 16
+    # kvmesh refuses a turn no host can start within these (node.mesh.admission); the client retries after Retry-After.
+    admit_wait_s: float = 3.0
+    admit_new_wait_s: float = 1.0
+    admit_max_wait_s: float = 5.0
+    admission: bool = True
+    slo_s: float = 2.0  # goodput: turns per second whose TTFT is within this
     until_s: float | None = None  # no turn is sent after this (closed-loop workloads)
     seed: int = 1
 
@@ -46,9 +52,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
                    "(a trace whose think times run to hours needs hundreds of copies to load a mesh over its whole span)")
     s.add_argument("--agents-per-host", type=float, default=None, help="agent workload without --load (default 4)")
     for f in dataclasses.fields(SimParams):
-        if f.name in ("hosts", "policy", "until_s", "seed"):
+        if f.name in ("hosts", "policy", "until_s", "seed", "admission"):
             continue
         s.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)  # type: ignore[arg-type]
+    s.add_argument("--no-admission", dest="admission", action="store_false",
+                   help="kvmesh queues every turn instead of refusing what no host can start within --admit-wait-s")
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--json", action="store_true", help="only the JSON line")
+    w = s.add_argument_group("sweep", "--sweep: every policy at every size and load on each trace; a table, then "
+                             "whether kvmesh held against the others in every cell (node/lab/sim/sweep.py)")
+    w.add_argument("--sweep", action="store_true")
+    w.add_argument("--sweep-traces", default="mooncake", help="comma-separated traces (as --trace takes them)")
+    w.add_argument("--sweep-hosts", default="2,8,64,256", help="comma-separated host counts")
+    w.add_argument("--sweep-loads", default="0.3,0.6,0.9,1.2", help="comma-separated loads (as --load)")
+    w.add_argument("--sweep-policies", default=",".join(POLICIES), help="comma-separated policies (kvmesh among them)")
+    w.add_argument("--jobs", type=int, default=0, help="runs at once (default: the CPUs this process may use)")
     return s

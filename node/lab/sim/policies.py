@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from kvmesh.node.lab.sim.cluster import Cluster
 from kvmesh.node.lab.sim.params import POLICIES
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
+from kvmesh.node.mesh.admission import Admission, Refusal, admit
 from kvmesh.node.mesh.directory import directory_host
 from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, predict_next
+
+NO_ADMISSION = Admission(enabled=False)
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Route:
     host: str
     lookups: int = 0  # round trips to a directory before the forward
     counted_inbound: bool = False  # placement counted a replica still landing there (the turn waits for it)
+    retry_after_s: float | None = None  # refused as overloaded (node.mesh.admission): the client retries after this
 
 
 class Router:
@@ -36,12 +40,15 @@ class Router:
     name = ""
     replicates = False
 
-    def __init__(self, cluster: Cluster, rng: random.Random, *, kv_bytes_per_token: int, directory_after_hosts: int):
+    def __init__(self, cluster: Cluster, rng: random.Random, *, kv_bytes_per_token: int, directory_after_hosts: int,
+                 admission: Admission = NO_ADMISSION):
         self.cluster, self.rng = cluster, rng
         self.placement = Policy(kv_bytes_per_token=kv_bytes_per_token)
+        self.admission = admission
         self.directory = len(cluster.names) > directory_after_hosts
 
-    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
+        """`waited_s`: how long ago the turn was first refused (0: never)."""
         raise NotImplementedError
 
     def replica_target(self, session: str, now: float) -> str | None:
@@ -51,13 +58,19 @@ class Router:
 class KvmeshRouter(Router):
     name, replicates = "kvmesh", True
 
-    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
         c = self.cluster
         lookups = int(self.directory and directory_host(req.session, c.names) != entry)
         held = c.holdings(req.thread, now)  # a thread's cache is its own (subagents share the session id)
-        d = choose(self._candidates(held, req.thread, req.input_length), held, req.input_length, self.placement,
-                   session=req.thread)
+        cands = self._candidates(held, req.thread, req.input_length)
+        d = choose(cands, held, req.input_length, self.placement, session=req.thread)
         assert d is not None, "every simulated host is available"
+        # A subagent's first turn belongs to a running session: only a session's first turn is new.
+        a = admit(d, cands, held, req.input_length, self.placement, self.admission, session=req.thread,
+                  new_session=req.turn == 0 and req.thread == req.session, waited_s=waited_s)
+        if isinstance(a, Refusal):
+            return Route(d.host, lookups, retry_after_s=a.retry_after_s)
+        d = a
         h = held.get(d.host)
         counted = h is not None and h.inbound > max(h.resident, h.stored) and d.predicted_reused >= h.inbound - TRACE_BLOCK_TOKENS
         return Route(d.host, lookups, counted)
@@ -82,14 +95,14 @@ class KvmeshRouter(Router):
 class SessionHashRouter(Router):
     name = "session_hash"
 
-    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
         return Route(directory_host(req.session, self.cluster.names))
 
 
 class KvOverlapRouter(Router):
     name = "kv_overlap"
 
-    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
         def cost(name: str) -> tuple[float, int, float]:
             h = self.cluster.hosts[name]
             held = max(h.engine.prefix(req.blocks), h.store.prefix(req.blocks))  # both tiers, as a KV block manager's
@@ -106,7 +119,7 @@ class KvOverlapRouter(Router):
 class LeastLoadedRouter(Router):
     name = "least_loaded"
 
-    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
         loads = self.cluster.loads()
         return Route(min(self.cluster.names, key=lambda n: ((loads[n].busy + loads[n].queued) / loads[n].slots,
                                                               self.rng.random())))
@@ -119,7 +132,7 @@ class RoundRobinRouter(Router):
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self._next = itertools.cycle(self.cluster.names)
 
-    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
         return Route(next(self._next))
 
 

@@ -27,6 +27,7 @@ from kvmesh.node.lab.sim.control import Sizes, load_stream_bytes
 from kvmesh.node.lab.sim.params import SimParams
 from kvmesh.node.lab.sim.policies import ROUTERS, Route, Router
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
+from kvmesh.node.mesh.admission import Admission
 from kvmesh.node.mesh.statestream import MIN_GAP_S
 from kvmesh.node.protocol import classify
 
@@ -36,6 +37,7 @@ class _Turn:
     req: TraceRequest
     sent: float
     route: Route
+    first_sent: float  # its first attempt (earlier than `sent` when it was refused and retried)
     ttft: float = 0.0
     todo: int = 0  # tokens it prefills
 
@@ -51,7 +53,10 @@ class _Push:
 @dataclass
 class Figures:
     turns: int = 0
-    ttft: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)  # from the attempt that was served
+    ttft_with_retries: list[float] = field(default_factory=list)  # from its first attempt
+    refused: int = 0  # attempts refused as overloaded (each retried after its Retry-After)
+    refused_new: int = 0  # ...of them, sessions' first turns
     prefill_tokens: int = 0
     prompt_tokens: int = 0
     follow: Counter[str] = field(default_factory=Counter)  # follow-up turns by class
@@ -72,8 +77,9 @@ class Simulation:
         hosts = [SimHost(f"h{i:03d}", p.slots, p.prefill_tps, p.decode_tps, p.import_gbps * 1e9 / 8,
                          BlockLRU(blocks(p.engine_tokens)), StoreLRU(blocks(p.store_tokens))) for i in range(p.hosts)]
         self.cluster = Cluster(hosts)
+        admission = Admission(p.admit_wait_s, p.admit_new_wait_s, p.admit_max_wait_s, enabled=p.admission)
         self.router: Router = ROUTERS[p.policy](self.cluster, self.rng, kv_bytes_per_token=p.kv_bytes_per_token,
-                                                directory_after_hosts=p.directory_after_hosts)
+                                                directory_after_hosts=p.directory_after_hosts, admission=admission)
         self.fig = Figures()
         self._events: list[tuple[float, int, Callable[..., None], tuple[object, ...]]] = []
         self._order = itertools.count()
@@ -84,6 +90,7 @@ class Simulation:
         self._pushes: dict[str, list[_Push]] = defaultdict(list)
         self._link_busy: set[str] = set()
         self._think: dict[str, tuple[float, float]] = {}  # session -> (last reply, think-time EWMA)
+        self._first_sent: dict[str, float] = {}  # client -> when its refused request was first sent
 
     def _at(self, t: float, handler: Callable[..., None], *args: object) -> None:
         heapq.heappush(self._events, (t, next(self._order), handler, args))
@@ -104,11 +111,19 @@ class Simulation:
             self._clients[client].clear()
             return
         entry = self.rng.choice(self.cluster.names)
-        route = self.router.route(req, entry, now)
+        route = self.router.route(req, entry, now, now - self._first_sent.get(client, now))
         self.fig.lookups += route.lookups
+        if route.retry_after_s is not None:
+            # Refused at the entry: the client hears it a round trip later and sends again after Retry-After.
+            self.fig.refused += 1
+            self.fig.refused_new += req.turn == 0 and req.thread == req.session
+            self._first_sent.setdefault(client, now)
+            self._clients[client].appendleft(req)
+            self._at(now + self.p.rtt_s * (1 + route.lookups) + route.retry_after_s, self._send, client)
+            return
         self.fig.forwards += route.host != entry
         delay = self.p.rtt_s * (route.lookups + (route.host != entry))
-        turn = _Turn(req, now, route, ttft=delay)
+        turn = _Turn(req, now, route, self._first_sent.pop(client, now), ttft=delay)
         host = self.cluster.hosts[route.host]
         if host.busy < host.slots and not host.queue:
             self._start(now, host, turn)
@@ -167,6 +182,7 @@ class Simulation:
         host.backlog -= turn.todo
         self.cluster.changed(host)
         self.fig.ttft.append(turn.ttft)
+        self.fig.ttft_with_retries.append(turn.ttft + turn.sent - turn.first_sent)
         self._at(now + turn.req.output_length / self.p.decode_tps, self._done, name, turn, started)
 
     def _done(self, now: float, name: str, turn: _Turn, started: float) -> None:
@@ -267,6 +283,12 @@ class Simulation:
             "hosts": n, "policy": p.policy, "requests": f.turns,
             "warm_pct": round(100.0 * f.follow["warm"] / follow, 2) if follow else None,
             "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+            # A refused attempt is not a served request (as every serving benchmark counts a 429); what the
+            # retries cost its turn is in ttft_with_retries_p99_s.
+            "goodput_per_s": round(sum(1 for x in ttft if x <= p.slo_s) / duration_s, 4), "slo_s": p.slo_s,
+            "refused": f.refused, "refused_new_sessions": f.refused_new,
+            "refused_pct": round(100.0 * f.refused / (f.turns + f.refused), 2) if f.turns else 0.0,
+            "ttft_with_retries_p99_s": _pct(sorted(f.ttft_with_retries), 0.99),
             "prefill_tokens": f.prefill_tokens, "prompt_tokens": f.prompt_tokens,
             "replica_bytes": f.replica_bytes,
             # in and out, per host: every byte one host sends another receives

@@ -1,0 +1,118 @@
+"""`kvmesh sim --sweep`: every policy at every size and load on each trace, one table, and whether kvmesh held.
+
+A cell is one (trace, hosts, load); every policy in it replays the same requests (same seed). In
+each cell kvmesh is checked against the others: warm % at least the best other's minus 0.2 points,
+TTFT p50 and p99 at most every other's, goodput at least every other's, prefill tokens at most 1.05x
+session_hash's. The runs go to a process pool, the largest first; the table is printed at the end,
+then the failed checks, then one JSON line (the rows and the verdict).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+from typing import Any
+
+from kvmesh.node.lab.sim.cli import check_args, simulate
+from kvmesh.node.lab.sim.params import POLICIES
+
+Row = dict[str, Any]
+COLUMNS = (("trace", "trace"), ("hosts", "hosts"), ("load", "load"), ("policy", "policy"), ("requests", "requests"),
+           ("warm_pct", "warm %"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p99_s", "TTFT p99 s"),
+           ("goodput_per_s", "goodput/s"), ("refused_pct", "refused %"), ("prefill_mtok", "prefill Mtok"),
+           ("utilisation", "slot util"))
+
+
+def _one(job: tuple[argparse.Namespace, str]) -> Row:
+    args, trace = job
+    out = simulate(args)
+    return {**out, "trace": trace, "prefill_mtok": round(out["prefill_tokens"] / 1e6, 1)}  # type: ignore[operator]
+
+
+def failures(cell: list[Row]) -> list[str]:
+    """The checks kvmesh fails against the other policies of one cell (empty: it held)."""
+    mine = next((r for r in cell if r["policy"] == "kvmesh"), None)
+    others = [r for r in cell if r["policy"] != "kvmesh"]
+    if mine is None or not others:
+        return []
+    out = []
+    best_warm = max(r["warm_pct"] or 0.0 for r in others)
+    if (mine["warm_pct"] or 0.0) < best_warm - 0.2:
+        out.append(f"warm {mine['warm_pct']} < best other {best_warm} - 0.2")
+    for key in ("ttft_p50_s", "ttft_p99_s"):
+        rival = min(others, key=lambda r: r[key])
+        if mine[key] > rival[key]:
+            out.append(f"{key} {mine[key]} > {rival['policy']}'s {rival[key]}")
+    rival = max(others, key=lambda r: r["goodput_per_s"])
+    if mine["goodput_per_s"] < rival["goodput_per_s"]:
+        out.append(f"goodput {mine['goodput_per_s']} < {rival['policy']}'s {rival['goodput_per_s']}")
+    sh = next((r for r in others if r["policy"] == "session_hash"), None)
+    if sh is not None and mine["prefill_tokens"] > 1.05 * sh["prefill_tokens"]:
+        out.append(f"prefill {mine['prefill_mtok']} Mtok > 1.05 x session_hash's {sh['prefill_mtok']}")
+    return out
+
+
+def _jobs(args: argparse.Namespace) -> list[tuple[argparse.Namespace, str]]:
+    traces = [t for t in args.sweep_traces.split(",") if t]
+    hosts = [int(h) for h in args.sweep_hosts.split(",") if h]
+    loads = [float(u) for u in args.sweep_loads.split(",") if u]
+    policies = [p for p in args.sweep_policies.split(",") if p]
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"--sweep-policies: unknown {', '.join(unknown)}; one of {', '.join(POLICIES)}")
+    if not (traces and hosts and loads and policies):
+        raise ValueError("--sweep-traces, --sweep-hosts, --sweep-loads and --sweep-policies each need a value")
+    jobs = []
+    for trace in traces:
+        for n in hosts:
+            for u in loads:
+                for pol in policies:
+                    one = argparse.Namespace(**{**vars(args), "trace": trace, "hosts": n, "load": u, "policy": pol,
+                                                "sweep": False})
+                    problem = check_args(one)
+                    if problem:
+                        raise ValueError(problem)
+                    jobs.append((one, trace))
+    return sorted(jobs, key=lambda j: -j[0].hosts * j[0].load)
+
+
+def table(rows: list[Row]) -> list[str]:
+    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = [f"**{r[k]}**" if k == "policy" and r[k] == "kvmesh" else str(r[k]) for k, _ in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    try:
+        jobs = _jobs(args)
+    except ValueError as e:
+        print(f"kvmesh sim --sweep: {e}", file=sys.stderr)
+        return 2
+    workers = args.jobs or len(os.sched_getaffinity(0))
+    rows: list[Row] = []
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
+            for row in pool.map(_one, jobs):
+                rows.append(row)
+                print(f"  {row['trace']} hosts={row['hosts']} load={row['load']} {row['policy']}: "
+                      f"{row['requests']} turns in {row['wall_s']} s", file=sys.stderr, flush=True)
+    except (OSError, ValueError) as e:
+        print(f"kvmesh sim --sweep: {e}", file=sys.stderr)
+        return 2
+    order = {p: i for i, p in enumerate(POLICIES)}
+    rows.sort(key=lambda r: (r["trace"], r["hosts"], r["load"], order[r["policy"]]))
+    cells: dict[tuple[str, int, float], list[Row]] = {}
+    for r in rows:
+        cells.setdefault((r["trace"], r["hosts"], r["load"]), []).append(r)
+    failed = {f"{t} hosts={n} load={u}": f for (t, n, u), cell in cells.items() if (f := failures(cell))}
+    for line in table(rows):
+        print(line)
+    for where, checks in failed.items():
+        print(f"kvmesh did not hold at {where}: {'; '.join(checks)}")
+    print(json.dumps({"cells": len(cells), "held": len(cells) - len(failed), "failed": failed, "rows": rows}), flush=True)
+    return 0
