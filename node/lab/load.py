@@ -27,6 +27,9 @@ import httpx
 from kvmesh.node.lab.streamclient import TurnFailed, stream_chat
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest, system_prompt, text
 
+# An overloaded mesh's refusal (node.mesh.admission; Anthropic's dialect says 529): retried after Retry-After.
+OVERLOAD_STATUSES = (429, 529)
+
 
 @dataclass
 class LoadShape:
@@ -52,6 +55,10 @@ class LoadStats:
     prompt_tokens: int = 0
     recomputed_tokens: int = 0  # prompt tokens not served from a cache
     error_samples: list[str] = field(default_factory=list)
+    refused: int = 0  # attempts refused as overloaded (429/529), each retried after its Retry-After, as agents do
+    ttft_with_retries_s: list[float] = field(default_factory=list)  # from a turn's first attempt
+    elapsed_s: float = 0.0
+    slo_s: float = 2.0
 
     def summary(self) -> dict[str, Any]:
         def pct(xs: list[float], q: float) -> float | None:
@@ -64,6 +71,10 @@ class LoadStats:
             "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p95_s": pct(self.ttft_s, 0.95), "ttft_p99_s": pct(self.ttft_s, 0.99),
             "latency_p50_s": pct(self.latency_s, 0.5), "latency_p99_s": pct(self.latency_s, 0.99),
             "prompt_tokens": self.prompt_tokens, "prompt_tokens_recomputed": self.recomputed_tokens,
+            "refused": self.refused, "ttft_with_retries_p99_s": pct(self.ttft_with_retries_s, 0.99),
+            # Turns whose first token came within the SLO, per second (a refused attempt is not a served turn).
+            "goodput_per_s": round(sum(1 for x in self.ttft_s if x <= self.slo_s) / self.elapsed_s, 4)
+            if self.elapsed_s else None, "slo_s": self.slo_s, "elapsed_s": round(self.elapsed_s, 1),
             "error_samples": self.error_samples[:5],
         }
 
@@ -91,15 +102,25 @@ class LoadRunner:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens or self.shape.max_tokens,
                 "temperature": 0}
         st = self.stats
-        try:
-            r = await stream_chat(client, f"{self._entry()}/v1/chat/completions", body, {"X-Session-Id": session})
-        except TurnFailed as e:
-            st.errors += 1
-            if e.status:
-                st.status[str(e.status)] += 1
-            if len(st.error_samples) < 20:
-                st.error_samples.append(f"{session}: {e}")
-            return None
+        first = time.monotonic()
+        while True:
+            try:
+                r = await stream_chat(client, f"{self._entry()}/v1/chat/completions", body, {"X-Session-Id": session})
+                break
+            except TurnFailed as e:
+                if e.status in OVERLOAD_STATUSES and not self._stop.is_set():
+                    st.refused += 1
+                    await self._sleep(min(60.0, max(1.0, e.retry_after_s)))
+                    continue
+                if e.status in OVERLOAD_STATUSES:
+                    return None  # refused as the run ended: not sent again, and no error
+                st.errors += 1
+                if e.status:
+                    st.status[str(e.status)] += 1
+                if len(st.error_samples) < 20:
+                    st.error_samples.append(f"{session}: {e}")
+                return None
+        st.ttft_with_retries_s.append(time.monotonic() - first - r.total_s + r.ttft_s)
         st.status[str(r.status)] += 1
         st.handoffs[r.headers.get("x-kvmesh-handoff", "none")] += 1
         st.hosts[r.headers.get("x-kvmesh-host", "?")] += 1
@@ -168,6 +189,7 @@ class LoadRunner:
             self._stop.set()
             # Let turns in flight finish: a turn is never abandoned half-way.
             await asyncio.gather(*agents, return_exceptions=True)
+        self.stats.elapsed_s = time.monotonic() - self._t0
         return self.stats
 
     async def replay(self, trace: Path) -> LoadStats:
@@ -191,16 +213,20 @@ class LoadRunner:
                     await self.turn(client, session, msgs)
 
             await asyncio.gather(*(one(s, r) for s, r in by_session.items()))
+        self.stats.elapsed_s = time.monotonic() - self._t0
         return self.stats
 
-    async def replay_requests(self, requests: list[TraceRequest], *, block_chars: int = TRACE_BLOCK_TOKENS) -> LoadStats:
+    async def replay_requests(self, requests: list[TraceRequest], *, block_chars: int = TRACE_BLOCK_TOKENS,
+                              until_s: float | None = None) -> LoadStats:
         """Send a Mooncake-format trace's requests (node.lab.workload.read_mooncake) as chat turns.
 
         Each prompt is one user message: per 512-token block, `block_chars` characters of text seeded by
         the block's id (so equal ids are equal text: the trace's shared prefixes are shared here), cut
         to `input_length` blocks' worth; max_tokens is the request's `output_length`, capped by the
-        shape's max_tokens; the session is its conversation. A client sends its next request at its
-        trace time (scaled by time_scale), and never before its previous reply."""
+        shape's max_tokens; the session id is its conversation's (a Claude Code trace's subagents get their
+        own, as a client naming each conversation by `prompt_cache_key` does), each one closed loop. A client sends its next request at its trace time
+        (scaled by time_scale), never before its previous reply, and none after `until_s` (turns in flight
+        finish)."""
         self._t0 = time.monotonic()
         texts: dict[int, str] = {}
 
@@ -222,10 +248,20 @@ class LoadRunner:
                 for r in reqs:
                     delay = r.t * self.time_scale - (time.monotonic() - self._t0)
                     if delay > 0:
-                        await asyncio.sleep(delay)
+                        await self._sleep(delay)
+                    if self._stop.is_set():
+                        return
                     self.stats.conversations += r.turn == 0
-                    await self.turn(client, r.session, [{"role": "user", "content": prompt(r)}],
+                    await self.turn(client, r.thread, [{"role": "user", "content": prompt(r)}],
                                     max_tokens=max(1, min(r.output_length, self.shape.max_tokens)))
 
+            async def stop_at(s: float) -> None:
+                await asyncio.sleep(s)
+                self._stop.set()
+
+            stopper = asyncio.create_task(stop_at(until_s)) if until_s is not None else None
             await asyncio.gather(*(one(reqs) for reqs in by_client.values()))
+            if stopper is not None:
+                stopper.cancel()
+        self.stats.elapsed_s = time.monotonic() - self._t0
         return self.stats

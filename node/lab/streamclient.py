@@ -19,9 +19,10 @@ import httpx
 class TurnFailed(RuntimeError):
     """A turn that did not complete: a non-200 answer (`status`), an error in the stream, or a broken stream."""
 
-    def __init__(self, message: str, status: int = 0) -> None:
+    def __init__(self, message: str, status: int = 0, retry_after_s: float = 0.0) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s  # the answer's Retry-After (an overload refusal's), 0 if none
 
 
 @dataclass
@@ -55,7 +56,9 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
             out.status, out.headers = r.status_code, dict(r.headers)
             if r.status_code != 200:
                 detail = (await r.aread())[:300].decode(errors="replace")
-                raise TurnFailed(f"HTTP {r.status_code}: {detail}", r.status_code)
+                retry = r.headers.get("retry-after", "")
+                raise TurnFailed(f"HTTP {r.status_code}: {detail}", r.status_code,
+                                 float(retry) if retry.replace(".", "", 1).isdigit() else 0.0)
             done = False
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
