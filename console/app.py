@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import gc
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -22,12 +21,12 @@ from typing import Any
 from textual.app import App
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen
-from textual.timer import Timer
 
 from kvmesh.console.actions import MeshAction
 from kvmesh.console.admin import AdminClient, TokenSource
 from kvmesh.console.config import ConsoleConfig
 from kvmesh.console.format import glyphs_for
+from kvmesh.console.heap import HeapSettler
 from kvmesh.console.host import PaletteCommand
 from kvmesh.console.ingest import stream_node
 from kvmesh.console.palette import MeshCommands
@@ -42,9 +41,6 @@ from kvmesh.console.widgets.sessions import SessionsTable
 from kvmesh.node.protocol import ActionResult
 
 Source = Callable[[ConsoleState], Awaitable[None]]
-# Below this many sessions a full collection is quick and freezing is not worth its one-off cost.
-GC_FREEZE_MIN_SESSIONS = 500
-GC_SETTLE_AFTER_S = 1.0  # freeze this long after the last snapshot landed
 
 
 class KvmeshConsole(App[None]):
@@ -81,9 +77,7 @@ class KvmeshConsole(App[None]):
         self.patch_ms: deque[float] = deque(maxlen=100_000)
         self.refresh_ms: deque[float] = deque(maxlen=100_000)
         self.refresh_cpu_ms: deque[float] = deque(maxlen=100_000)
-        self._gc_frozen_at = 0.0
-        self._gc_frozen_sessions = 0
-        self._gc_timer: Timer | None = None
+        self._heap = HeapSettler(lambda: len(self.state.sessions))
 
     # ---- theme ---------------------------------------------------------------------------
 
@@ -216,38 +210,10 @@ class KvmeshConsole(App[None]):
             return  # the screen is being torn down (quitting): nothing left to patch
         self.patch_ms.append((time.perf_counter() - t0) * 1000)
         self.call_after_refresh(self._painted, t0, c0)
-        if changes.full or changes.snapshot:
-            # Once the snapshots stop coming: 256 nodes' parts arrive over seconds, and a freeze after the
-            # first would leave the rest (most of the heap) for the collector to walk again and again.
-            # Until then each refresh freezes what is there without collecting (cheap): otherwise every 25%
-            # the heap grows, a full collection walks all of it (~0.6 s at 20,000 sessions).
-            if len(self.state.sessions) >= GC_FREEZE_MIN_SESSIONS:
-                gc.freeze()
-            if self._gc_timer is not None:
-                self._gc_timer.stop()
-            self._gc_timer = self.set_timer(GC_SETTLE_AFTER_S, self._settle_gc)
+        self._heap.after_refresh(changes.full or changes.snapshot, self._timer)
 
-    def _settle_gc(self) -> None:
-        """After a snapshot is on screen, move the long-lived heap out of the collector's way.
-
-        A full (generation 2) collection walks every tracked object: with a few
-        thousand sessions on screen that was a 150 ms stall every few seconds, the
-        p95 of the refresh. Collecting once and freezing what survives (the
-        state, the widgets, the row caches) leaves later full collections only
-        the objects made since. Objects freed by reference counting, which is
-        nearly all of the console's churn, are unaffected. At most once a minute
-        (unless the sessions doubled since), so a flapping node cannot turn this
-        into the stall it removes.
-        """
-        now = time.monotonic()
-        self._gc_timer = None
-        n = len(self.state.sessions)
-        if n < GC_FREEZE_MIN_SESSIONS or (now - self._gc_frozen_at < 60 and n < 2 * self._gc_frozen_sessions):
-            return
-        self._gc_frozen_at, self._gc_frozen_sessions = now, n
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
+    def _timer(self, delay: float, callback: Callable[[], None]) -> Callable[[], object]:
+        return self.set_timer(delay, callback).stop
 
     def _painted(self, t0: float, c0: float) -> None:
         # Wall time is what the operator sees; CPU time is the console's own cost,
