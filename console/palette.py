@@ -16,6 +16,7 @@ from kvmesh.console.host import ConsoleHost
 # Fuzzy-matching every session on each keystroke is fine for thousands of them;
 # showing more than this many hits helps nobody.
 MAX_HITS = 60
+FUZZY_MAX = 5000  # past this many commands, a command must contain each word typed to be fuzzy-matched
 
 
 class MeshCommands(Provider):
@@ -30,7 +31,12 @@ class MeshCommands(Provider):
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
         hits = []
-        for name, help_text, callback in self.console_app.palette_commands(include_sessions=True):
+        commands = self.console_app.palette_commands(include_sessions=True)
+        if len(commands) > FUZZY_MAX:
+            # 20,000 sessions are 40,000 commands: fuzzy-match only those holding every word typed.
+            words = query.lower().split()
+            commands = [c for c in commands if all(w in c[0].lower() for w in words)]
+        for name, help_text, callback in commands:
             score = matcher.match(name)
             if score > 0:
                 hits.append(Hit(score, matcher.highlight(name), callback, text=name, help=help_text))

@@ -7,10 +7,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvm_helpers import T0, Clock, screen_text
+from kvm_helpers import T0, Clock, FakeAdmin, screen_text
 
 from kvmesh.console.app import KvmeshConsole
 from kvmesh.console.config import ConsoleConfig
+from kvmesh.console.screens.confirm import ConfirmScreen
 from kvmesh.console.state import ConsoleState
 from kvmesh.console.synthetic import SyntheticMesh
 from kvmesh.console.widgets.hosts import HostsTable
@@ -136,3 +137,19 @@ async def test_hosts_group_by_zone_when_hosts_report_one(clock: Clock) -> None:
         order = hosts.ordered_keys()
         zones = [state.hosts[n].info.zone for n in order]
         assert zones == sorted(zones) and "by zone" in str(hosts.border_title)
+
+
+async def test_the_palette_finds_one_session_among_thousands(clock: Clock) -> None:
+    """ctrl+p, "replicate sess-02917", Enter at 3,000 sessions (6,000 session commands): the confirm names it."""
+    app = KvmeshConsole(ConsoleConfig(utc=True, discover=False, refresh_interval=0.1),
+                        state=_big_state(clock, hosts=32, sessions=3000), sources=[], admin=FakeAdmin())  # type: ignore[arg-type]
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.refresh_view()
+        await pilot.press("ctrl+p")
+        await pilot.pause(0.2)
+        await pilot.press(*"replicate sess-02917")
+        await pilot.pause(0.8)
+        await pilot.press("enter")
+        await pilot.pause(0.3)
+        assert isinstance(app.screen, ConfirmScreen)
+        assert app.screen.action_spec.targets == ("sess-02917",)
