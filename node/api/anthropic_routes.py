@@ -13,6 +13,7 @@ tokens computed this turn, `cache_read_input_tokens` the reused prefix, and
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.errors import anthropic_error
 from kvmesh.node.api.serving import check_model, open_answer, prompt_request, sse_response
 from kvmesh.node.api.sessionid import Named, name_session
+from kvmesh.node.api.structured import constrained
 from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallEnd, ToolCallStart, ToolEvent, assemble
 
 router = APIRouter()
@@ -44,12 +46,18 @@ def _usage(prompt: int, cached: int, output: int) -> dict[str, int]:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
+def _finite(text: str) -> float | str:
+    """A JSON number as a float, or as its text where a double cannot hold it (1e999 is valid JSON, not a float)."""
+    f = float(text)
+    return f if math.isfinite(f) else text
+
+
 def _message(mid: str, model: str, events: list[ToolEvent], fin: Finish) -> dict[str, Any]:
     reply = assemble(events)
     content: list[dict[str, Any]] = [{"type": "text", "text": reply.content}] if reply.content else []
     for c in reply.calls:
         try:
-            args = json.loads(c.arguments or "{}")
+            args = json.loads(c.arguments or "{}", parse_float=_finite)
         except ValueError:
             args = {}
         content.append({"type": "tool_use", "id": c.id, "name": c.name, "input": args})
@@ -115,7 +123,7 @@ async def messages(body: MessagesRequest, request: Request, node: NodeDep) -> Re
     chat = body.chat()
     named = Named(metadata_user_id=body.metadata.user_id if body.metadata else None)
     session = name_session(request.headers, named, chat.messages_as_dicts())
-    greq = prompt_request(node, chat, session)
+    greq = constrained(prompt_request(node, chat, session), chat)  # response_format, tool_choice
     opened = await open_answer(node, chat, greq, session, request.headers, stream=body.stream)
     headers = dict(opened.headers)
     if body.thinking is not None and body.thinking.type != "disabled":

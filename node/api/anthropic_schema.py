@@ -9,8 +9,11 @@ What each field becomes:
   their content a string or text blocks, `is_error` said as an "Error: " prefix on the result.
 - assistant `text` -> content; `tool_use` -> tool_calls (input as JSON text); `thinking` and
   `redacted_thinking` blocks of earlier turns are dropped, as Anthropic's API does.
-- `tools` (`input_schema`) -> function tools; `tool_choice` auto/any/tool/none -> auto/required/
-  named/none, `disable_parallel_tool_use` -> parallel_tool_calls false.
+- `tools` (`input_schema`, `strict`) -> function tools; `tool_choice` auto/any/tool/none -> auto/
+  required/named/none, `disable_parallel_tool_use` -> parallel_tool_calls false: any/tool constrain
+  the reply to calls of the tools' schemas (node.api.structured), auto constrains a call once begun.
+- `output_config.format` (structured outputs, what `messages.parse(output_format=...)` sends) ->
+  a strict json_schema response_format: the reply is JSON of that schema.
 - `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k` -> the engine's own.
 - `metadata.user_id` names the session (node.api.sessionid); `cache_control` is accepted: every
   prefix is cached anyway. `thinking` is accepted and has no effect (no served template thinks);
@@ -96,6 +99,7 @@ class Tool(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None  # every keyword of input_schema enforced (node.api.structured)
 
     @model_validator(mode="before")
     @classmethod
@@ -162,7 +166,8 @@ class CountTokensRequest(BaseModel):
                                 **{k: v for k, v in sampling.items() if v is not None}}
         if self.tools:
             body["tools"] = [{"type": "function", "function": {"name": t.name, "parameters": t.input_schema,
-                                                                **({"description": t.description} if t.description else {})}}
+                                                                **({"description": t.description} if t.description else {}),
+                                                                **({"strict": t.strict} if t.strict is not None else {})}}
                              for t in self.tools]
         if self.tool_choice is not None:
             c = self.tool_choice
@@ -184,6 +189,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
     metadata: Metadata | None = None
+    output_config: dict[str, Any] | None = None  # its `format` (structured outputs) is honoured; `effort` does nothing
 
     @model_validator(mode="after")
     def _stops(self) -> MessagesRequest:
@@ -191,9 +197,21 @@ class MessagesRequest(CountTokensRequest):
             raise InvalidRequest("stop_sequences: each is 1-256 characters", param="stop_sequences")
         return self
 
+    def response_format(self) -> dict[str, Any] | None:
+        """`output_config.format` ({"type": "json_schema", "schema": ...}) as chat's response_format, strict
+        as Anthropic's structured outputs are."""
+        fmt = (self.output_config or {}).get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequest('output_config.format must be {"type": "json_schema", "schema": {...}}',
+                                 param="output_config")
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
+
     def chat(self) -> ChatCompletionRequest:
         return self.to_chat(max_tokens=self.max_tokens, stream=self.stream, temperature=self.temperature,
-                            top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences or None)
+                            top_p=self.top_p, top_k=self.top_k, stop=self.stop_sequences or None,
+                            response_format=self.response_format())
 
 
 def validated_chat(body: dict[str, Any]) -> ChatCompletionRequest:

@@ -23,6 +23,7 @@ from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.schema import ChatCompletionRequest
 from kvmesh.node.api.serving import parser_factory, prompt_request, relayed, sse_response, turn_headers
 from kvmesh.node.api.sessionid import Named, name_session
+from kvmesh.node.api.structured import constrained
 from kvmesh.node.mesh.turn import HostTurn
 
 router = APIRouter()
@@ -66,7 +67,7 @@ async def ready(node: NodeDep) -> Response:
 
 async def chat_completions(body: ChatCompletionRequest, request: Request, node: NodeDep) -> Response:
     session = name_session(request.headers, Named(user=body.user), body.messages_as_dicts())
-    greq = prompt_request(node, body, session)
+    greq = constrained(prompt_request(node, body, session), body)  # response_format, tool_choice
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     new_parser = parser_factory(body)
 

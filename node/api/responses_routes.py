@@ -25,6 +25,7 @@ from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.responses_schema import ResponsesRequest
 from kvmesh.node.api.serving import open_answer, prompt_request, sse_response
 from kvmesh.node.api.sessionid import Named, name_session
+from kvmesh.node.api.structured import constrained
 from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 from kvmesh.node.errors import NotFound
 
@@ -57,7 +58,7 @@ class ResponseBuilder:
                 "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
                 "tool_choice": b.tool_choice or "auto", "parallel_tool_calls": b.parallel_tool_calls,
                 "temperature": b.temperature, "top_p": b.top_p, "max_output_tokens": b.max_output_tokens,
-                "previous_response_id": None, "store": b.store, "metadata": {}, "text": {"format": {"type": "text"}},
+                "previous_response_id": None, "store": b.store, "metadata": {}, "text": {"format": (b.text or {}).get("format") or {"type": "text"}},
                 "truncation": "disabled", "reasoning": None}
 
     def _ev(self, kind: str, data: dict[str, Any]) -> bytes:
@@ -141,7 +142,7 @@ async def responses(body: ResponsesRequest, request: Request, node: NodeDep) -> 
     chat = body.chat()
     session = name_session(request.headers, Named(prompt_cache_key=body.prompt_cache_key, user=body.user),
                            chat.messages_as_dicts())
-    greq = prompt_request(node, chat, session)
+    greq = constrained(prompt_request(node, chat, session), chat)  # response_format, tool_choice
     opened = await open_answer(node, chat, greq, session, request.headers, stream=body.stream)
     headers = dict(opened.headers)
     if ignored := body.ignored():

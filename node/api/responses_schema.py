@@ -10,9 +10,10 @@ every turn (a string, or items: `message` with input_text / output_text parts, `
 Decided: responses are not stored. `previous_response_id` is a 400 saying to send the whole
 input (Codex never sends it); `store=true` is accepted, but GET /v1/responses/{id} finds nothing.
 `reasoning` and `include` are accepted and have no effect (no served template reasons); the
-answer says so in `X-Kvmesh-Ignored`. Refused with a 400 naming the field: non-function tools
-(web_search, file_search, local_shell, custom), `text.format` other than text, image and file
-input, `background`, `conversation`.
+answer says so in `X-Kvmesh-Ignored`. `text.format` (json_schema, json_object) is honoured: it
+becomes chat's response_format (node.api.structured constrains the reply). Refused with a 400
+naming the field: non-function tools (web_search, file_search, local_shell, custom), image and
+file input, `background`, `conversation`.
 """
 
 from __future__ import annotations
@@ -116,14 +117,18 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refused(cls, v: Any) -> Any:
-        refuse_unhonoured(v, _REFUSED)
-        if isinstance(v, dict):
-            fmt = (v.get("text") or {}).get("format") if isinstance(v.get("text"), dict) else None
-            if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-                raise InvalidRequest("text.format: kvmesh does not constrain decoding; leave it unset or "
-                                     '{"type": "text"} and ask for JSON in the prompt', param="text",
-                                     code="unsupported_parameter")
-        return v
+        return refuse_unhonoured(v, _REFUSED)
+
+    def response_format(self) -> dict[str, Any] | None:
+        """`text.format` as chat's response_format (json_schema's name, schema and strict sit in it flat here)."""
+        fmt = (self.text or {}).get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict):
+            raise InvalidRequest("text.format must be an object", param="text")
+        if fmt.get("type") == "json_schema":
+            return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+        return fmt
 
     def ignored(self) -> list[str]:
         """Fields accepted with no effect, to say so in X-Kvmesh-Ignored."""
@@ -137,7 +142,8 @@ class ResponsesRequest(BaseModel):
         for it in items:
             _add(messages, it)
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
-                                "parallel_tool_calls": self.parallel_tool_calls, "user": self.user}
+                                "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
+                                "response_format": self.response_format()}
         body |= {k: v for k, v in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature),
                                    ("top_p", self.top_p)) if v is not None}
         if self.tools:

@@ -1,8 +1,9 @@
 """OpenAI-compatible request and response models for /v1/chat/completions.
 
 `ChatCompletionRequest` is also the one internal request: the Anthropic and Responses adapters
-build one, and it is what a turn forwarded to a peer carries. Fields with an effect kvmesh cannot
-give (structured output, logprobs, penalties, logit bias, audio) are refused with a 400 naming
+build one, and it is what a turn forwarded to a peer carries (response_format and tool_choice with
+it, so the peer constrains the reply as the entry would: node.api.structured). Fields with an
+effect kvmesh cannot give (logprobs, penalties, logit bias, audio) are refused with a 400 naming
 the field when set, never accepted and ignored; other unknown fields are tolerated, as clients
 add them over time.
 """
@@ -98,9 +99,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-_NO_CONSTRAINT = "kvmesh does not constrain decoding; leave it unset (or {\"type\": \"text\"}) and ask for JSON in the prompt"
 _REFUSED = {
-    "response_format": _NO_CONSTRAINT,
     "logprobs": "kvmesh does not return log probabilities",
     "top_logprobs": "kvmesh does not return log probabilities",
     "logit_bias": "kvmesh does not bias logits",
@@ -113,11 +112,27 @@ _REFUSED = {
 }
 
 
+def check_response_format(v: dict[str, Any]) -> dict[str, Any]:
+    """A response_format's shape: a 400 saying what is wrong in it (the schema itself compiles later)."""
+    kind = v.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest(f'response_format.type must be "text", "json_object" or "json_schema", not {kind!r}',
+                             param="response_format")
+    js = v.get("json_schema")
+    if kind == "json_schema" and not isinstance(js, dict):
+        raise InvalidRequest('response_format: {"type": "json_schema"} needs "json_schema": {"name": ..., '
+                             '"schema": {...}, "strict": true}', param="response_format")
+    schema = js.get("schema") if kind == "json_schema" and isinstance(js, dict) else v.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise InvalidRequest("response_format: the schema must be a JSON object (a JSON Schema)", param="response_format")
+    if isinstance(js, dict) and js.get("strict") not in (None, True, False):
+        raise InvalidRequest("response_format.json_schema.strict must be true or false", param="response_format")
+    return v
+
+
 def _is_set(name: str, value: Any) -> bool:
     """Whether a refused field asks for something (its default or an explicit no-op is fine)."""
     if value is None or value is False or value == 0 or value == {} or value == []:
-        return False
-    if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
         return False
     return True
 
@@ -179,6 +194,13 @@ class ChatCompletionRequest(BaseModel):
     tools: list[ToolDef] | None = Field(None, max_length=512)
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # {"type": "text" | "json_object" | "json_schema", ...}: kept as sent, so the hop carries it whole (node.api.structured)
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if v is None else check_response_format(v)
 
     @field_validator("tool_choice", mode="before")
     @classmethod

@@ -19,8 +19,8 @@ way everywhere. Two paths, as llama-server's `--jinja` mode has:
   the head of the first user message.
 
 `tool_choice` "none" renders no tools; a named choice renders only that tool; "required"
-and a named choice add one sentence in the generic form (best effort: nothing constrains
-decoding). `parallel_tool_calls` false adds "at most one" in the generic form.
+and a named choice add one sentence in the generic form, and the reply is then constrained to
+calls in this form (node.engine.constraint). `parallel_tool_calls` false adds "at most one".
 """
 
 from __future__ import annotations

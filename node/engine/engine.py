@@ -20,20 +20,20 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 
 import numpy as np
 import torch
-import xxhash
 
 from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine.backends import make_runner, open_backend
 from kvmesh.node.engine.batcher import DecodeBatcher
 from kvmesh.node.engine.blocks import BlockManager, BlockPool
+from kvmesh.node.engine.constraint import Grammars
 from kvmesh.node.engine.export_import import ExportedBlock, ImportTxn, PinnedBlocks
 from kvmesh.node.engine.hashing import as_tokens, block_hashes, chain_seed
 from kvmesh.node.engine.hf import Checkpoint
 from kvmesh.node.engine.live import LiveCaches
 from kvmesh.node.engine.llamacpp import RestoreFailed
 from kvmesh.node.engine.model import ModelConfig
+from kvmesh.node.engine.picker import Picker
 from kvmesh.node.engine.runner import Runner, blocks_for
-from kvmesh.node.engine.sampling import sample
 from kvmesh.node.engine.scripted import ScriptedRunner
 from kvmesh.node.engine.sequence import Match, Sequence
 from kvmesh.node.engine.slots import SlotScheduler
@@ -45,14 +45,6 @@ __all__ = ["Engine", "EngineCounters", "ExportedBlock", "GenerateRequest", "Impo
            "TurnBegin", "TurnDone", "TurnStats"]
 
 log = logging.getLogger("kvmesh.engine")
-
-
-def _generator(seed: int | None) -> torch.Generator | None:
-    """A sampling generator from a 64-bit seed: hashed first, so high bits matter too."""
-    if seed is None:
-        return None
-    mixed = xxhash.xxh64_intdigest(seed.to_bytes(8, "little", signed=True))
-    return torch.Generator().manual_seed(mixed & ((1 << 63) - 1))
 
 
 class Engine:
@@ -100,6 +92,7 @@ class Engine:
         mask = self.tokenizer.generation_mask()
         self._allowed = None if mask is None else torch.from_numpy(mask)
         self._stop_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.model_cfg.eos_ids)
+        self.grammars = Grammars(self.tokenizer, self._stop_ids)  # constrained turns' vocabulary (node.engine.constraint)
         self.counters = EngineCounters()
         self._prefill_backlog = 0  # tokens of prompts being prefilled now (placement's TTFT estimate)
         self.on_evict: Callable[[str], None] | None = None  # called with the session whenever a cache is dropped
@@ -346,16 +339,8 @@ class Engine:
         """The turn's sampled tokens: the first from the prefill's logits, each next one fed at the
         following position, until a stop token or a limit. A runner with a `DecodeBatcher` decodes
         ahead on its compute thread (node.engine.batcher); others step through `forward`."""
-        gen = _generator(req.seed)
-        picked = 0
-
-        def pick(row: torch.Tensor) -> tuple[int, bool]:
-            nonlocal picked
-            tok = sample(row, req.temperature, req.top_p, gen, self._allowed, req.top_k)
-            picked += 1
-            last = (tok in self._stop_ids and not req.ignore_eos) or picked >= req.max_tokens or pos + picked >= self.max_context
-            return tok, last
-
+        mask = None if req.constraint is None else await self.grammars.mask(req.constraint)
+        pick = Picker(req, self._allowed, self._stop_ids, pos, self.max_context, mask)  # the constraint too
         tok, last = pick(logits)
         yield tok
         batcher = getattr(self.runner, "decoder", None)
@@ -367,7 +352,7 @@ class Engine:
                     yield tok
             return
         while not last:
-            row = await self.runner.forward(slot, np.array([tok], dtype=np.int32), pos + picked - 1)
+            row = await self.runner.forward(slot, np.array([tok], dtype=np.int32), pos + pick.picked - 1)
             tok, last = pick(row)
             yield tok
 

@@ -25,6 +25,7 @@ class GenerateRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # decode past end-of-turn tokens, to max_tokens (benchmarks: fixed lengths)
+    constraint: str | None = None  # an llguidance grammar every token follows (node.engine.constraint); None: free
     # Awaited once the slot and the session are held, just before the cache is matched:
     # the node imports a stored replica here, so nothing can evict it in between.
     prepare: Callable[[], Awaitable[object]] | None = None

@@ -281,21 +281,28 @@ def test_tool_result_forms_reach_the_prompt(client):
 
 
 def test_tool_choice_mapping_shows_in_behaviour(client):
-    """tool_choice any/tool -> tool_use; tool naming another tool -> text only; none -> the script as text, no tools shown."""
+    """tool_choice auto -> the script's text and call; any/tool -> the reply is constrained to one call of
+    the tool (the script's text ruled out, tool naming the other tool gets that tool); none -> the script as text."""
     msgs = _ask("Which tool? (choice)")
     tools = [WEATHER, READ]
 
     def ask(choice: dict[str, Any] | None) -> Any:
-        kw: dict[str, Any] = {"tools": tools} if choice is None else {"tools": tools, "tool_choice": choice}
+        # Room for what the constraint writes where the script does not fit it (a uniform choice: strings end by chance).
+        kw: dict[str, Any] = {"tools": tools, "max_tokens": 4000} if choice is None else {"tools": tools, "tool_choice": choice,
+                                                                                       "max_tokens": 4000}
         return _create(client, msgs, "a-choice", **kw)
 
-    for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "auto"}):
+    m = ask({"type": "auto"})
+    assert [b.type for b in m.content] == ["text", "tool_use"] and m.stop_reason == "tool_use"
+    for choice, names, key in (({"type": "any", "disable_parallel_tool_use": True}, ("get_weather", "read_file"), None),
+                               ({"type": "tool", "name": "get_weather"}, ("get_weather",), "city"),
+                               ({"type": "tool", "name": "read_file"}, ("read_file",), None)):
         m = ask(choice)
-        assert [b.type for b in m.content] == ["text", "tool_use"], choice
-        assert m.stop_reason == "tool_use"
-    # Only read_file is shown (and parsed for): the get_weather call in the reply stays text.
-    m = ask({"type": "tool", "name": "read_file"})
-    assert _blocks(m.content) == [("text", SCRIPT)] and m.stop_reason == "end_turn"
+        assert m.content and {b.type for b in m.content} == {"tool_use"} and m.stop_reason == "tool_use", (choice, m.content)
+        assert len(m.content) == 1 or not choice.get("disable_parallel_tool_use"), m.content
+        for call in m.content:
+            assert call.name in names and isinstance(call.input, dict), choice
+            assert key is None or isinstance(call.input[key], str), call.input  # required by the tool's schema
     m = ask({"type": "none"})
     assert _blocks(m.content) == [("text", SCRIPT)] and m.stop_reason == "end_turn"
     # What each choice put in the prompt.

@@ -179,12 +179,14 @@ def test_previous_response_id_is_refused_by_name(client):
     assert "previous_response_id" in ei.value.body["message"]
 
 
-def test_text_format_json_schema_is_refused(client):
-    """text.format json_schema is a 400 naming text; text.format text is accepted."""
-    fmt = {"type": "json_schema", "name": "answer", "schema": {"type": "object", "properties": {}}}
+def test_text_format_of_no_known_type_is_refused(client):
+    """text.format that is not an object, or of no known type, is a 400; text.format text is accepted."""
     with pytest.raises(openai.BadRequestError) as ei:
-        _create(client, "hi", text={"format": fmt})
+        _create(client, "hi", text={"format": "json"})
     assert ei.value.body["param"] == "text" and "text.format" in ei.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as ei:
+        _create(client, "hi", text={"format": {"type": "yaml"}})
+    assert "yaml" in ei.value.body["message"]
     assert _create(client, "hi (format text)", text={"format": {"type": "text"}}).status == "completed"
 
 

@@ -1,0 +1,55 @@
+"""One turn's sampler: each next token from a row of logits, and whether it is the turn's last.
+
+It runs where the logits are, the compute thread for a runner that decodes ahead
+(node.engine.batcher), and applies what narrows the choice: the byte tokenizer's mask of what a
+random-weight model may emit, and the turn's constraint (node.engine.constraint), whose matcher
+is told each token chosen. So a constrained turn decodes in the same batches as any other.
+"""
+
+from __future__ import annotations
+
+import torch
+import xxhash
+
+from kvmesh.node.engine.constraint import TokenMask
+from kvmesh.node.engine.sampling import sample
+from kvmesh.node.engine.turns import GenerateRequest
+
+
+def generator(seed: int | None) -> torch.Generator | None:
+    """A sampling generator from a 64-bit seed: hashed first, so high bits matter too."""
+    if seed is None:
+        return None
+    mixed = xxhash.xxh64_intdigest(seed.to_bytes(8, "little", signed=True))
+    return torch.Generator().manual_seed(mixed & ((1 << 63) - 1))
+
+
+class Picker:
+    """Callable on a row of logits -> (token, last): the engine's `pick` for one turn."""
+
+    def __init__(self, req: GenerateRequest, allowed: torch.Tensor | None, stop_ids: frozenset[int], pos: int,
+                 max_context: int, mask: TokenMask | None) -> None:
+        self.req, self.allowed, self.stop_ids, self.pos, self.max_context = req, allowed, stop_ids, pos, max_context
+        self.mask = mask
+        self.gen = generator(req.seed)
+        self._uniform = torch.Generator().manual_seed(0)
+        self.picked = 0
+
+    def __call__(self, row: torch.Tensor) -> tuple[int, bool]:
+        req, allowed = self.req, self.allowed
+        temperature, gen = req.temperature, self.gen
+        if self.mask is not None:
+            m = self.mask.allowed(row.shape[-1])
+            allowed = m if allowed is None else m & allowed
+            if not torch.isfinite(row.masked_fill(~allowed, float("-inf"))).any():
+                # The logits rule out every allowed id (a scripted test reply does): no preference is left, so
+                # a uniform choice among them, from a fixed seed so that a turn stays reproducible.
+                row, temperature = torch.zeros_like(row), 1.0
+                gen = gen if gen is not None else self._uniform
+        tok = sample(row, temperature, req.top_p, gen, allowed, req.top_k)
+        if self.mask is not None:
+            self.mask.consume(tok)
+        self.picked += 1
+        last = ((tok in self.stop_ids and not req.ignore_eos) or self.picked >= req.max_tokens
+                or self.pos + self.picked >= self.max_context)
+        return tok, last
