@@ -222,6 +222,7 @@ def _add_bench(sub: Subparsers) -> None:
     x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
     _add_side_by_side(bsub)
     _add_bench_control(bsub)
+    _add_bench_tools(bsub)
     b.set_defaults(func=cmd_bench)
 
 
@@ -269,6 +270,12 @@ def _add_side_by_side(bsub: Subparsers) -> None:
                    help="1gbit|10gbit: the hosts in network namespaces joined by a tbf-shaped veth (root)")
     v.add_argument("--arms", nargs="+", choices=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"],
                    default=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"])
+
+
+def _add_bench_tools(bsub: Subparsers) -> None:
+    from kvmesh.node.lab.bench.tools import add_arguments
+
+    add_arguments(bsub)
 
 
 def _int_list(v: str) -> list[int]:

@@ -35,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.node.lab.bench.versus import run_versus
 
         return run_versus(args)
+    if args.bench == "tools":
+        from kvmesh.node.lab.bench.tools import run_tools
+
+        return run_tools(args)
     if args.bench == "engine":
         from kvmesh.node.lab.bench.enginebench import run_engine
 
