@@ -103,7 +103,7 @@ class Router:
         # lists what it holds and what it is directory for, never the whole mesh (state/parts.py).
         self._sessions.apply_snapshot(conn.url, conn.name, snap.sessions, ts)
         self._links.apply_snapshot(snap.links, ts)
-        self._counters.apply_snapshot(snap.counters)
+        self._counters.apply_snapshot(snap.counters, conn.url)
         ch = self._changes
         ch.hosts.update(info.name for info in snap.hosts)
         ch.links.update((li.src, li.dst) for li in snap.links)

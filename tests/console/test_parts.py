@@ -105,3 +105,20 @@ def test_a_fan_in_of_partial_snapshots_is_the_mesh() -> None:
     assert [s.session for s in whole.sessions] == ["a", "b", "c"]
     assert whole.sessions[1].home == "node-2" and whole.sessions[1].replica_host == "node-1"
     assert (whole.scope, whole.parts) == ("mesh", ["node-1", "node-2"])
+
+
+def test_a_node_that_has_not_heard_its_peers_does_not_drop_the_counters(clock: Clock) -> None:
+    """Handoff counters from a snapshot counting fewer than the console has (a node just restarted) are not taken;
+    a snapshot counting more is."""
+    state = ConsoleState(clock=clock)
+    full = part("node-1", [])
+    full.cluster.counters.warm = 500
+    state.feed(NODE1, full)
+    fresh = part("node-2", [])
+    fresh.cluster.counters.warm = 3
+    state.feed(NODE2, fresh)
+    assert state.counters.warm == 500
+    more = part("node-2", [])
+    more.cluster.counters.warm = 510
+    state.feed(NODE2, more)
+    assert state.counters.warm == 510
