@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import random
 import sys
 from pathlib import Path
 
@@ -78,15 +79,24 @@ def cmd_load(args: argparse.Namespace) -> int:
     record = open(args.record, "w") if args.record else None
     try:
         runner = LoadRunner([u.rstrip("/") for u in args.node], shape, record=record, time_scale=args.time_scale)
-        if args.mooncake:
-            from kvmesh.node.lab.workload import read_mooncake
+        if args.trace or args.mooncake:
+            from kvmesh.node.lab.workload import read_trace, scale_trace
 
             try:
-                reqs = read_mooncake(args.mooncake)
+                reqs = read_trace(args.trace or args.mooncake)
             except (OSError, ValueError) as e:
                 print(f"kvmesh load: {e}", file=sys.stderr)
                 return 2
-            stats = asyncio.run(runner.replay_requests(reqs[: args.limit], block_chars=args.block_chars))
+            if args.span is not None:
+                reqs = [r for r in reqs if r.t < args.span]
+            if not reqs or args.copies <= 0:
+                print("kvmesh load: " + ("--copies must be above 0" if reqs else "no request in the trace's first "
+                                         f"{args.span} s"), file=sys.stderr)
+                return 2
+            if args.copies != 1:
+                reqs = scale_trace(reqs, args.copies, max(r.t for r in reqs) or 1.0, random.Random(args.seed))
+            stats = asyncio.run(runner.replay_requests(reqs[: args.limit], block_chars=args.block_chars,
+                                                       until_s=args.until))
         else:
             stats = asyncio.run(runner.replay(args.replay) if args.replay else runner.run(args.duration))
     finally:
@@ -220,9 +230,8 @@ def _add_bench(sub: Subparsers) -> None:
     x.add_argument("--block-size", type=int, help="with --engine llamacpp: tokens per KV block (default: from the model's context)")
     x.set_defaults(engine_default="sim")
     x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
-    _add_side_by_side(bsub)
-    _add_bench_control(bsub)
-    _add_bench_tools(bsub)
+    for more in (_add_side_by_side, _add_bench_control, _add_bench_policies, _add_bench_tools):
+        more(bsub)
     b.set_defaults(func=cmd_bench)
 
 
@@ -278,6 +287,39 @@ def _add_bench_tools(bsub: Subparsers) -> None:
     add_arguments(bsub)
 
 
+def _add_bench_policies(bsub: Subparsers) -> None:
+    from kvmesh.node.lab.sim.params import POLICIES
+
+    b = bsub.add_parser("policies", help="real sim nodes replaying a trace: kvmesh against mesh.policy baselines")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--trace", default="mooncake", help="as `kvmesh load --trace` takes it (Claude Code traces: a directory)")
+    b.add_argument("--hosts", type=int, default=4)
+    b.add_argument("--slots", type=int, default=2, help="slots per host")
+    b.add_argument("--loads", type=_float_list, default=[0.5, 1.2], help="offered load per host, e.g. 0.5,1.2")
+    b.add_argument("--policies", type=lambda v: [p for p in v.split(",") if p], default=["kvmesh", "session_hash"],
+                   help=f"comma-separated, of {', '.join(POLICIES)}")
+    b.add_argument("--span", type=float, default=600.0, help="the trace's first SPAN seconds")
+    b.add_argument("--duration", type=float, default=120.0, help="seconds each run sends requests")
+    b.add_argument("--block-chars", type=int, default=64, help="prompt characters (sim tokens) per 512-token block")
+    b.add_argument("--max-tokens", type=int, default=64, help="reply tokens at most")
+    b.add_argument("--prefill-tps", type=float, default=20000.0, help="the sim engine's prefill rate")
+    b.add_argument("--decode-tps", type=float, default=60.0, help="the sim engine's decode rate per slot")
+    b.add_argument("--kv-scale", type=float, default=0.05)
+    b.add_argument("--cache-bytes", type=int, default=512 << 20)
+    b.add_argument("--slo", type=float, default=2.0, help="goodput's TTFT bound, seconds")
+    b.add_argument("--seed", type=int, default=1)
+
+
+def _float_list(v: str) -> list[float]:
+    try:
+        xs = [float(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a comma-separated list of numbers") from None
+    if not xs or min(xs) <= 0:
+        raise argparse.ArgumentTypeError(f"{v!r}: give numbers above 0, e.g. 0.5,1.2")
+    return xs
+
+
 def _int_list(v: str) -> list[int]:
     try:
         xs = [int(x) for x in v.split(",") if x.strip()]
@@ -319,11 +361,17 @@ def _add_load(sub: Subparsers) -> None:
     ld.add_argument("--seed", type=int, default=1)
     ld.add_argument("--record", type=Path, help="write a JSONL trace of every turn")
     ld.add_argument("--replay", type=Path, help="replay a JSONL trace instead of generating")
-    ld.add_argument("--mooncake", help="replay a Mooncake-format trace (a file, or `mooncake`: the one kvmesh ships) "
+    ld.add_argument("--mooncake", help="the same as --trace (kept for scripts): a Mooncake-format trace, or `mooncake` "
                     "as chat turns, one session per conversation")
-    ld.add_argument("--limit", type=int, help="with --mooncake: only its first N requests")
-    ld.add_argument("--block-chars", type=int, default=512, help="with --mooncake: characters of text per 512-token "
-                    "block (512 for the sim's byte tokenizer; about 2000 for a BPE model's)")
+    ld.add_argument("--trace", help="replay a trace as chat turns: a Mooncake-format file, `mooncake`, or Claude Code "
+                    "traces (a directory of trace_*.json.gz, or one); each conversation a closed loop at its trace times")
+    ld.add_argument("--copies", type=float, default=1.0, help="with a trace: its sessions this many times over, each "
+                    "copy shifted within the trace's span with ids of its own (as `kvmesh sim --load` scales it)")
+    ld.add_argument("--span", type=float, help="with a trace: only the requests it sends in its first SPAN seconds")
+    ld.add_argument("--until", type=float, help="with a trace: send no request after this many seconds")
+    ld.add_argument("--limit", type=int, help="with a trace: only its first N requests")
+    ld.add_argument("--block-chars", type=int, default=512, help="with a trace: characters of text per 512-token "
+                    "block (512 for the sim's byte tokenizer; about 2000 for a BPE model's; less scales prompts down)")
     ld.add_argument("--json", action="store_true")
     ld.set_defaults(func=cmd_load)
 

@@ -31,6 +31,10 @@ def run(args: argparse.Namespace) -> int:
         from kvmesh.node.lab.bench.exactness import run_exactness
 
         return run_exactness(args)
+    if args.bench == "policies":
+        from kvmesh.node.lab.bench.policies import run_policies
+
+        return run_policies(args)
     if args.bench == "versus":
         from kvmesh.node.lab.bench.versus import run_versus
 

@@ -82,6 +82,8 @@ def run_handoff(args: argparse.Namespace) -> int:
         "turns": load["turns"], "errors": load["errors"], "error_samples": load["error_samples"],
         "status": load["status"], "duration_s": round(elapsed, 1),
         "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
+        # Attempts refused as overloaded (node.mesh.admission), each retried: a refusal is no handoff.
+        "refused": load["refused"], "ttft_with_retries_p99_s": load["ttft_with_retries_p99_s"],
         "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
         "cold_move_after_s": args.cold_move_after, "replicate_min_tokens": replicate_from,
         "engine": getattr(args, "engine", "sim"), "shape": said, "event_loop": getattr(args, "event_loop", "asyncio"),

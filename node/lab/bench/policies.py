@@ -1,0 +1,117 @@
+"""`kvmesh bench policies`: real sim-engine nodes replaying an agent trace, kvmesh against `mesh.policy` baselines.
+
+For each load and each policy a fresh mesh of `--hosts` nodes on loopback (sim engine, `mesh.policy`
+set) replays the same requests: the trace's first `--span` seconds, its sessions copied (as `kvmesh
+sim --load` does) so that each host is offered `load` of its busier resource by the sim engine's
+own rates, prompts scaled to `--block-chars` characters (tokens, on the byte tokenizer) per 512-token
+block. The client is `kvmesh load`'s: a refused turn (429/529) is retried after its Retry-After, as
+agents do, and counted as refused, not as an error. Per run: turns, errors, refusals, TTFT p50/p99,
+goodput (turns per second with TTFT within `--slo`), the prompt tokens the mesh recomputed, and
+its handoff counters. The last line is one JSON object; the exit status is non-zero if any run had
+an error other than a refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvmesh.node.lab.bench.common import emit, start_mesh
+from kvmesh.node.lab.launcher import wait_peers
+from kvmesh.node.lab.load import LoadRunner, LoadShape
+from kvmesh.node.lab.sim.params import POLICIES
+from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest, read_trace, scale_trace
+
+
+def offered_per_host(reqs: list[TraceRequest], args: argparse.Namespace, span_s: float) -> float:
+    """What the requests offer one host over `span_s`, of its busier resource (as `kvmesh sim` counts it):
+    its prefill engine (new tokens, at the sim engine's prefill rate) or its slots (prefill and decode)."""
+    scale = args.block_chars / TRACE_BLOCK_TOKENS
+    prefill = sum(max(0, r.input_length - r.shared) * scale for r in reqs) / args.prefill_tps
+    decode = sum(max(1, min(r.output_length, args.max_tokens)) for r in reqs) / args.decode_tps
+    return max(prefill, (prefill + decode) / args.slots) / span_s
+
+
+async def _mesh_figures(apis: list[str]) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=10) as c:
+        stats = [(await c.get(f"{a}/v1/stats")).json() for a in apis]
+        counters = (await c.get(f"{apis[0]}/v1/cluster")).json()["counters"]
+    refused: dict[str, int] = {}
+    for s in stats:
+        for k, v in (s.get("admission") or {}).get("refused", {}).items():
+            refused[k] = refused.get(k, 0) + v
+    return {"prefill_tokens": sum(s["engine"]["prefill_tokens"] for s in stats),
+            "handoffs": {k: counters.get(k, 0) for k in ("warm", "partial", "cold")}, "refused_by_mesh": refused}
+
+
+def _one(args: argparse.Namespace, reqs: list[TraceRequest], policy: str, load: float, work: Path) -> dict[str, Any]:
+    names = [f"h{i}" for i in range(args.hosts)]
+    sim = {"kv_scale": args.kv_scale, "prefill_tps": args.prefill_tps, "decode_tps": args.decode_tps}
+    nodes = start_mesh(work, names, slots=args.slots, kv_scale=args.kv_scale, cache_bytes=args.cache_bytes,
+                       engine={"kind": "sim", "sim": sim}, extra={"mesh": {"policy": policy}})
+    try:
+        wait_peers(nodes)
+        shape = LoadShape(max_tokens=args.max_tokens, seed=args.seed)
+        runner = LoadRunner([n.api for n in nodes], shape, time_scale=1.0)
+        runner.stats.slo_s = args.slo
+        t0 = time.monotonic()
+        stats = asyncio.run(runner.replay_requests(reqs, block_chars=args.block_chars, until_s=args.duration))
+        out = stats.summary()
+        out.update(asyncio.run(_mesh_figures([n.api for n in nodes])))
+        out.update(policy=policy, load=load, wall_s=round(time.monotonic() - t0, 1))
+        return out
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+def run_policies(args: argparse.Namespace) -> int:
+    unknown = sorted(set(args.policies) - set(POLICIES))
+    if unknown or not args.policies or args.hosts < 1 or args.span <= 0 or args.duration <= 0:
+        why = f"unknown policy {', '.join(unknown)} (one of {', '.join(POLICIES)})" if unknown else \
+            "--policies, --hosts, --span and --duration must be given and above 0"
+        print(f"kvmesh bench policies: {why}", file=sys.stderr)
+        return 2
+    try:
+        base = [r for r in read_trace(args.trace) if r.t < args.span]
+    except (OSError, ValueError) as e:
+        print(f"kvmesh bench policies: {e}", file=sys.stderr)
+        return 2
+    if not base:
+        print(f"kvmesh bench policies: no request in {args.trace}'s first {args.span} s", file=sys.stderr)
+        return 2
+    span = max(r.t for r in base) or 1.0
+    per_copy = offered_per_host(base, args, span)
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvmesh-policies-") as tmp:
+        for load in args.loads:
+            copies = load * args.hosts / per_copy
+            reqs = scale_trace(base, copies, span, random.Random(args.seed))
+            for policy in args.policies:
+                work = Path(tmp) / f"{policy}-{load}"
+                work.mkdir()
+                run = _one(args, reqs, policy, load, work)
+                run["copies"] = round(copies, 2)
+                runs.append(run)
+                print(f"  load {load} {policy}: {run['turns']} turns, {run['refused']} refused, {run['errors']} errors, "
+                      f"TTFT p50 {run['ttft_p50_s']} p99 {run['ttft_p99_s']} s, goodput {run['goodput_per_s']}/s",
+                      file=sys.stderr, flush=True)
+    keep = ("policy", "load", "copies", "turns", "errors", "refused", "ttft_p50_s", "ttft_p99_s", "goodput_per_s",
+            "ttft_with_retries_p99_s", "prompt_tokens", "prompt_tokens_recomputed", "prefill_tokens", "handoffs",
+            "refused_by_mesh", "elapsed_s", "error_samples")
+    result: dict[str, Any] = {
+        "bench": "policies", "trace": args.trace, "hosts": args.hosts, "slots": args.slots, "span_s": args.span,
+        "duration_s": args.duration, "slo_s": args.slo, "runs": [{k: r.get(k) for k in keep} for r in runs],
+        "errors": sum(r["errors"] for r in runs), "turns": sum(r["turns"] for r in runs),
+        "error_samples": [s for r in runs for s in r.get("error_samples", [])][:5],
+    }
+    return emit(result, args)
+
