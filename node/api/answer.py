@@ -1,7 +1,8 @@
 """One answer, whatever dialect asked for it: the events a turn's reply is made of.
 
 Every dialect renders the same events: the tool-call parser's (`ContentDelta`, `ToolCallStart`,
-`ToolCallArgs`, `ToolCallEnd`), then `Finish` with the usage, or `Failed` when the turn broke off
+`ToolCallArgs`, `ToolCallEnd`; `Logprobs` after the text they score, when asked for), then `Finish`
+with the usage, or `Failed` when the turn broke off
 after its first byte. They come from a turn running here (`local_events`), from a peer's chat SSE
 answer (`ChatChunks`, sans-I/O: bytes in, events out) or from a peer's whole chat completion
 (`completion_events`): a turn that enters as Messages or Responses runs on any host.
@@ -9,6 +10,7 @@ answer (`ChatChunks`, sans-I/O: bytes in, events out) or from a peer's whole cha
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import Any
 from kvmesh.node.api.toolcalls import ToolCallParser
 from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallEnd, ToolCallStart, ToolEvent
 from kvmesh.node.engine.engine import TextDelta
+from kvmesh.node.engine.turns import TokenLogprob
 from kvmesh.node.errors import KVMeshError
 from kvmesh.node.mesh.turn import HostTurn
 
@@ -33,6 +36,14 @@ class Finish:
     cached_tokens: int = 0
     completion_tokens: int = 0
     stop_sequence: str | None = None  # the stop string that ended it
+    logprobs: tuple[TokenLogprob, ...] = ()  # a whole answer's (collect gathers them), when asked for
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Log probabilities of the tokens whose text the events before it carried (chat's logprobs)."""
+
+    entries: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,7 @@ class Failed:
     status: int = 500
 
 
-AnswerEvent = ToolEvent | Finish | Failed
+AnswerEvent = ToolEvent | Logprobs | Finish | Failed
 
 
 class AnswerError(KVMeshError):
@@ -60,12 +71,16 @@ class AnswerError(KVMeshError):
 async def collect(events: AsyncIterator[AnswerEvent]) -> tuple[list[ToolEvent], Finish]:
     """A whole answer: its events and its end (a failure raised as the error it was)."""
     out: list[ToolEvent] = []
+    logprobs: list[TokenLogprob] = []
     async for ev in events:
         if isinstance(ev, Failed):
             raise AnswerError(ev.status, ev.message, ev.type, ev.code)
         if isinstance(ev, Finish):
-            return out, ev
-        out.append(ev)
+            return out, dataclasses.replace(ev, logprobs=tuple(logprobs)) if logprobs else ev
+        if isinstance(ev, Logprobs):
+            logprobs.extend(ev.entries)
+        else:
+            out.append(ev)
     raise AnswerError(502, "the turn's answer ended before it finished", "server_error", "peer_lost")
 
 
@@ -83,6 +98,8 @@ async def local_events(run: HostTurn, new_parser: ParserFactory) -> AsyncIterato
             if isinstance(ev, TextDelta):
                 for te in parser.feed(ev.text) if parser is not None else [ContentDelta(ev.text)]:
                     yield te
+                if ev.logprobs:
+                    yield Logprobs(tuple(ev.logprobs))
                 continue
             for te in parser.finish() if parser is not None else []:
                 yield te

@@ -6,6 +6,8 @@ Tool calls come back as `message.tool_calls` (content null when there is no othe
 stream as OpenAI tool-call deltas (the id, type and name first, then argument fragments), with
 finish_reason "tool_calls" when the model stopped after calling. A stop string that ended the
 answer is named in the choice's `stop_reason` (vLLM's extension; Anthropic's stop_sequence needs it).
+Asked for (`logprobs`, `top_logprobs`), each content token's log probability is in `choice.logprobs`
+(OpenAI's shape), streamed in chunks of their own after the text they score.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvmesh.node.api.answer import Failed, Finish, ParserFactory, local_events
+from kvmesh.node.api.answer import Failed, Finish, Logprobs, ParserFactory, local_events
 from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallStart, ToolEvent, assemble
+from kvmesh.node.engine.turns import TokenLogprob
 from kvmesh.node.mesh.forward import sse_error
 from kvmesh.node.mesh.turn import HostTurn
 
@@ -31,11 +34,19 @@ def usage(fin: Finish) -> dict[str, Any]:
     }
 
 
+def logprobs_content(entries: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
+    """OpenAI's choice.logprobs.content: token text, log probability, UTF-8 bytes, and the top alternatives."""
+    def one(tok: bytes, lp: float) -> dict[str, Any]:
+        return {"token": tok.decode("utf-8", "replace"), "logprob": lp, "bytes": list(tok)}
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries]
+
+
 def _chunk(ident: Ident, delta: dict[str, Any], finish: Finish | None = None,
-           with_usage: dict[str, Any] | None = None) -> bytes:
+           with_usage: dict[str, Any] | None = None, logprobs: Logprobs | None = None) -> bytes:
     cid, created, model = ident
     choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish.finish_reason if finish else None,
-                              "logprobs": None}
+                              "logprobs": None if logprobs is None else {"content": logprobs_content(logprobs.entries),
+                                                                         "refusal": None}}
     if finish is not None and finish.stop_sequence is not None:
         choice["stop_reason"] = finish.stop_sequence
     obj: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -68,6 +79,8 @@ async def chat_sse(run: HostTurn, ident: Ident, include_usage: bool, new_parser:
         elif isinstance(ev, (ContentDelta, ToolCallStart, ToolCallArgs)):
             if (delta := _delta(ev)) is not None:
                 yield _chunk(ident, delta)
+        elif isinstance(ev, Logprobs):
+            yield _chunk(ident, {}, logprobs=ev)
         elif isinstance(ev, Failed):
             yield sse_error(ev.message, ev.type, ev.code)
     yield b"data: [DONE]\n\n"
@@ -79,7 +92,8 @@ def chat_completion(ident: Ident, events: list[ToolEvent], fin: Finish) -> dict[
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if reply.calls:
         message = {"role": "assistant", "content": reply.content or None, "tool_calls": [c.openai() for c in reply.calls]}
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": fin.finish_reason, "logprobs": None}
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": fin.finish_reason,
+                              "logprobs": {"content": logprobs_content(fin.logprobs), "refusal": None} if fin.logprobs else None}
     if fin.stop_sequence is not None:
         choice["stop_reason"] = fin.stop_sequence
     cid, created, model = ident

@@ -3,7 +3,7 @@
 `ChatCompletionRequest` is also the one internal request: the Anthropic and Responses adapters
 build one, and it is what a turn forwarded to a peer carries (response_format and tool_choice with
 it, so the peer constrains the reply as the entry would: node.api.structured). Fields with an
-effect kvmesh cannot give (logprobs, penalties, logit bias, audio) are refused with a 400 naming
+effect kvmesh cannot give (penalties, logit bias, audio) are refused with a 400 naming
 the field when set, never accepted and ignored; other unknown fields are tolerated, as clients
 add them over time.
 """
@@ -100,8 +100,6 @@ class StreamOptions(BaseModel):
 
 
 _REFUSED = {
-    "logprobs": "kvmesh does not return log probabilities",
-    "top_logprobs": "kvmesh does not return log probabilities",
     "logit_bias": "kvmesh does not bias logits",
     "frequency_penalty": "kvmesh does not apply repetition penalties",
     "presence_penalty": "kvmesh does not apply repetition penalties",
@@ -194,6 +192,8 @@ class ChatCompletionRequest(BaseModel):
     tools: list[ToolDef] | None = Field(None, max_length=512)
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    logprobs: bool = False  # each content token's log probability (the model's own), in choice.logprobs
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # and its likeliest alternatives; needs logprobs
     # {"type": "text" | "json_object" | "json_schema", ...}: kept as sent, so the hop carries it whole (node.api.structured)
     response_format: dict[str, Any] | None = None
 
@@ -228,6 +228,8 @@ class ChatCompletionRequest(BaseModel):
     @model_validator(mode="after")
     def _role_order(self) -> ChatCompletionRequest:
         check_role_order(self.messages)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         return self
 
     def stop_list(self) -> tuple[str, ...]:

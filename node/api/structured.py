@@ -58,8 +58,10 @@ def grammar_for(body: ChatCompletionRequest) -> str | None:
 
 
 def constrained(greq: GenerateRequest, body: ChatCompletionRequest) -> GenerateRequest:
-    """The engine's request with its constraint set (a 400 where it cannot be enforced)."""
+    """The engine's request with its constraint set (a 400 where it cannot be enforced), and the log
+    probabilities it asks for (chat's logprobs / top_logprobs)."""
     greq.constraint = grammar_for(body)
+    greq.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if greq.constraint is not None and greq.ignore_eos:
         raise InvalidRequest("ignore_eos cannot be combined with a constrained reply (response_format, or tools with "
                              "tool_choice): the grammar decides where the reply ends", param="ignore_eos")

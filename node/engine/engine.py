@@ -32,7 +32,7 @@ from kvmesh.node.engine.hf import Checkpoint
 from kvmesh.node.engine.live import LiveCaches
 from kvmesh.node.engine.llamacpp import RestoreFailed
 from kvmesh.node.engine.model import ModelConfig
-from kvmesh.node.engine.picker import Picker
+from kvmesh.node.engine.picker import LogprobFeed, Picker
 from kvmesh.node.engine.runner import Runner, blocks_for
 from kvmesh.node.engine.scripted import ScriptedRunner
 from kvmesh.node.engine.sequence import Match, Sequence
@@ -310,7 +310,8 @@ class Engine:
         decoder = self.tokenizer.incremental_decoder()
         text, emitted = "", 0
         hold = max((len(s) for s in req.stop), default=1) - 1
-        async with contextlib.aclosing(self._tokens(slot, req, pos, logits)) as tokens:
+        feed = None if req.top_logprobs is None else LogprobFeed(self.tokenizer.token_bytes, req.top_logprobs)
+        async with contextlib.aclosing(self._tokens(slot, req, pos, logits, feed)) as tokens:
             async for tok in tokens:
                 if not out_ids:
                     stats.ttft_s = time.monotonic() - t0
@@ -319,6 +320,8 @@ class Engine:
                     break
                 out_ids.append(tok)
                 text += decoder.decode(self.tokenizer.token_bytes(tok))
+                if feed is not None:
+                    feed.ends.append(len(text))
                 hits = [(i, s) for s in req.stop if (i := text.find(s, max(0, emitted - len(s)))) >= 0]
                 if hits:
                     cut, stats.stop_sequence = min(hits)
@@ -326,21 +329,22 @@ class Engine:
                     stats.finish_reason = "stop"
                     break
                 if len(text) - hold > emitted:
-                    yield TextDelta(text[emitted : len(text) - hold])
+                    yield TextDelta(text[emitted : len(text) - hold], None if feed is None else feed.upto(len(text) - hold))
                     emitted = len(text) - hold
                 if len(out_ids) >= req.max_tokens or pos + len(out_ids) >= self.max_context:
                     stats.finish_reason = "length"
                     break
         text += decoder.decode(b"", final=True) if stats.finish_reason == "length" else ""
-        if len(text) > emitted:
-            yield TextDelta(text[emitted:])
+        if len(text) > emitted or (feed is not None and feed.sent < len(feed.ends)):
+            yield TextDelta(text[emitted:], None if feed is None else feed.upto(len(text)))
 
-    async def _tokens(self, slot: int, req: GenerateRequest, pos: int, logits: torch.Tensor) -> AsyncGenerator[int, None]:
+    async def _tokens(self, slot: int, req: GenerateRequest, pos: int, logits: torch.Tensor,
+                      feed: LogprobFeed | None = None) -> AsyncGenerator[int, None]:
         """The turn's sampled tokens: the first from the prefill's logits, each next one fed at the
         following position, until a stop token or a limit. A runner with a `DecodeBatcher` decodes
         ahead on its compute thread (node.engine.batcher); others step through `forward`."""
         mask = None if req.constraint is None else await self.grammars.mask(req.constraint)
-        pick = Picker(req, self._allowed, self._stop_ids, pos, self.max_context, mask)  # the constraint too
+        pick = Picker(req, self._allowed, self._stop_ids, pos, self.max_context, mask, feed)  # constraint, logprobs
         tok, last = pick(logits)
         yield tok
         batcher = getattr(self.runner, "decoder", None)

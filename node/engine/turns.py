@@ -26,6 +26,7 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # decode past end-of-turn tokens, to max_tokens (benchmarks: fixed lengths)
     constraint: str | None = None  # an llguidance grammar every token follows (node.engine.constraint); None: free
+    top_logprobs: int | None = None  # None: no log probabilities; k: each token's and its k likeliest alternatives'
     # Awaited once the slot and the session are held, just before the cache is matched:
     # the node imports a stored replica here, so nothing can evict it in between.
     prepare: Callable[[], Awaitable[object]] | None = None
@@ -53,9 +54,19 @@ class TurnBegin:
     stats: TurnStats
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability (the model's own log-softmax) and its likeliest alternatives."""
+
+    token: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...] = ()
+
+
 @dataclass
 class TextDelta:
     text: str
+    logprobs: list[TokenLogprob] | None = None  # the tokens whose text is out with this delta (asked for only)
 
 
 @dataclass
