@@ -139,6 +139,10 @@ def _add_sim(sub: Subparsers) -> None:
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
+    if args.sweep:
+        from kvmesh.node.lab.sim.sweep import run_sweep
+
+        return run_sweep(args)
     from kvmesh.node.lab.sim.cli import run_sim
 
     return run_sim(args)

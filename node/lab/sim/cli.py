@@ -85,10 +85,6 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    if args.sweep:
-        from kvmesh.node.lab.sim.sweep import run_sweep
-
-        return run_sweep(args)
     problem = check_args(args)
     if problem:
         print(f"kvmesh sim: {problem}", file=sys.stderr)
