@@ -229,6 +229,8 @@ class MeshConfig(_Strict):
     # Where turns go (node.mesh.placement.choose_by): kvmesh's placement, or a baseline to A/B it against on
     # real hosts (or fall back to); the baselines push no replicas, as in `kvmesh sim`.
     policy: Literal["kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin"] = "kvmesh"
+    # A rack or zone label the console groups hosts by (`g`); "" for none.
+    zone: str = Field("", max_length=64, pattern=r"^[\w.:/-]*$")
     # Under mesh.policy kvmesh, a turn no host can start within admit_wait_s of queueing for a slot (a new
     # session's first turn: admit_new_wait_s; either growing by the time the turn has been refused, up to
     # admit_max_wait_s) is refused at once as overloaded: 429 with Retry-After (Anthropic's dialect: 529

@@ -49,6 +49,7 @@ class Node:
     def __init__(self, cfg: NodeConfig):
         self.cfg = cfg
         self.name = cfg.name
+        self.zone = cfg.mesh.zone
         self.started = time.time()  # wall time, reported as such
         self._started_mono = time.monotonic()
         self.api_url = ""  # known once the API listens (see serving_at)
@@ -223,7 +224,7 @@ class Node:
             kv_cache_used_bytes=(e.pool.num_blocks - e.blocks.num_free) * e.block_bytes,
             store_bytes=self.kvshare.store_bytes(), kvshare_in_bps=in_bps, kvshare_out_bps=out_bps,
             prefill_tps=e.prefill_rate(), prefill_backlog_tokens=e.prefill_backlog(), last_seen=time.time(),
-            block_size=e.block_size, no_replicas=e.inexact_reason or "",
+            block_size=e.block_size, no_replicas=e.inexact_reason or "", zone=self.zone,
         )
 
     def stats(self) -> dict[str, object]:

@@ -74,6 +74,8 @@ decode_tps = 120.0
         ('name = "..."\n', "name"),  # custom validator
         ('name = "has space"\n', "name"),  # pattern
         ("bogus = 1\n", "bogus"),  # unknown top-level key
+        ('[mesh]\nzone = "rack a"\n', "mesh.zone"),  # a label the console shows: no spaces
+        ("[mesh]\nadmit_wait_s = 0\n", "mesh.admit_wait_s"),  # admission bounds are above 0
     ],
 )
 def test_bad_value_names_dotted_field(tmp_path: Path, toml: str, field: str) -> None:

@@ -35,3 +35,14 @@ def test_an_unset_threshold_is_fitted_to_the_context(caplog: pytest.LogCaptureFi
         assert not [r for r in caplog.records if "replicated" in r.message]
     finally:
         node.engine.close()
+
+
+def test_the_configured_zone_is_in_what_the_node_reports_of_itself() -> None:
+    """mesh.zone reaches HostInfo (the cluster view the console groups hosts by)."""
+    cfg = NodeConfig.model_validate({"engine": {"kind": "sim", "cache_bytes": 8 << 20, "sim": {"kv_scale": 0.01}},
+                                     "kvshare": {"fsync": "never"}, "mesh": {"zone": "rack-a"}})
+    node = Node(cfg)
+    try:
+        assert node.host_info().zone == "rack-a"
+    finally:
+        node.engine.close()

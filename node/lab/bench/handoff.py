@@ -2,6 +2,8 @@
 
 The counters are the mesh's own (GET /v1/cluster), not the load generator's
 view; decision time is the placement function's, measured inside the nodes.
+Turns refused as overloaded (node.mesh.admission) are retried, as agents do,
+and counted (`refused`): a refusal is no handoff and no error.
 The exit status is non-zero when any turn failed (or none completed).
 """
 
@@ -82,7 +84,6 @@ def run_handoff(args: argparse.Namespace) -> int:
         "turns": load["turns"], "errors": load["errors"], "error_samples": load["error_samples"],
         "status": load["status"], "duration_s": round(elapsed, 1),
         "ttft_p50_s": load["ttft_p50_s"], "ttft_p99_s": load["ttft_p99_s"],
-        # Attempts refused as overloaded (node.mesh.admission), each retried: a refusal is no handoff.
         "refused": load["refused"], "ttft_with_retries_p99_s": load["ttft_with_retries_p99_s"],
         "sessions": args.sessions, "kv_scale": args.kv_scale, "time_scale": args.time_scale,
         "cold_move_after_s": args.cold_move_after, "replicate_min_tokens": replicate_from,
