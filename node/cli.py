@@ -286,9 +286,14 @@ def _add_side_by_side(bsub: Subparsers) -> None:
 
 
 def _add_bench_tools(bsub: Subparsers) -> None:
-    from kvmesh.node.lab.bench.tools import add_arguments
-
-    add_arguments(bsub)
+    """`bench tools`'s parser: here, not in node.lab.bench.tools, so `kvmesh --help` imports nothing heavy."""
+    t = bsub.add_parser("tools", help="tool_choice=required on real models: valid calls and decode tok/s, "
+                        "constrained vs unconstrained")
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--models", default="smollm2,gemma3-270m", help="comma-separated GGUF aliases or paths")
+    t.add_argument("--requests", type=int, default=20, help="requests per model and arm")
+    t.add_argument("--max-tokens", type=int, default=128, help="reply tokens at most")
+    t.add_argument("--threads", type=int, default=0, help="llama.cpp compute threads (0: all cores)")
 
 
 def _add_bench_policies(bsub: Subparsers) -> None:

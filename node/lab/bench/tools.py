@@ -156,14 +156,3 @@ def run_tools(args: argparse.Namespace) -> int:
                if (r["decode_tps_ratio"] or 0) < RATIO_GOAL]
     return emit({"table": rows, "tool_choice": "required", "parallel_tool_calls": False, "ratio_goal": RATIO_GOAL,
                  "errors": len(errors), "error_samples": errors}, args)
-
-
-def add_arguments(bsub: Any) -> None:
-    """`bench tools`'s parser (node.cli registers it)."""
-    t = bsub.add_parser("tools", help="tool_choice=required on real models: valid calls and decode tok/s, "
-                        "constrained vs unconstrained")
-    t.add_argument("--json", action="store_true")
-    t.add_argument("--models", default="smollm2,gemma3-270m", help="comma-separated GGUF aliases or paths")
-    t.add_argument("--requests", type=int, default=20, help="requests per model and arm")
-    t.add_argument("--max-tokens", type=int, default=128, help="reply tokens at most")
-    t.add_argument("--threads", type=int, default=0, help="llama.cpp compute threads (0: all cores)")
