@@ -66,7 +66,8 @@ def closed(schema: Any) -> Any:
     for k in _SCHEMA_ONE:
         if isinstance(out.get(k), dict):
             out[k] = closed(out[k])
-    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+    # An empty `properties` names none: such a tool (a common way to say "any arguments") stays open.
+    if out.get("properties") and "additionalProperties" not in out and "unevaluatedProperties" not in out:
         out["additionalProperties"] = False
     return out
 
