@@ -10,7 +10,7 @@ every turn (a string, or items: `message` with input_text / output_text parts, `
 Decided: responses are not stored. `previous_response_id` is a 400 saying to send the whole
 input (Codex never sends it); `store=true` is accepted, but GET /v1/responses/{id} finds nothing.
 `reasoning` and `include` are accepted and have no effect (no served template reasons); the
-answer says so in `X-Kvmesh-Ignored`. `text.format` (json_schema, json_object) is honoured: it
+answer says so in `X-Kvmesh-Ignored`; `include` asking for logprobs is refused (chat has them). `text.format` (json_schema, json_object) is honoured: it
 becomes chat's response_format (node.api.structured constrains the reply). Refused with a 400
 naming the field: non-function tools (web_search, file_search, local_shell, custom), image and
 file input, `background`, `conversation`.
@@ -26,6 +26,7 @@ from kvmesh.node.api.anthropic_schema import validated_chat
 from kvmesh.node.api.schema import NOT_TEXT, ChatCompletionRequest, refuse_unhonoured
 from kvmesh.node.errors import InvalidRequest
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _REFUSED = {
     "previous_response_id": "responses are not stored here; send the whole conversation in input (store=false)",
     "background": "background responses are not supported",
@@ -117,6 +118,11 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refused(cls, v: Any) -> Any:
+        if isinstance(v, dict) and isinstance(v.get("include"), list) and LOGPROBS_INCLUDE in v["include"]:
+            # Other `include` items (Codex sends reasoning.encrypted_content) have nothing to return here; this
+            # one asks for data the client would use, so it is refused rather than silently left out.
+            raise InvalidRequest(f"include {LOGPROBS_INCLUDE!r} is not supported on /v1/responses; use "
+                                 "/v1/chat/completions with logprobs", param="include")
         return refuse_unhonoured(v, _REFUSED)
 
     def response_format(self) -> dict[str, Any] | None:
