@@ -52,33 +52,28 @@ class Refusal:
                 f"(the limit is {self.bound_s:g} s); retry after {self.retry_after_s:.0f} s")
 
 
-def start_wait_s(h: HostLoad) -> float:
-    """How long a turn placed on `h` now waits for a slot."""
-    return h.wait_s()
-
-
 def admit(d: Decision, hosts: dict[str, HostLoad], holdings: dict[str, Holding], prompt_tokens: int, policy: Policy,
           rule: Admission, *, unavailable: frozenset[str] = frozenset(), session: str = "",
           new_session: bool | None = None, waited_s: float = 0.0) -> Decision | Refusal:
     """`d` if its host starts the turn within the bound; else a host with a free slot that does; else a Refusal.
     `new_session`: whether this is a session's first turn (default: no host holds anything of it);
     `waited_s`: how long ago the turn was first refused."""
+    cached = any(h.resident or h.stored or h.inbound for h in holdings.values())
     if new_session is None:
-        new_session = d.home is None and not any(h.resident or h.stored or h.inbound for h in holdings.values())
+        new_session = d.home is None and not cached
     cap = max(rule.wait_s, rule.max_wait_s)
     bound = min(cap, (rule.new_wait_s if new_session else rule.wait_s) + waited_s)
     chosen = hosts.get(d.host)
-    if not rule.enabled or chosen is None or start_wait_s(chosen) <= bound:
+    if not rule.enabled or chosen is None or chosen.wait_s() <= bound:
         return d
     cands = [h for h in hosts.values() if h.available and h.name not in unavailable]
-    cached = any(h.resident or h.stored or h.inbound for h in holdings.values())
-    spare = [h for h in cands if h.free and (not cached or (h.busy == 0 and h.prefill_wait_s() <= policy.home_prefill_wait_s))]
+    spare = [h for h in cands if h.free and (not cached or h.idle(policy))]
     if spare:
         est = {h.name: estimate(h, holdings.get(h.name), prompt_tokens, policy) for h in spare}
         best = min(spare, key=lambda h: (round(est[h.name][0], 4), spread(session, h.name), h.name))
         ttft, reuse, _ = est[best.name]
         return Decision(best.name, d.home, d.prev_host, reuse, ttft, "overflow")
-    wait = min(start_wait_s(h) for h in cands) if cands else start_wait_s(chosen)
+    wait = min(h.wait_s() for h in cands) if cands else chosen.wait_s()
     # When the queue is expected to be back within the bound: later, the admitted queue would drain and
     # slots idle while refused turns sit out their wait.
     retry = min(rule.max_retry_after_s, max(1.0, wait - bound))

@@ -252,24 +252,29 @@ class Mesh:
             held[self.name] = mine
         return DirectoryEntry(session=session, held=held)
 
-    def decide(self, session: str, prompt_tokens: int, *, unavailable: frozenset[str] = frozenset()) -> Decision | None:
+    def decide(self, session: str, prompt_tokens: int, *, unavailable: frozenset[str] = frozenset(),
+               admit_turn: bool = False) -> Decision | Refusal | None:
+        """The host for the turn (None: no host can take it); with `admit_turn`, checked by admission
+        (node.mesh.admission) on the same hosts and holdings: another host that starts it within the bound,
+        or a Refusal."""
         # Wall time includes waiting for a core or the GIL; this thread's CPU time is the decision's own cost.
         t0, c0 = time.perf_counter(), time.thread_time()
-        d = choose_by(self.policy_name, self.hosts(), self.holdings(session), prompt_tokens, self.policy,
+        hosts, holdings = self.hosts(), self.holdings(session)
+        d = choose_by(self.policy_name, hosts, holdings, prompt_tokens, self.policy,
                       unavailable=unavailable, session=session, turn=self._turns_placed)
         self._turns_placed += 1
+        out = self._admit(session, d, hosts, holdings, prompt_tokens, unavailable) if d is not None and admit_turn else d
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         self.decision_s.append(dt)
         self.decision_cpu_s.append(dc)
         self._on_decision(dt)
-        return d
+        return out
 
-    def admit(self, session: str, prompt_tokens: int, d: Decision, *,
-              unavailable: frozenset[str] = frozenset()) -> Decision | Refusal:
-        """`d`, another host that can start the turn within the bound, or a Refusal (node.mesh.admission)."""
+    def _admit(self, session: str, d: Decision, hosts: dict[str, HostLoad], holdings: dict[str, Holding],
+               prompt_tokens: int, unavailable: frozenset[str]) -> Decision | Refusal:
         now = time.monotonic()
         since = self._refused_since.get(session)
-        a = admit(d, self.hosts(), self.holdings(session), prompt_tokens, self.policy, self.admission,
+        a = admit(d, hosts, holdings, prompt_tokens, self.policy, self.admission,
                   unavailable=unavailable, session=session, waited_s=now - since if since is not None else 0.0)
         if isinstance(a, Refusal):
             self._refused_since.setdefault(session, now)

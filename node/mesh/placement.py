@@ -57,6 +57,10 @@ class HostLoad:
         """Time the prefill already running there takes: a new prompt's prefill shares the engine with it."""
         return self.backlog_tokens / self.prefill_tps
 
+    def idle(self, policy: Policy) -> bool:
+        """Running nothing (no busy slot, next to no prefill): the only host a move that is not warm may go to."""
+        return self.busy == 0 and self.prefill_wait_s() <= policy.home_prefill_wait_s
+
 
 @dataclass(frozen=True)
 class Holding:
@@ -179,7 +183,7 @@ def choose(
             return True
         # A move that is not warm recomputes what no host need recompute (or, when the home holds nothing
         # yet, it is mid-turn: its cache will be there): only onto idle capacity, after a long wait.
-        return target.busy == 0 and target.prefill_wait_s() <= policy.home_prefill_wait_s and home_wait > policy.cold_move_after_s
+        return target.idle(policy) and home_wait > policy.cold_move_after_s
 
     ok = [h for h in cands if allowed(h.name)]
     # Lowest expected TTFT; ties: the home, then more reuse, then fewer busy slots, then the session's spread.

@@ -291,12 +291,10 @@ class EntryTurn:
             await mesh.refresh(session)
             self.seq = mesh.next_seq(session)  # numbered from what the lookup found
         while True:
-            d = mesh.decide(session, len(self.req.prompt), unavailable=frozenset(self.unavailable))
-            if d is not None and not self.admitted:
-                a = mesh.admit(session, len(self.req.prompt), d, unavailable=frozenset(self.unavailable))
-                if isinstance(a, Refusal):
-                    raise Overloaded(a.message(), retry_after_s=a.retry_after_s)
-                d = a
+            d = mesh.decide(session, len(self.req.prompt), unavailable=frozenset(self.unavailable),
+                            admit_turn=not self.admitted)
+            if isinstance(d, Refusal):
+                raise Overloaded(d.message(), retry_after_s=d.retry_after_s)
             if d is None or d.host == self.path.name:
                 # No peer can take it (or this host is best): run here, even while draining.
                 return _Here(d.prev_host if d else mesh.last_host(session), d.predicted_reused if d else None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmesh.node.mesh.admission import Admission, Refusal, admit, start_wait_s
+from kvmesh.node.mesh.admission import Admission, Refusal, admit
 from kvmesh.node.mesh.placement import Decision, Holding, HostLoad, Policy, choose
 
 PREFILL = 10_000.0
@@ -38,7 +38,7 @@ def test_no_host_within_the_bound_refuses_with_the_time_until_one_is() -> None:
     r = _place(hosts, held)
     assert isinstance(r, Refusal), r
     assert not r.new_session and r.bound_s == 10.0
-    assert abs(r.wait_s - start_wait_s(hosts["a"])) < 1e-9 and abs(r.retry_after_s - 4.0) < 1e-9, r
+    assert abs(r.wait_s - hosts["a"].wait_s()) < 1e-9 and abs(r.retry_after_s - 4.0) < 1e-9, r
     assert "overloaded" in r.message() and "retry after 4 s" in r.message()
 
 

@@ -31,7 +31,7 @@ class Route:
     host: str
     lookups: int = 0  # round trips to a directory before the forward
     counted_inbound: bool = False  # placement counted a replica still landing there (the turn waits for it)
-    retry_after_s: float | None = None  # refused as overloaded (node.mesh.admission): the client retries after this
+    refused: Refusal | None = None  # refused as overloaded (node.mesh.admission): the client retries after its wait
 
 
 class Router:
@@ -69,7 +69,7 @@ class KvmeshRouter(Router):
         a = admit(d, cands, held, req.input_length, self.placement, self.admission, session=req.thread,
                   new_session=req.turn == 0 and req.thread == req.session, waited_s=waited_s)
         if isinstance(a, Refusal):
-            return Route(d.host, lookups, retry_after_s=a.retry_after_s)
+            return Route(d.host, lookups, refused=a)
         d = a
         h = held.get(d.host)
         counted = h is not None and h.inbound > max(h.resident, h.stored) and d.predicted_reused >= h.inbound - TRACE_BLOCK_TOKENS

@@ -113,13 +113,13 @@ class Simulation:
         entry = self.rng.choice(self.cluster.names)
         route = self.router.route(req, entry, now, now - self._first_sent.get(client, now))
         self.fig.lookups += route.lookups
-        if route.retry_after_s is not None:
+        if route.refused is not None:
             # Refused at the entry: the client hears it a round trip later and sends again after Retry-After.
             self.fig.refused += 1
-            self.fig.refused_new += req.turn == 0 and req.thread == req.session
+            self.fig.refused_new += route.refused.new_session
             self._first_sent.setdefault(client, now)
             self._clients[client].appendleft(req)
-            self._at(now + self.p.rtt_s * (1 + route.lookups) + route.retry_after_s, self._send, client)
+            self._at(now + self.p.rtt_s * (1 + route.lookups) + route.refused.retry_after_s, self._send, client)
             return
         self.fig.forwards += route.host != entry
         delay = self.p.rtt_s * (route.lookups + (route.host != entry))
