@@ -97,6 +97,10 @@ class SessionInfo(_Model):
     last_turn_at: float = 0.0
     home_seq: int = 0  # turn sequence that made `home` the home (the mesh's order, not a clock)
     id_source: str = ""  # what named the session: a header, a body field or "digest" (node.api.sessionid)
+    # The client's session id this conversation belongs to (node.mesh.threads): a session is an
+    # affinity group, and each conversation in it (the main one, each subagent's) is a session here,
+    # keyed `session`. The main conversation's key is the group itself; "" from an older node.
+    group: str = ""
 
 
 class LinkInfo(_Model):
@@ -173,6 +177,7 @@ def merge_session_parts(parts: Iterable[tuple[SessionInfo, float]], now: float) 
         "turns": max(p.turns for p, _ in parts), "moves": max(p.moves for p, _ in parts),
         "last_turn_at": max(p.last_turn_at for p, _ in parts),
         "id_source": best.id_source or next((p.id_source for p, _ in parts if p.id_source), ""),
+        "group": best.group or next((p.group for p, _ in parts if p.group), ""),
     })
 
 
@@ -205,6 +210,7 @@ class SessionHolding(_Model):
     moves: int = 0
     last_handoff: HandoffClass | None = None
     id_source: str = ""  # what named the session in its last turn here
+    group: str = ""  # the client's session id it is a conversation of (SessionInfo.group)
     inflight_to: str | None = None  # a replica of it being sent from here
     inbound_tokens: int = 0  # a replica of it being received here...
     inbound_eta_s: float | None = None  # ...expected to land in this many seconds

@@ -213,18 +213,21 @@ class Engine:
         """Run one turn: wait for a slot, reuse what is cached, prefill the rest, decode."""
         tokens = self.validate(req)
         t0 = time.monotonic()
-        slot = await self.slots.acquire(self.slot_caches.preference(req.session) if self.slot_caches else ())
-        # One turn per session at a time; the lock lives while anyone holds or awaits it.
+        # One turn per session at a time; the lock lives while anyone holds or awaits it. It is taken
+        # before the slot: a turn waiting for its session's previous turn holds no slot another could use.
         lock, users = self._locks.get(req.session, (asyncio.Lock(), 0))
         self._locks[req.session] = (lock, users + 1)
         try:
             async with lock:
-                if req.prepare is not None:
-                    await req.prepare()
-                async for ev in self._turn(slot, req, tokens, t0):
-                    yield ev
+                slot = await self.slots.acquire(self.slot_caches.preference(req.session) if self.slot_caches else ())
+                try:
+                    if req.prepare is not None:
+                        await req.prepare()
+                    async for ev in self._turn(slot, req, tokens, t0):
+                        yield ev
+                finally:
+                    self.slots.release(slot)
         finally:
-            self.slots.release(slot)
             lock, users = self._locks[req.session]
             if users == 1:
                 del self._locks[req.session]
