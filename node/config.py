@@ -239,6 +239,9 @@ class MeshConfig(_Strict):
     admit_wait_s: float = Field(3.0, gt=0)
     admit_new_wait_s: float = Field(1.0, gt=0)
     admit_max_wait_s: float = Field(5.0, gt=0)
+    # A session id names an affinity group; each conversation under it (a subagent's, a side request's)
+    # keeps its own cache, replica and handoffs (node.mesh.threads). A session keeps at most this many.
+    max_threads: int = Field(16, ge=2, le=1024)
 
     @model_validator(mode="after")
     def _heartbeat_within_staleness(self) -> MeshConfig:

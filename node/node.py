@@ -27,6 +27,7 @@ from kvmesh.node.mesh.discovery import Discovery, DnsSource
 from kvmesh.node.mesh.kubesource import KubeSource
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.placement import home_of
+from kvmesh.node.mesh.threads import Threads
 from kvmesh.node.mesh.turn import TurnPath
 from kvmesh.node.metrics import Metrics
 from kvmesh.node.protocol import (
@@ -69,7 +70,9 @@ class Node:
                          host_info=self.host_info, on_decision=self.metrics.decision.observe,
                          on_refused=self.metrics.on_refused,
                          verify=client_context(cfg.api.tls) if cfg.api.tls else True)
-        self.turns = TurnPath(cfg.name, self.engine, self.mesh, self.kvshare, publish=self.hub.publish,
+        # A session's conversations past mesh.max_threads: its least recently used one's cache goes first.
+        threads = Threads(max_threads=cfg.mesh.max_threads, on_forget=self.engine.evict)
+        self.turns = TurnPath(cfg.name, self.engine, self.mesh, self.kvshare, threads, publish=self.hub.publish,
                               forward_timeout_s=cfg.mesh.forward_timeout_s, on_resumed=self.metrics.resumed.inc)
         peers = self.mesh.peers
         # The half of a replica that is not blocks, for window-mode and recurrent models (node.snapshotship).

@@ -94,7 +94,9 @@ def _request(node: Node, body: CompletionRequest, request: Request) -> tuple[Gen
         ids, opening = list(prompt), repr(prompt[:256])
     if tok.bos_id is not None and ids[:1] != [tok.bos_id]:
         ids = [tok.bos_id, *ids]
-    session = name_session(request.headers, Named(user=body.user), [{"role": "user", "content": opening}])
+    # A raw prompt has no conversation structure to tell threads apart by: the session is one conversation.
+    session = name_session(request.headers, Named(user=body.user), [{"role": "user", "content": opening}],
+                           conversation=False)
     greq = GenerateRequest(session=session.id, prompt=ids, max_tokens=body.max_tokens, temperature=body.temperature,
                            top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_list(),
                            ignore_eos=body.ignore_eos)

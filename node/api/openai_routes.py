@@ -77,7 +77,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, node: 
 
     raw = await request.body()
     served = await node.turns.serve(greq, request.headers, lambda: raw, stream=body.stream, render=render,
-                                    source=session.source)
+                                    source=session.source, opening=session.opening)
     if not isinstance(served, HostTurn):
         return relayed(served)
     ident = ("chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.model)

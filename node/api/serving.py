@@ -116,7 +116,7 @@ async def open_answer(node: Node, body: ChatCompletionRequest, greq: GenerateReq
         return chat_sse(run, ("chatcmpl-resumed", int(time.time()), node.engine.model_name), True, new_parser)
 
     served = await node.turns.serve(greq, headers, lambda: hop_body(node, body, stream), stream=stream, render=render,
-                                    source=session.source)
+                                    source=session.source, opening=session.opening)
     if isinstance(served, HostTurn):
         b = served.begin
         return Opened(turn_headers(served), b.prompt_tokens if b else 0, b.cached_tokens if b else 0,

@@ -15,12 +15,16 @@ session, shown in /v1/cluster and the console:
 7. the request's `user` field (OpenAI)
 8. else `digest`: a hash of the first system and user message, stable across a conversation's turns
 
+Each conversation under a session (a subagent's, a side request's) is told apart by its
+*opening*, the same digest of its first system and user message (node.mesh.threads).
+
 A value that is present but not a session id (empty, over-long, a control character) is a
 400 naming where it came from, never passed over: a client that sends one expects it used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -40,10 +44,12 @@ SOURCES = (*HEADER_SOURCES, "metadata.user_id", *LATE_HEADER_SOURCES, "prompt_ca
 
 @dataclass(frozen=True)
 class SessionName:
-    """A turn's session id and the source that named it (one of SOURCES)."""
+    """A turn's session id, the source that named it (one of SOURCES) and its conversation's opening
+    digest ("" for a raw prompt, which has no conversation to tell apart)."""
 
     id: str
     source: str
+    opening: str = ""
 
 
 @dataclass(frozen=True)
@@ -68,8 +74,15 @@ def claude_session_part(user_id: str) -> str | None:
     return tail if sep and head and tail else None
 
 
-def name_session(headers: Mapping[str, str], named: Named, first_messages: list[dict[str, Any]]) -> SessionName:
-    """The session this request belongs to (see the module docstring for the order)."""
+def name_session(headers: Mapping[str, str], named: Named, first_messages: list[dict[str, Any]], *,
+                 conversation: bool = True) -> SessionName:
+    """The session this request belongs to (see the module docstring for the order); with `conversation`,
+    the opening that tells its conversations apart."""
+    opening = opening_digest(first_messages) if conversation else ""
+    return dataclasses.replace(_named(headers, named, first_messages), opening=opening)
+
+
+def _named(headers: Mapping[str, str], named: Named, first_messages: list[dict[str, Any]]) -> SessionName:
     for source in HEADER_SOURCES:
         if (got := _header(headers, source)) is not None:
             return got
@@ -90,12 +103,18 @@ def name_session(headers: Mapping[str, str], named: Named, first_messages: list[
     return SessionName(digest_session(first_messages), "digest")
 
 
-def digest_session(messages: list[dict[str, Any]]) -> str:
-    """A conversation's id from its opening: the first system (or developer) and first user message."""
+def opening_digest(messages: list[dict[str, Any]]) -> str:
+    """A conversation's opening, hex: a digest of its first system (or developer) and first user message,
+    which every later turn of it repeats."""
     first = [m for m in messages if m.get("role") in ("system", "developer")][:1]
     first += [m for m in messages if m.get("role") == "user"][:1]
     blob = repr([(m.get("role"), m.get("content")) for m in first]).encode()
-    return "conv-" + hashlib.sha256(blob).hexdigest()[:20]
+    return hashlib.sha256(blob).hexdigest()
+
+
+def digest_session(messages: list[dict[str, Any]]) -> str:
+    """A conversation's id from its opening, for a client that names none."""
+    return "conv-" + opening_digest(messages)[:20]
 
 
 def _header(headers: Mapping[str, str], name: str) -> SessionName | None:

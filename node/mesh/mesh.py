@@ -161,7 +161,7 @@ class Mesh:
             store_updated=updated, home_seq=rec.home_seq if rec else 0, turn_seq=rec.turn_seq if rec else 0,
             last_turn_at=rec.last_turn_at if rec else 0.0, turns=rec.turns if rec else 0,
             moves=rec.moves if rec else 0, last_handoff=rec.last_handoff if rec else None,
-            id_source=rec.id_source if rec else "",
+            id_source=rec.id_source if rec else "", group=rec.group if rec else "",
             inflight_to=r.inflight_to(session), inbound_tokens=inbound, inbound_eta_s=eta,
             inbound_landed=landed,
         )
@@ -253,15 +253,17 @@ class Mesh:
         return DirectoryEntry(session=session, held=held)
 
     def decide(self, session: str, prompt_tokens: int, *, unavailable: frozenset[str] = frozenset(),
-               admit_turn: bool = False) -> Decision | Refusal | None:
+               admit_turn: bool = False, group: str = "") -> Decision | Refusal | None:
         """The host for the turn (None: no host can take it); with `admit_turn`, checked by admission
         (node.mesh.admission) on the same hosts and holdings: another host that starts it within the bound,
-        or a Refusal."""
+        or a Refusal. A conversation of `group` other than its main one (node.mesh.threads) starts beside
+        the group's home while that host has room."""
         # Wall time includes waiting for a core or the GIL; this thread's CPU time is the decision's own cost.
         t0, c0 = time.perf_counter(), time.thread_time()
         hosts, holdings = self.hosts(), self.holdings(session)
+        group_home = self.home(group) if group and group != session and not holdings else None
         d = choose_by(self.policy_name, hosts, holdings, prompt_tokens, self.policy,
-                      unavailable=unavailable, session=session, turn=self._turns_placed)
+                      unavailable=unavailable, session=session, turn=self._turns_placed, group_home=group_home)
         self._turns_placed += 1
         out = self._admit(session, d, hosts, holdings, prompt_tokens, unavailable) if d is not None and admit_turn else d
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
@@ -392,4 +394,5 @@ def _session_info(session: str, held: dict[str, SessionHolding], now: float) -> 
         last_turn_at=max((sh.last_turn_at for sh in held.values()), default=0.0),
         home_seq=held[home].home_seq if home else 0,
         id_source=last.id_source if last and last.id_source else next((sh.id_source for sh in held.values() if sh.id_source), ""),
+        group=last.group if last and last.group else next((sh.group for sh in held.values() if sh.group), ""),
     )

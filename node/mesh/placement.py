@@ -150,8 +150,10 @@ def choose(
     *,
     unavailable: frozenset[str] = frozenset(),
     session: str = "",
+    group_home: str | None = None,
 ) -> Decision | None:
-    """The host for this turn (None when no host can take it); `session` orders equal hosts."""
+    """The host for this turn (None when no host can take it); `session` orders equal hosts. A new
+    conversation of a session whose home is `group_home` (a subagent's) starts there while it has room."""
     home = home_of(holdings)
     prev = last_host_of(holdings)
     cands = [h for h in hosts.values() if h.available and h.name not in unavailable]
@@ -163,6 +165,12 @@ def choose(
         # replica elsewhere may start sooner: the scores decide).
         ttft, reuse, _ = est[home]
         return Decision(home, home, prev, reuse, ttft, "home")
+    if (home is None and group_home in est and hosts[group_home].free
+            and hosts[group_home].prefill_wait_s() <= policy.home_prefill_wait_s):
+        # The session's conversations stay together while that costs nothing (what they share, a system
+        # prompt or tools, is cached there); when the home is full a fresh one has nothing to lose elsewhere.
+        ttft, reuse, _ = est[group_home]
+        return Decision(group_home, None, prev, reuse, ttft, "group")
     home_wait = hosts[home].wait_s() if home in est else None
 
     def allowed(name: str) -> bool:
@@ -216,14 +224,16 @@ POLICIES = ("kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin
 
 
 def choose_by(name: str, hosts: dict[str, HostLoad], holdings: dict[str, Holding], prompt_tokens: int, policy: Policy, *,
-              unavailable: frozenset[str] = frozenset(), session: str = "", turn: int = 0) -> Decision | None:
+              unavailable: frozenset[str] = frozenset(), session: str = "", turn: int = 0,
+              group_home: str | None = None) -> Decision | None:
     """The host `mesh.policy` = `name` picks (None when no host can take it): `choose` for kvmesh; the
     baselines `kvmesh sim` compares it with, for an A/B on real hosts or a fallback: session_hash (the
     session's rendezvous hash over the available hosts: where node.mesh.directory puts it while all are
     up), kv_overlap (the lowest expected TTFT from what each host holds, no move rule), least_loaded
     (fewest busy and queued turns per slot), round_robin (the `turn`-th available host by name)."""
     if name == "kvmesh":
-        return choose(hosts, holdings, prompt_tokens, policy, unavailable=unavailable, session=session)
+        return choose(hosts, holdings, prompt_tokens, policy, unavailable=unavailable, session=session,
+                      group_home=group_home)
     cands = sorted(h.name for h in hosts.values() if h.available and h.name not in unavailable)
     if not cands:
         return None

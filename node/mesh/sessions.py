@@ -25,6 +25,7 @@ class SessionRecord:
     last_handoff: HandoffClass | None = None
     last_prompt_tokens: int = 0
     id_source: str = ""  # what named the session in its last turn here (node.api.sessionid)
+    group: str = ""  # the client's session id this conversation belongs to (node.mesh.threads)
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,11 @@ class SessionBook:
         return rec
 
     def turn_served(self, session: str, prompt_tokens: int, handoff: HandoffRecord | None, seq: int,
-                    source: str = "") -> SessionRecord:
+                    source: str = "", group: str = "") -> SessionRecord:
         """Record a turn that ran here; `handoff` when it moved here."""
         rec = self.get(session)
         rec.id_source = source or rec.id_source
+        rec.group = group or rec.group or session
         rec.turns += 1
         rec.rehomed = False
         rec.turn_seq = max(seq, rec.turn_seq + 1)

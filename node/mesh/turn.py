@@ -50,6 +50,7 @@ from kvmesh.node.mesh.forward import (
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.placement import Decision
 from kvmesh.node.mesh.sessions import HandoffRecord
+from kvmesh.node.mesh.threads import Threads
 from kvmesh.node.protocol import (
     Event,
     Handoff,
@@ -57,6 +58,7 @@ from kvmesh.node.protocol import (
     TurnFinished,
     TurnStarted,
     classify,
+    session_from_header,
     session_header,
 )
 
@@ -66,9 +68,9 @@ CHAT_PATH = "/v1/chat/completions"
 CLIENT_KEY_HEADERS = ("authorization", "x-api-key")  # a client's API key (node.api.clientauth)
 
 # What an entry node tells the peer it forwards a turn to (trusted only with the mesh secret).
-FORWARDED, PREV_HOST, PREDICTED, TURN_SEQ, SEED, SOURCE = (
+FORWARDED, PREV_HOST, PREDICTED, TURN_SEQ, SEED, SOURCE, GROUP = (
     "X-Kvmesh-Forwarded", "X-Kvmesh-Prev-Host", "X-Kvmesh-Predicted-Reuse", "X-Kvmesh-Turn-Seq", "X-Kvmesh-Seed",
-    "X-Kvmesh-Session-Source")
+    "X-Kvmesh-Session-Source", "X-Kvmesh-Session-Group")
 
 
 class TurnReplicas(Protocol):
@@ -105,27 +107,35 @@ Render = Callable[["HostTurn"], AsyncIterator[bytes]]
 class TurnPath:
     """What a turn's path needs on this node, and the one entry to it (`serve`)."""
 
-    def __init__(self, name: str, engine: EngineAPI, mesh: Mesh, replicas: TurnReplicas, *,
+    def __init__(self, name: str, engine: EngineAPI, mesh: Mesh, replicas: TurnReplicas, threads: Threads, *,
                  publish: Callable[[Event], object], forward_timeout_s: float, on_resumed: Callable[[], None]):
-        """`on_resumed` counts streams continued on another host after theirs stopped."""
+        """`threads` names each turn's conversation (node.mesh.threads); `on_resumed` counts streams
+        continued on another host after theirs stopped."""
         self.name, self.engine, self.mesh, self.replicas = name, engine, mesh, replicas
+        self.threads = threads
         self.publish, self.forward_timeout_s, self.on_resumed = publish, forward_timeout_s, on_resumed
 
     async def serve(self, req: GenerateRequest, headers: Mapping[str, str], hop_body: Callable[[], bytes], *, stream: bool,
-                    render: Render, source: str = "digest", path: str = CHAT_PATH) -> HostTurn | PeerAnswer | PeerStream:
+                    render: Render, source: str = "digest", path: str = CHAT_PATH,
+                    opening: str = "") -> HostTurn | PeerAnswer | PeerStream:
         """Run the client's turn where it belongs: a HostTurn when it runs here, else the peer's answer.
 
         hop_body makes what a peer would run, POSTed to its `path` (made only if the turn is forwarded,
         once): chat completions (the mesh's hop
         format, whatever chat dialect the client spoke) or legacy completions (a raw prompt);
-        `source` is what named the session (node.api.sessionid)."""
+        `source` is what named the session (node.api.sessionid), `opening` which of its conversations
+        this is: the entry turns the client's session id into the conversation's key here, and a
+        forwarded turn arrives keyed already (its group in a header)."""
         forwarded = self._forwarded(req, headers)
         if forwarded is not None:
             prev_host, predicted, seq = forwarded
-            return await self.run_here(req, prev_host, predicted, seq, headers.get(SOURCE, "")[:64] or source)
+            group = session_from_header(headers[GROUP]) if headers.get(GROUP) else req.session
+            return await self.run_here(req, prev_host, predicted, seq, headers.get(SOURCE, "")[:64] or source, group)
+        group = req.session
+        req.session = self.threads.key(group, opening)
         # Without a mesh secret peers cannot vouch for the client: its API key goes along.
         keys = {k: headers[k] for k in CLIENT_KEY_HEADERS if k in headers}
-        return await EntryTurn(self, req, hop_body, stream, render, source, keys, path).start()
+        return await EntryTurn(self, req, hop_body, stream, render, source, keys, path, group).start()
 
     def _forwarded(self, req: GenerateRequest, headers: Mapping[str, str]) -> tuple[str | None, int | None, int] | None:
         """(previous host, predicted reuse, turn sequence) of a turn a peer placed here, or None.
@@ -140,13 +150,13 @@ class TurnPath:
         return prev_host, predicted, seq
 
     async def run_here(self, req: GenerateRequest, prev_host: str | None, predicted: int | None,
-                       seq: int, source: str = "digest") -> HostTurn:
+                       seq: int, source: str = "digest", group: str = "") -> HostTurn:
         """Start the turn here; once it holds its slot, the engine is brought up to the best cache
         this host has (a stored replica imported), so no eviction can slip in between."""
         self.engine.validate(req)
         prompt = np.asarray(req.prompt, dtype=np.int32)
         req.prepare = lambda: self.replicas.ensure_imported(req.session, prompt)
-        run = HostTurn(self, req, prev_host, predicted, seq, source)
+        run = HostTurn(self, req, prev_host, predicted, seq, source, group or req.session)
         await run.start()
         self.mesh.note_routed(req.session, self.name, seq)
         return run
@@ -156,9 +166,9 @@ class HostTurn:
     """A turn running on this host: the engine's event stream plus the bookkeeping around it."""
 
     def __init__(self, path: TurnPath, req: GenerateRequest, prev_host: str | None, predicted: int | None, seq: int,
-                 source: str = "digest"):
+                 source: str = "digest", group: str = ""):
         self.path, self.req, self.prev_host, self.predicted, self.seq = path, req, prev_host, predicted, seq
-        self.source = source
+        self.source, self.group = source, group or req.session
         self.events = cast(AsyncGenerator[TurnBegin | TextDelta | TurnDone, None], path.engine.generate(req))
         self.begin: TurnStats | None = None
         self.handoff_class: HandoffClass | None = None
@@ -202,7 +212,7 @@ class HostTurn:
                                cached_tokens=stats.cached_tokens, completion_tokens=stats.completion_tokens,
                                ttft_s=round(stats.ttft_s, 4), total_s=round(stats.total_s, 4), turn_seq=self.seq))
         handoff = self._handoff(stats)
-        p.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, self.seq, self.source)
+        p.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, self.seq, self.source, self.group)
         self._replicate(stats.total_s)
 
     def _handoff(self, stats: TurnStats) -> HandoffRecord | None:
@@ -263,11 +273,11 @@ class EntryTurn:
     """What the entry node knows of one client turn: enough to place it, and to place it again."""
 
     def __init__(self, path: TurnPath, req: GenerateRequest, hop_body: Callable[[], bytes], stream: bool, render: Render,
-                 source: str, client_keys: dict[str, str], hop_path: str):
+                 source: str, client_keys: dict[str, str], hop_path: str, group: str = ""):
         if req.seed is None and req.temperature >= MIN_TEMPERATURE:
             # The entry picks the seed, so a turn run again elsewhere samples the same answer.
             req.seed = secrets.randbits(63)
-        self.path, self.req, self.session = path, req, req.session
+        self.path, self.req, self.session, self.group = path, req, req.session, group or req.session
         self.stream, self.render, self.source = stream, render, source
         self._hop_body, self._body = hop_body, b""
         self.client_keys, self.hop_path = client_keys, hop_path
@@ -278,7 +288,7 @@ class EntryTurn:
     async def start(self) -> HostTurn | PeerAnswer | PeerStream:
         placed = await self.place()
         if isinstance(placed, _Here):
-            return await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source)
+            return await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source, self.group)
         if isinstance(placed, _There):
             return PeerStream(passed_headers(placed.resp), self.relay(placed))
         return placed
@@ -292,7 +302,7 @@ class EntryTurn:
             self.seq = mesh.next_seq(session)  # numbered from what the lookup found
         while True:
             d = mesh.decide(session, len(self.req.prompt), unavailable=frozenset(self.unavailable),
-                            admit_turn=not self.admitted)
+                            admit_turn=not self.admitted, group=self.group)
             if isinstance(d, Refusal):
                 raise Overloaded(d.message(), retry_after_s=d.retry_after_s)
             if d is None or d.host == self.path.name:
@@ -311,7 +321,8 @@ class EntryTurn:
         mesh = self.path.mesh
         peer = mesh.peers.peers[d.host]
         headers = {"content-type": "application/json", "X-Session-Id": session_header(self.session), FORWARDED: "1",
-                   PREDICTED: str(d.predicted_reused), TURN_SEQ: str(self.seq), SOURCE: self.source}
+                   PREDICTED: str(d.predicted_reused), TURN_SEQ: str(self.seq), SOURCE: self.source,
+                   GROUP: session_header(self.group)}
         headers |= self.client_keys
         if self.req.seed is not None:
             headers[SEED] = str(self.req.seed)
@@ -361,7 +372,8 @@ class EntryTurn:
                     yield sse_error(f"the turn could not be run again elsewhere: {msg}", "server_error", "peer_lost")
                     break
                 if isinstance(placed, _Here):
-                    run = await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source)
+                    run = await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source,
+                                                   self.group)
                     async for chunk in self.render(run):
                         for ev in splice.feed(chunk):
                             yield ev

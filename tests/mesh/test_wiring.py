@@ -19,6 +19,7 @@ from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnDone
 from kvmesh.node.kvshare.explain import ReuseExplained
 from kvmesh.node.mesh.actions import RelayFailed, relay_action
 from kvmesh.node.mesh.mesh import Mesh
+from kvmesh.node.mesh.threads import Threads
 from kvmesh.node.mesh.turn import TurnPath
 from kvmesh.node.protocol import (
     ActionResult,
@@ -126,7 +127,8 @@ def test_a_turn_decides_its_replica_target_where_it_ends(engine: Engine) -> None
     """A turn run here imports first, publishes its start and end, and hands kv_share placement's next host."""
     replicas, events = FakeReplicas(), list[Event]()
     mesh = _mesh(engine, replicas, events)
-    path = TurnPath("a", engine, mesh, replicas, publish=events.append, forward_timeout_s=5.0, on_resumed=lambda: None)
+    path = TurnPath("a", engine, mesh, replicas, Threads(), publish=events.append, forward_timeout_s=5.0,
+                    on_resumed=lambda: None)
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hello " * 40}])
 
     async def turn() -> None:

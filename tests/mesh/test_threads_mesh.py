@@ -1,0 +1,67 @@
+"""Claude Code's subagents on a real mesh: concurrent conversations under one session id, through the
+Anthropic SDK, each keeps its own cache, and the main conversation comes back warm after them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import anthropic
+import httpx
+
+from kvmesh.node.lab.workload import text
+
+from .helpers import MODEL, Mesh
+
+
+@dataclass
+class Agent:
+    """One conversation of a Claude Code session: its own system prompt and history, the session's id."""
+
+    session: str
+    system: str
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    def turn(self, m: Mesh, entry: str, ask: str) -> tuple[str, int, int]:
+        """(the key it ran under, prompt tokens, tokens reused) of one turn."""
+        client = anthropic.Anthropic(base_url=m.api(entry), api_key="unused", max_retries=0, timeout=60)
+        self.messages.append({"role": "user", "content": ask})
+        raw = client.messages.with_raw_response.create(
+            model=MODEL, max_tokens=16, system=self.system, messages=self.messages,  # type: ignore[arg-type]
+            extra_headers={"X-Claude-Code-Session-Id": self.session})
+        msg = raw.parse()
+        self.messages.append({"role": "assistant", "content": "".join(b.text for b in msg.content if b.type == "text")})
+        u = msg.usage
+        cached = u.cache_read_input_tokens or 0
+        return raw.headers["x-session-id"], u.input_tokens + cached, cached
+
+
+def test_concurrent_subagents_under_one_session_each_keep_their_own_cache(shared_mesh: Mesh) -> None:
+    """Three subagents at once under the main's session id run as three conversations (own keys, own caches,
+    their next turns warm), the main's next turn reuses >= 90% of its prompt, and /v1/cluster groups all four."""
+    m, rng = shared_mesh, random.Random(31)
+    session = "cc-" + uuid.uuid4().hex[:10]
+    main = Agent(session, "You are Claude Code. " + text(rng, 12000))
+    key, _, _ = main.turn(m, "a", "Look at the failing test and fix it.")
+    assert key == session  # the first conversation is the session itself
+    subs = [Agent(session, f"You are the {kind} subagent. " + text(rng, 9000)) for kind in ("Explore", "Plan", "Review")]
+
+    def run(sub: Agent) -> list[tuple[str, int, int]]:
+        return [sub.turn(m, "a", f"task {i}: " + text(rng, 300)) for i in range(2)]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(run, subs))
+    keys = {r[0][0] for r in results}
+    assert len(keys) == 3 and all(k.startswith(session + "#") for k in keys), keys
+    for (k1, _, _), (k2, prompt, cached) in results:
+        assert k1 == k2  # a conversation keeps its key turn after turn
+        assert cached >= 0.9 * prompt, (k2, cached, prompt)  # and its own cache
+    key, prompt, cached = main.turn(m, "a", "Now run the tests.")
+    assert key == session
+    assert cached >= 0.9 * prompt, (cached, prompt)
+    infos = [s for s in httpx.get(m.api("a") + "/v1/cluster?scope=mesh", timeout=10).json()["sessions"]
+             if s.get("group") == session]
+    assert {s["session"] for s in infos} == keys | {session}
