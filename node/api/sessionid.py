@@ -16,7 +16,7 @@ session, shown in /v1/cluster and the console:
 8. else `digest`: a hash of the first system and user message, stable across a conversation's turns
 
 Each conversation under a session (a subagent's, a side request's) is told apart by its
-*opening*, the same digest of its first system and user message (node.mesh.threads).
+*opening*: its system prompt and first user message (`opening_of`, node.mesh.threads).
 
 A value that is present but not a session id (empty, over-long, a control character) is a
 400 naming where it came from, never passed over: a client that sends one expects it used.
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.node.errors import InvalidRequest
+from kvmesh.node.mesh.threads import OPENING_CHARS, Opening
 from kvmesh.node.protocol import session_from_header, session_id_problem
 
 # The headers that name a session, by their place in the order (looked up case-insensitively).
@@ -44,12 +45,12 @@ SOURCES = (*HEADER_SOURCES, "metadata.user_id", *LATE_HEADER_SOURCES, "prompt_ca
 
 @dataclass(frozen=True)
 class SessionName:
-    """A turn's session id, the source that named it (one of SOURCES) and its conversation's opening
-    digest ("" for a raw prompt, which has no conversation to tell apart)."""
+    """A turn's session id, the source that named it (one of SOURCES) and how its conversation opened
+    (None for a raw prompt, which has no conversation to tell apart)."""
 
     id: str
     source: str
-    opening: str = ""
+    opening: Opening | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def name_session(headers: Mapping[str, str], named: Named, first_messages: list[
                  conversation: bool = True) -> SessionName:
     """The session this request belongs to (see the module docstring for the order); with `conversation`,
     the opening that tells its conversations apart."""
-    opening = opening_digest(first_messages) if conversation else ""
+    opening = opening_of(first_messages) if conversation else None
     return dataclasses.replace(_named(headers, named, first_messages), opening=opening)
 
 
@@ -103,18 +104,30 @@ def _named(headers: Mapping[str, str], named: Named, first_messages: list[dict[s
     return SessionName(digest_session(first_messages), "digest")
 
 
-def opening_digest(messages: list[dict[str, Any]]) -> str:
-    """A conversation's opening, hex: a digest of its first system (or developer) and first user message,
-    which every later turn of it repeats."""
-    first = [m for m in messages if m.get("role") in ("system", "developer")][:1]
-    first += [m for m in messages if m.get("role") == "user"][:1]
-    blob = repr([(m.get("role"), m.get("content")) for m in first]).encode()
-    return hashlib.sha256(blob).hexdigest()
+def opening_of(messages: list[dict[str, Any]]) -> Opening:
+    """How a conversation opened: a digest of its first system (or developer) message, and its first user
+    message's text (text parts joined, so a message that grows by parts keeps its start)."""
+    system = next((m.get("content") for m in messages if m.get("role") in ("system", "developer")), None)
+    user = next((m.get("content") for m in messages if m.get("role") == "user"), None)
+    head = hashlib.sha256(repr(system).encode()).hexdigest()[:16] if system is not None else ""
+    return Opening(head, _text(user)[:OPENING_CHARS])
+
+
+def _text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) and isinstance(p.get("text"), str) else repr(p)
+                       for p in content)
+    return repr(content)
 
 
 def digest_session(messages: list[dict[str, Any]]) -> str:
-    """A conversation's id from its opening, for a client that names none."""
-    return "conv-" + opening_digest(messages)[:20]
+    """A conversation's id from its opening: the first system (or developer) and first user message."""
+    first = [m for m in messages if m.get("role") in ("system", "developer")][:1]
+    first += [m for m in messages if m.get("role") == "user"][:1]
+    blob = repr([(m.get("role"), m.get("content")) for m in first]).encode()
+    return "conv-" + hashlib.sha256(blob).hexdigest()[:20]
 
 
 def _header(headers: Mapping[str, str], name: str) -> SessionName | None:

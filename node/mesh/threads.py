@@ -5,18 +5,20 @@ Claude Code runs subagents beside the main conversation under one session id, ea
 own system prompt and history; Codex CLI and OpenHands send side requests (titles, summaries)
 under theirs. Keyed by the session id alone, those conversations would take each other's
 cache, replica and stored copy, and run one at a time. So every conversation is a session of
-its own inside kvmesh (engine cache, replica, store, handoffs, placement all key on it):
+its own inside kvmesh (engine cache, replica, store, handoffs and placement all key on it):
 
+- a conversation is told by its `Opening`: what precedes its first user message (the system
+  prompt) and that first message's text. A later turn of the same conversation repeats both,
+  or extends the first message (a client that sends the whole history as one growing message);
 - the first conversation an entry sees under a session id is its main one, keyed by the id
   itself, so a client with one conversation per id sees exactly its id everywhere;
-- any other is keyed `<id>#<8 hex of its opening>`, the opening being its first system and
-  first user message (node.api.sessionid), which its later turns repeat; that key is
-  deterministic, so every entry names a subagent's conversation alike.
+- any other is keyed `<id>#<8 hex>` of the opening it first came with.
 
-Sans-I/O, LRU-capped. The main opening is what this entry saw first: an entry that first hears
-of a session from one of its subagents takes that one as main (the cache still follows the
-key it got, only the label differs). A session keeps at most `max_threads` conversations;
-past that its least recently used one is handed to `on_forget` (the node evicts its cache).
+Sans-I/O, LRU-capped. This is the entry's own naming, not a memory of engine state: what a host
+holds is always asked of its engine. An entry that first hears of a session from one of its
+subagents takes that one as main (only the label differs; every entry of a mesh keys turns it
+did not see open by what it sees first). A session keeps at most `max_threads` conversations;
+past that its least recently used one (never the main) is handed to `on_forget`.
 """
 
 from __future__ import annotations
@@ -25,22 +27,47 @@ import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-MAX_KEY_BYTES = 256  # protocol.session_id_problem's bound: a key travels as X-Session-Id on the hop
-SUFFIX_HEX = 8
+import xxhash
+
+MAX_KEY_BYTES = 256  # node.sessionids' bound: a key travels as X-Session-Id on the hop
+OPENING_CHARS = 65536  # of a first message, enough to tell conversations apart; hashing more is waste
 
 
-def thread_key(group: str, opening: str) -> str:
+@dataclass(frozen=True)
+class Opening:
+    """How a request's conversation began: a digest of what precedes its first user message, and that
+    message's text (at most OPENING_CHARS of it)."""
+
+    head: str
+    first: str
+
+
+@dataclass(frozen=True)
+class _Thread:
+    key: str
+    head: str
+    chars: int  # how much of its first message the thread was opened with...
+    digest: int  # ...and that text's digest: a turn whose first message starts with it is this thread's
+
+    def owns(self, op: Opening) -> bool:
+        return (op.head == self.head and len(op.first) >= self.chars
+                and _digest(op.first[: self.chars]) == self.digest)
+
+
+def _digest(text: str) -> int:
+    return xxhash.xxh64_intdigest(text.encode("utf-8", "surrogatepass"))
+
+
+def thread_key(group: str, op: Opening) -> str:
     """The key of a conversation of `group` other than its main one."""
-    suffix = "#" + opening[:SUFFIX_HEX]
-    room = MAX_KEY_BYTES - len(suffix)
-    head = group.encode()[:room].decode(errors="ignore")  # never cut a character in two
+    suffix = "#" + f"{_digest(op.head + chr(0) + op.first):016x}"[:8]
+    head = group.encode()[: MAX_KEY_BYTES - len(suffix)].decode(errors="ignore")  # never cut a character in two
     return head + suffix
 
 
 @dataclass
 class _Group:
-    main: str  # the main conversation's opening digest
-    threads: collections.OrderedDict[str, None] = field(default_factory=collections.OrderedDict)  # keys, LRU first
+    threads: collections.OrderedDict[str, _Thread] = field(default_factory=collections.OrderedDict)  # LRU first
 
 
 class Threads:
@@ -53,29 +80,35 @@ class Threads:
         self.on_forget = on_forget
         self._groups: collections.OrderedDict[str, _Group] = collections.OrderedDict()
 
-    def key(self, session: str, opening: str) -> str:
-        """The conversation key for a turn of `session` whose opening digest is `opening` ("": a
-        request with no conversation structure, such as a raw prompt, keeps the session's own key)."""
-        if not opening:
+    def key(self, session: str, op: Opening | None) -> str:
+        """The conversation key for a turn of `session` that opened with `op` (None: a request with no
+        conversation structure, such as a raw prompt, keeps the session's own key)."""
+        if op is None:
             return session
         g = self._groups.get(session)
         if g is None:
-            g = self._groups[session] = _Group(main=opening)
+            g = self._groups[session] = _Group()
             while len(self._groups) > self.cap_sessions:
                 self._groups.popitem(last=False)
         else:
             self._groups.move_to_end(session)
-        key = session if opening == g.main else thread_key(session, opening)
-        g.threads[key] = None
-        g.threads.move_to_end(key)
+        t = next((t for t in reversed(g.threads.values()) if t.owns(op)), None)
+        if t is None:
+            key = session if not g.threads else thread_key(session, op)
+            first = op.first[:OPENING_CHARS]
+            t = _Thread(key, op.head, len(first), _digest(first))
+            g.threads.pop(key, None)
+        g.threads[t.key] = t
+        g.threads.move_to_end(t.key)
+        self._bound(session, g)
+        return t.key
+
+    def _bound(self, session: str, g: _Group) -> None:
         while len(g.threads) > self.max_threads:
-            old, _ = g.threads.popitem(last=False)
-            if old == session:  # the main conversation is never the one forgotten
-                g.threads[old] = None
-                continue
+            old = next(k for k in g.threads if k != session)  # the main conversation is never the one forgotten
+            del g.threads[old]
             if self.on_forget is not None:
                 self.on_forget(old)
-        return key
 
     def threads_of(self, session: str) -> list[str]:
         """The conversation keys this entry knows under `session`, least recently used first."""

@@ -50,7 +50,7 @@ from kvmesh.node.mesh.forward import (
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.placement import Decision
 from kvmesh.node.mesh.sessions import HandoffRecord
-from kvmesh.node.mesh.threads import Threads
+from kvmesh.node.mesh.threads import Opening, Threads
 from kvmesh.node.protocol import (
     Event,
     Handoff,
@@ -117,7 +117,7 @@ class TurnPath:
 
     async def serve(self, req: GenerateRequest, headers: Mapping[str, str], hop_body: Callable[[], bytes], *, stream: bool,
                     render: Render, source: str = "digest", path: str = CHAT_PATH,
-                    opening: str = "") -> HostTurn | PeerAnswer | PeerStream:
+                    opening: Opening | None = None) -> HostTurn | PeerAnswer | PeerStream:
         """Run the client's turn where it belongs: a HostTurn when it runs here, else the peer's answer.
 
         hop_body makes what a peer would run, POSTed to its `path` (made only if the turn is forwarded,

@@ -2,52 +2,74 @@
 
 from __future__ import annotations
 
-from kvmesh.node.mesh.threads import MAX_KEY_BYTES, Threads, thread_key
+from kvmesh.node.api.sessionid import opening_of
+from kvmesh.node.mesh.threads import MAX_KEY_BYTES, Opening, Threads, thread_key
+
+MAIN = Opening("sys-main", "Fix the failing test.")
 
 
 def test_the_first_conversation_is_keyed_by_the_session_id_itself() -> None:
     """The main conversation keeps the client's id; its later turns (same opening) keep it too."""
     t = Threads()
-    assert t.key("cc-1", "aaaa" * 16) == "cc-1"
-    assert t.key("cc-1", "aaaa" * 16) == "cc-1"
+    assert t.key("cc-1", MAIN) == "cc-1"
+    assert t.key("cc-1", MAIN) == "cc-1"
 
 
 def test_other_conversations_get_deterministic_keys_of_their_opening() -> None:
     """A subagent's conversation is `<id>#<8 hex>` of its opening, the same on every entry that saw the main one."""
     a, b = Threads(), Threads()
+    explore, plan = Opening("sys-explore", "find the bug"), Opening("sys-plan", "plan the fix")
     for t in (a, b):
-        t.key("cc-1", "aaaa" * 16)
-    sub = a.key("cc-1", "bbbb" * 16)
-    assert sub == "cc-1#bbbbbbbb" == b.key("cc-1", "bbbb" * 16)
-    assert a.key("cc-1", "cccc" * 16) == "cc-1#cccccccc"
-    assert a.threads_of("cc-1") == ["cc-1", "cc-1#bbbbbbbb", "cc-1#cccccccc"]
+        t.key("cc-1", MAIN)
+    sub = a.key("cc-1", explore)
+    assert sub.startswith("cc-1#") and len(sub) == len("cc-1#") + 8
+    assert sub == b.key("cc-1", explore) != a.key("cc-1", plan)
+    assert a.key("cc-1", Opening("sys-explore", "find the other bug")) not in (sub, "cc-1")  # same prompt, other task
+    assert a.threads_of("cc-1")[0] == "cc-1"
+
+
+def test_a_first_message_that_grows_stays_one_conversation() -> None:
+    """A client sending the whole history as one growing user message keeps its key turn after turn."""
+    t = Threads()
+    t.key("s", Opening("", "turn one"))
+    assert t.key("s", Opening("", "turn one, reply, turn two")) == "s"
+    assert t.key("s", Opening("", "turn")) != "s"  # shorter than it opened with: another conversation
 
 
 def test_no_opening_keeps_the_session_key() -> None:
     """A raw prompt (no conversation structure) is the session's one conversation."""
     t = Threads()
-    t.key("s", "aaaa" * 16)
-    assert t.key("s", "") == "s"
+    t.key("s", MAIN)
+    assert t.key("s", None) == "s"
 
 
 def test_past_the_bound_the_least_recently_used_thread_is_forgotten_never_the_main() -> None:
     """A session holds at most max_threads conversations; the oldest other one is handed to on_forget."""
     forgot: list[str] = []
     t = Threads(max_threads=3, on_forget=forgot.append)
-    t.key("s", "0" * 64)  # main
-    t.key("s", "1" * 64)
-    t.key("s", "2" * 64)
-    t.key("s", "0" * 64)  # the main used again: it is now the most recent
-    t.key("s", "3" * 64)
-    assert forgot == ["s#11111111"]
-    t.key("s", "4" * 64)
-    assert forgot == ["s#11111111", "s#22222222"]
+    ops = [Opening(f"sys{i}", "task") for i in range(5)]
+    t.key("s", ops[0])  # main
+    k1, k2 = t.key("s", ops[1]), t.key("s", ops[2])
+    t.key("s", ops[0])  # the main used again: now the most recent
+    t.key("s", ops[3])
+    assert forgot == [k1]
+    t.key("s", ops[4])
+    assert forgot == [k1, k2]
     assert "s" in t.threads_of("s")
 
 
 def test_a_key_of_a_long_id_stays_a_valid_session_id() -> None:
     """The key travels as X-Session-Id on the hop: it never passes 256 bytes nor cuts a character."""
-    key = thread_key("é" * 200, "f" * 64)
+    key = thread_key("é" * 200, MAIN)
     assert len(key.encode()) <= MAX_KEY_BYTES
-    assert key.endswith("#ffffffff")
     key.encode().decode()  # whole characters only
+
+
+def test_the_opening_of_messages_is_the_system_prompt_and_first_user_text() -> None:
+    """Text parts are joined (a message growing by parts keeps its start); a later user message changes nothing."""
+    one = opening_of([{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "a"}]}])
+    two = opening_of([{"role": "system", "content": "S"},
+                      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                      {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
+    assert one.head == two.head and one.first == "a" and two.first.startswith(one.first)
+    assert opening_of([{"role": "system", "content": "T"}, {"role": "user", "content": "a"}]).head != one.head
