@@ -217,14 +217,16 @@ class LoadRunner:
         return self.stats
 
     async def replay_requests(self, requests: list[TraceRequest], *, block_chars: int = TRACE_BLOCK_TOKENS,
-                              until_s: float | None = None) -> LoadStats:
+                              until_s: float | None = None, one_session_id: bool = False) -> LoadStats:
         """Send a Mooncake-format trace's requests (node.lab.workload.read_mooncake) as chat turns.
 
         Each prompt is one user message: per 512-token block, `block_chars` characters of text seeded by
         the block's id (so equal ids are equal text: the trace's shared prefixes are shared here), cut
         to `input_length` blocks' worth; max_tokens is the request's `output_length`, capped by the
         shape's max_tokens; the session id is its conversation's (a Claude Code trace's subagents get their
-        own, as a client naming each conversation by `prompt_cache_key` does), each one closed loop. A client sends its next request at its trace time
+        own, as a client naming each conversation by `prompt_cache_key` does), or with `one_session_id` its
+        session's (subagents under the parent's id, as Claude Code sends them: node.mesh.threads tells
+        them apart), each one closed loop. A client sends its next request at its trace time
         (scaled by time_scale), never before its previous reply, and none after `until_s` (turns in flight
         finish)."""
         self._t0 = time.monotonic()
@@ -252,7 +254,8 @@ class LoadRunner:
                     if self._stop.is_set():
                         return
                     self.stats.conversations += r.turn == 0
-                    await self.turn(client, r.thread, [{"role": "user", "content": prompt(r)}],
+                    await self.turn(client, r.session if one_session_id else r.thread,
+                                    [{"role": "user", "content": prompt(r)}],
                                     max_tokens=max(1, min(r.output_length, self.shape.max_tokens)))
 
             async def stop_at(s: float) -> None:
