@@ -211,6 +211,7 @@ class SessionHolding(_Model):
     last_handoff: HandoffClass | None = None
     id_source: str = ""  # what named the session in its last turn here
     group: str = ""  # the client's session id it is a conversation of (SessionInfo.group)
+    opening: str = ""  # what tells this conversation apart within its group (node.mesh.threads signature)
     inflight_to: str | None = None  # a replica of it being sent from here
     inbound_tokens: int = 0  # a replica of it being received here...
     inbound_eta_s: float | None = None  # ...expected to land in this many seconds

@@ -161,7 +161,7 @@ class Mesh:
             store_updated=updated, home_seq=rec.home_seq if rec else 0, turn_seq=rec.turn_seq if rec else 0,
             last_turn_at=rec.last_turn_at if rec else 0.0, turns=rec.turns if rec else 0,
             moves=rec.moves if rec else 0, last_handoff=rec.last_handoff if rec else None,
-            id_source=rec.id_source if rec else "", group=rec.group if rec else "",
+            id_source=rec.id_source if rec else "", group=rec.group if rec else "", opening=rec.opening if rec else "",
             inflight_to=r.inflight_to(session), inbound_tokens=inbound, inbound_eta_s=eta,
             inbound_landed=landed,
         )
@@ -192,6 +192,13 @@ class Mesh:
     def known(self, session: str) -> bool:
         """Whether any host is known to have run this session (as far as this node has heard)."""
         return any(h.home_seq > 0 for h in self.holdings(session).values())
+
+    def opening_of(self, session: str) -> str:
+        """The signature of conversation `session` as any host that ran it keeps it ("": none heard of)."""
+        rec = self.book.records.get(session)
+        if rec is not None and rec.opening:
+            return rec.opening
+        return next((sh.opening for p in self.peers.peers.values() if (sh := p.sessions.get(session)) and sh.opening), "")
 
     def next_seq(self, session: str) -> int:
         return next_seq(self.holdings(session))

@@ -26,6 +26,7 @@ class SessionRecord:
     last_prompt_tokens: int = 0
     id_source: str = ""  # what named the session in its last turn here (node.api.sessionid)
     group: str = ""  # the client's session id this conversation belongs to (node.mesh.threads)
+    opening: str = ""  # what tells it apart within its group (node.mesh.threads signature)
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,12 @@ class SessionBook:
         return rec
 
     def turn_served(self, session: str, prompt_tokens: int, handoff: HandoffRecord | None, seq: int,
-                    source: str = "", group: str = "") -> SessionRecord:
+                    source: str = "", group: str = "", opening: str = "") -> SessionRecord:
         """Record a turn that ran here; `handoff` when it moved here."""
         rec = self.get(session)
         rec.id_source = source or rec.id_source
         rec.group = group or rec.group or session
+        rec.opening = opening or rec.opening
         rec.turns += 1
         rec.rehomed = False
         rec.turn_seq = max(seq, rec.turn_seq + 1)

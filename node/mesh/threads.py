@@ -14,11 +14,12 @@ its own inside kvmesh (engine cache, replica, store, handoffs and placement all 
   itself, so a client with one conversation per id sees exactly its id everywhere;
 - any other is keyed `<id>#<8 hex>` of the opening it first came with.
 
-Sans-I/O, LRU-capped. This is the entry's own naming, not a memory of engine state: what a host
-holds is always asked of its engine. An entry that first hears of a session from one of its
-subagents takes that one as main (only the label differs; every entry of a mesh keys turns it
-did not see open by what it sees first). A session keeps at most `max_threads` conversations;
-past that its least recently used one (never the main) is handed to `on_forget`.
+Sans-I/O, LRU-capped. Every entry must name a conversation alike, so the host that runs a
+turn keeps its conversation's `signature` in its session record, pushed to its peers like the
+rest of its state: an entry meeting a session id it has not seen is seeded with the main
+conversation's signature the mesh knows (`known`), and only a session nobody knows takes its
+first turn here as main. A session keeps at most `max_threads` conversations; past that its
+least recently used one (never the main) is handed to `on_forget`.
 """
 
 from __future__ import annotations
@@ -48,6 +49,19 @@ class _Thread:
     head: str
     chars: int  # how much of its first message the thread was opened with...
     digest: int  # ...and that text's digest: a turn whose first message starts with it is this thread's
+
+    @property
+    def signature(self) -> str:
+        return f"{self.chars}:{self.digest:x}:{self.head}"
+
+    @classmethod
+    def parse(cls, key: str, signature: str) -> _Thread | None:
+        chars, _, rest = signature.partition(":")
+        digest, _, head = rest.partition(":")
+        try:
+            return cls(key, head, int(chars), int(digest, 16))
+        except ValueError:
+            return None
 
     def owns(self, op: Opening) -> bool:
         return (op.head == self.head and len(op.first) >= self.chars
@@ -80,14 +94,20 @@ class Threads:
         self.on_forget = on_forget
         self._groups: collections.OrderedDict[str, _Group] = collections.OrderedDict()
 
-    def key(self, session: str, op: Opening | None) -> str:
+    def knows(self, session: str) -> bool:
+        return session in self._groups
+
+    def key(self, session: str, op: Opening | None, known: str = "") -> str:
         """The conversation key for a turn of `session` that opened with `op` (None: a request with no
-        conversation structure, such as a raw prompt, keeps the session's own key)."""
+        conversation structure, such as a raw prompt, keeps the session's own key); `known` is the
+        signature of the session's main conversation as the mesh knows it, for a session new here."""
         if op is None:
             return session
         g = self._groups.get(session)
         if g is None:
             g = self._groups[session] = _Group()
+            if known and (main := _Thread.parse(session, known)) is not None:
+                g.threads[session] = main
             while len(self._groups) > self.cap_sessions:
                 self._groups.popitem(last=False)
         else:
@@ -109,6 +129,12 @@ class Threads:
             del g.threads[old]
             if self.on_forget is not None:
                 self.on_forget(old)
+
+    def signature(self, session: str, key: str) -> str:
+        """What tells conversation `key` of `session` apart, for the host running it to keep ("": unknown)."""
+        g = self._groups.get(session)
+        t = g.threads.get(key) if g is not None else None
+        return t.signature if t is not None else ""
 
     def threads_of(self, session: str) -> list[str]:
         """The conversation keys this entry knows under `session`, least recently used first."""

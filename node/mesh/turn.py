@@ -71,6 +71,7 @@ CLIENT_KEY_HEADERS = ("authorization", "x-api-key")  # a client's API key (node.
 FORWARDED, PREV_HOST, PREDICTED, TURN_SEQ, SEED, SOURCE, GROUP = (
     "X-Kvmesh-Forwarded", "X-Kvmesh-Prev-Host", "X-Kvmesh-Predicted-Reuse", "X-Kvmesh-Turn-Seq", "X-Kvmesh-Seed",
     "X-Kvmesh-Session-Source", "X-Kvmesh-Session-Group")
+OPENING = "X-Kvmesh-Thread-Opening"  # node.mesh.threads' signature of the turn's conversation
 
 
 class TurnReplicas(Protocol):
@@ -130,12 +131,20 @@ class TurnPath:
         if forwarded is not None:
             prev_host, predicted, seq = forwarded
             group = session_from_header(headers[GROUP]) if headers.get(GROUP) else req.session
-            return await self.run_here(req, prev_host, predicted, seq, headers.get(SOURCE, "")[:64] or source, group)
-        group = req.session
-        req.session = self.threads.key(group, opening)
+            return await self.run_here(req, prev_host, predicted, seq, headers.get(SOURCE, "")[:64] or source, group,
+                                       headers.get(OPENING, "")[:200])
+        group, looked_up = req.session, False
+        if opening is not None and not self.threads.knows(group) and self.mesh.needs_lookup(group):
+            # New to this entry: which of its conversations is the main one, if another entry saw it open.
+            await self.mesh.refresh(group)
+            looked_up = True
+        req.session = self.threads.key(group, opening, self.mesh.opening_of(group))
         # Without a mesh secret peers cannot vouch for the client: its API key goes along.
         keys = {k: headers[k] for k in CLIENT_KEY_HEADERS if k in headers}
-        return await EntryTurn(self, req, hop_body, stream, render, source, keys, path, group).start()
+        turn = EntryTurn(self, req, hop_body, stream, render, source, keys, path, group,
+                         self.threads.signature(group, req.session))
+        turn.looked_up = looked_up and req.session == group
+        return await turn.start()
 
     def _forwarded(self, req: GenerateRequest, headers: Mapping[str, str]) -> tuple[str | None, int | None, int] | None:
         """(previous host, predicted reuse, turn sequence) of a turn a peer placed here, or None.
@@ -150,13 +159,13 @@ class TurnPath:
         return prev_host, predicted, seq
 
     async def run_here(self, req: GenerateRequest, prev_host: str | None, predicted: int | None,
-                       seq: int, source: str = "digest", group: str = "") -> HostTurn:
+                       seq: int, source: str = "digest", group: str = "", opening: str = "") -> HostTurn:
         """Start the turn here; once it holds its slot, the engine is brought up to the best cache
         this host has (a stored replica imported), so no eviction can slip in between."""
         self.engine.validate(req)
         prompt = np.asarray(req.prompt, dtype=np.int32)
         req.prepare = lambda: self.replicas.ensure_imported(req.session, prompt)
-        run = HostTurn(self, req, prev_host, predicted, seq, source, group or req.session)
+        run = HostTurn(self, req, prev_host, predicted, seq, source, group or req.session, opening)
         await run.start()
         self.mesh.note_routed(req.session, self.name, seq)
         return run
@@ -166,9 +175,9 @@ class HostTurn:
     """A turn running on this host: the engine's event stream plus the bookkeeping around it."""
 
     def __init__(self, path: TurnPath, req: GenerateRequest, prev_host: str | None, predicted: int | None, seq: int,
-                 source: str = "digest", group: str = ""):
+                 source: str = "digest", group: str = "", opening: str = ""):
         self.path, self.req, self.prev_host, self.predicted, self.seq = path, req, prev_host, predicted, seq
-        self.source, self.group = source, group or req.session
+        self.source, self.group, self.opening = source, group or req.session, opening
         self.events = cast(AsyncGenerator[TurnBegin | TextDelta | TurnDone, None], path.engine.generate(req))
         self.begin: TurnStats | None = None
         self.handoff_class: HandoffClass | None = None
@@ -212,7 +221,7 @@ class HostTurn:
                                cached_tokens=stats.cached_tokens, completion_tokens=stats.completion_tokens,
                                ttft_s=round(stats.ttft_s, 4), total_s=round(stats.total_s, 4), turn_seq=self.seq))
         handoff = self._handoff(stats)
-        p.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, self.seq, self.source, self.group)
+        p.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, self.seq, self.source, self.group, self.opening)
         self._replicate(stats.total_s)
 
     def _handoff(self, stats: TurnStats) -> HandoffRecord | None:
@@ -273,11 +282,13 @@ class EntryTurn:
     """What the entry node knows of one client turn: enough to place it, and to place it again."""
 
     def __init__(self, path: TurnPath, req: GenerateRequest, hop_body: Callable[[], bytes], stream: bool, render: Render,
-                 source: str, client_keys: dict[str, str], hop_path: str, group: str = ""):
+                 source: str, client_keys: dict[str, str], hop_path: str, group: str = "", opening: str = ""):
         if req.seed is None and req.temperature >= MIN_TEMPERATURE:
             # The entry picks the seed, so a turn run again elsewhere samples the same answer.
             req.seed = secrets.randbits(63)
         self.path, self.req, self.session, self.group = path, req, req.session, group or req.session
+        self.opening = opening  # the conversation's signature within its group (node.mesh.threads)
+        self.looked_up = False  # the session was just looked up across the mesh: placing it need not again
         self.stream, self.render, self.source = stream, render, source
         self._hop_body, self._body = hop_body, b""
         self.client_keys, self.hop_path = client_keys, hop_path
@@ -288,7 +299,8 @@ class EntryTurn:
     async def start(self) -> HostTurn | PeerAnswer | PeerStream:
         placed = await self.place()
         if isinstance(placed, _Here):
-            return await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source, self.group)
+            return await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source, self.group,
+                                            self.opening)
         if isinstance(placed, _There):
             return PeerStream(passed_headers(placed.resp), self.relay(placed))
         return placed
@@ -297,7 +309,7 @@ class EntryTurn:
         """Place the turn: here, or forwarded to a peer. A peer that fails before answering is
         routed around (nothing the client sent is lost); a non-streamed answer comes back whole."""
         mesh, session = self.path.mesh, self.session
-        if mesh.needs_lookup(session):
+        if not self.looked_up and mesh.needs_lookup(session):
             await mesh.refresh(session)
             self.seq = mesh.next_seq(session)  # numbered from what the lookup found
         while True:
@@ -322,7 +334,7 @@ class EntryTurn:
         peer = mesh.peers.peers[d.host]
         headers = {"content-type": "application/json", "X-Session-Id": session_header(self.session), FORWARDED: "1",
                    PREDICTED: str(d.predicted_reused), TURN_SEQ: str(self.seq), SOURCE: self.source,
-                   GROUP: session_header(self.group)}
+                   GROUP: session_header(self.group), OPENING: self.opening}
         headers |= self.client_keys
         if self.req.seed is not None:
             headers[SEED] = str(self.req.seed)
@@ -373,7 +385,7 @@ class EntryTurn:
                     break
                 if isinstance(placed, _Here):
                     run = await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source,
-                                                   self.group)
+                                                   self.group, self.opening)
                     async for chunk in self.render(run):
                         for ev in splice.feed(chunk):
                             yield ev

@@ -73,3 +73,13 @@ def test_the_opening_of_messages_is_the_system_prompt_and_first_user_text() -> N
                       {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}])
     assert one.head == two.head and one.first == "a" and two.first.startswith(one.first)
     assert opening_of([{"role": "system", "content": "T"}, {"role": "user", "content": "a"}]).head != one.head
+
+
+def test_an_entry_new_to_a_session_is_seeded_with_the_main_conversation_the_mesh_knows() -> None:
+    """Another entry saw the session open: its main conversation keeps the id here too, a subagent does not."""
+    a, b = Threads(), Threads()
+    a.key("cc-1", MAIN)
+    sub = Opening("sys-explore", "find the bug")
+    assert b.key("cc-1", sub, known=a.signature("cc-1", "cc-1")) == a.key("cc-1", sub) != "cc-1"
+    assert b.key("cc-1", Opening(MAIN.head, MAIN.first + " and more")) == "cc-1"
+    assert Threads().key("cc-1", sub, known="garbage") == "cc-1"  # an unreadable signature seeds nothing

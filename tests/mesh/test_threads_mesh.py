@@ -65,3 +65,18 @@ def test_concurrent_subagents_under_one_session_each_keep_their_own_cache(shared
     infos = [s for s in httpx.get(m.api("a") + "/v1/cluster?scope=mesh", timeout=10).json()["sessions"]
              if s.get("group") == session]
     assert {s["session"] for s in infos} == keys | {session}
+
+
+def test_every_entry_names_a_sessions_conversations_alike(shared_mesh: Mesh) -> None:
+    """A subagent entering at another node than its main is still a conversation of its own there, and the main's
+    next turn through a third node keeps the session's own key and its cache."""
+    m, rng = shared_mesh, random.Random(32)
+    session = "cc-" + uuid.uuid4().hex[:10]
+    main = Agent(session, "You are Claude Code. " + text(rng, 12000))
+    assert main.turn(m, "a", "Look at the failing test and fix it.")[0] == session
+    sub = Agent(session, "You are the Explore subagent. " + text(rng, 9000))
+    key, _, _ = sub.turn(m, "b", "find where the bug is")
+    assert key.startswith(session + "#")
+    key2, prompt, cached = main.turn(m, "c", "Now run the tests.")
+    assert key2 == session
+    assert cached >= 0.9 * prompt, (cached, prompt)
