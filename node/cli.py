@@ -96,7 +96,7 @@ def cmd_load(args: argparse.Namespace) -> int:
             if args.copies != 1:
                 reqs = scale_trace(reqs, args.copies, max(r.t for r in reqs) or 1.0, random.Random(args.seed))
             stats = asyncio.run(runner.replay_requests(reqs[: args.limit], block_chars=args.block_chars,
-                                                       until_s=args.until))
+                                                       until_s=args.until, one_session_id=args.one_session_id))
         else:
             stats = asyncio.run(runner.replay(args.replay) if args.replay else runner.run(args.duration))
     finally:
@@ -234,7 +234,7 @@ def _add_bench(sub: Subparsers) -> None:
     x.add_argument("--block-size", type=int, help="with --engine llamacpp: tokens per KV block (default: from the model's context)")
     x.set_defaults(engine_default="sim")
     x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
-    for more in (_add_side_by_side, _add_bench_control, _add_bench_policies, _add_bench_tools):
+    for more in (_add_side_by_side, _add_bench_control, _add_bench_policies, _add_bench_tools, _add_bench_subagents):
         more(bsub)
     b.set_defaults(func=cmd_bench)
 
@@ -294,6 +294,29 @@ def _add_bench_tools(bsub: Subparsers) -> None:
     t.add_argument("--requests", type=int, default=20, help="requests per model and arm")
     t.add_argument("--max-tokens", type=int, default=128, help="reply tokens at most")
     t.add_argument("--threads", type=int, default=0, help="llama.cpp compute threads (0: all cores)")
+
+
+def cmd_bench_subagents(args: argparse.Namespace) -> int:
+    from kvmesh.node.lab.bench.subagents import run_subagents
+
+    return run_subagents(args)
+
+
+def _add_bench_subagents(bsub: Subparsers) -> None:
+    """`bench subagents`'s parser; its own func (a subcommand's default wins over `bench`'s)."""
+    s = bsub.add_parser("subagents", help="Claude Code's subagents under the main's session id: parallel, main's reuse")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--engine", choices=["sim", "llamacpp", "smollm2"], help="default: llamacpp for a GGUF --model, "
+                   "else sim; llamacpp and smollm2: llama.cpp on --model (default: smollm2)")
+    s.add_argument("--model", type=Path, help=GGUF_HELP + " (the same on both nodes)")
+    s.add_argument("--main-tokens", type=int, help="the main's first prompt (default: 22000 sim, 2000 llama.cpp)")
+    s.add_argument("--subagent-tokens", type=int, help="each subagent's first prompt (default: 14000 sim, 1500 llama.cpp)")
+    s.add_argument("--subagents", type=int, default=3)
+    s.add_argument("--max-tokens", type=int, default=16, help="reply tokens at most")
+    s.add_argument("--cache-mib", type=int, default=512, help="KV pool per node")
+    s.add_argument("--meshes", nargs="+", choices=["one_node", "two_nodes"], default=["one_node", "two_nodes"])
+    s.add_argument("--seed", type=int, default=1)
+    s.set_defaults(func=cmd_bench_subagents, engine_default="sim")
 
 
 def _add_bench_policies(bsub: Subparsers) -> None:
@@ -379,6 +402,8 @@ def _add_load(sub: Subparsers) -> None:
     ld.add_argument("--span", type=float, help="with a trace: only the requests it sends in its first SPAN seconds")
     ld.add_argument("--until", type=float, help="with a trace: send no request after this many seconds")
     ld.add_argument("--limit", type=int, help="with a trace: only its first N requests")
+    ld.add_argument("--one-session-id", action="store_true", help="with a trace: send a session's subagents under "
+                    "its own id, as Claude Code does (each conversation is still told apart by its opening)")
     ld.add_argument("--block-chars", type=int, default=512, help="with a trace: characters of text per 512-token "
                     "block (512 for the sim's byte tokenizer; about 2000 for a BPE model's; less scales prompts down)")
     ld.add_argument("--json", action="store_true")
