@@ -160,17 +160,14 @@ def choose(
     if not cands:
         return None
     est = {h.name: estimate(h, holdings.get(h.name), prompt_tokens, policy) for h in cands}
-    if home in est and hosts[home].free and hosts[home].prefill_wait_s() <= policy.home_prefill_wait_s:
-        # Stay where the cache is while that host has a free slot and little prefill ahead (else a warm
-        # replica elsewhere may start sooner: the scores decide).
-        ttft, reuse, _ = est[home]
-        return Decision(home, home, prev, reuse, ttft, "home")
-    if (home is None and group_home in est and hosts[group_home].free
-            and hosts[group_home].prefill_wait_s() <= policy.home_prefill_wait_s):
-        # The session's conversations stay together while that costs nothing (what they share, a system
-        # prompt or tools, is cached there); when the home is full a fresh one has nothing to lose elsewhere.
-        ttft, reuse, _ = est[group_home]
-        return Decision(group_home, None, prev, reuse, ttft, "group")
+    # Stay where the cache is while that host has a free slot and little prefill ahead (else a warm replica
+    # elsewhere may start sooner: the scores decide). A new conversation of a session stays beside the
+    # others while that costs nothing (what they share, a system prompt or tools, is cached there); when
+    # that host is full a fresh one has nothing to lose elsewhere.
+    for stay, reason in ((home, "home"), (group_home if home is None else None, "group")):
+        if stay in est and hosts[stay].free and hosts[stay].prefill_wait_s() <= policy.home_prefill_wait_s:
+            ttft, reuse, _ = est[stay]
+            return Decision(stay, home, prev, reuse, ttft, reason)
     home_wait = hosts[home].wait_s() if home in est else None
 
     def allowed(name: str) -> bool:

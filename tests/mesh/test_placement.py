@@ -170,3 +170,14 @@ def test_every_policy_name_is_one_config_sim_and_node_agree_on() -> None:
     assert MeshConfig().policy == "kvmesh"
     with pytest.raises(ValueError):
         MeshConfig(policy="random")  # type: ignore[arg-type]
+
+
+def test_a_new_conversation_of_a_session_starts_beside_its_home_while_that_has_room() -> None:
+    """A subagent's first turn goes to its session's home while it has a free slot, elsewhere once it is full."""
+    hosts = {n: HostLoad(n, 4, 0, 0, 1.0, PREFILL, 1e9) for n in "abcd"}
+    homes = {choose(hosts, {}, 2_000, Policy(), session=f"s{i}#sub", group_home="c").host  # type: ignore[union-attr]
+             for i in range(20)}
+    assert homes == {"c"}
+    hosts["c"] = HostLoad("c", 4, 4, 0, 1.0, PREFILL, 1e9)
+    d = choose(hosts, {}, 2_000, Policy(), session="s#sub", group_home="c")
+    assert d is not None and d.host != "c" and d.reason == "new-session", d
