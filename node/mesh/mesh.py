@@ -272,7 +272,9 @@ class Mesh:
         d = choose_by(self.policy_name, hosts, holdings, prompt_tokens, self.policy,
                       unavailable=unavailable, session=session, turn=self._turns_placed, group_home=group_home)
         self._turns_placed += 1
-        out = self._admit(session, d, hosts, holdings, prompt_tokens, unavailable) if d is not None and admit_turn else d
+        # A subagent's first turn belongs to a running session (as in kvmesh sim): only a session's first turn is new.
+        out = (self._admit(session, d, hosts, holdings, prompt_tokens, unavailable, thread=bool(group) and group != session)
+               if d is not None and admit_turn else d)
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         self.decision_s.append(dt)
         self.decision_cpu_s.append(dc)
@@ -280,11 +282,12 @@ class Mesh:
         return out
 
     def _admit(self, session: str, d: Decision, hosts: dict[str, HostLoad], holdings: dict[str, Holding],
-               prompt_tokens: int, unavailable: frozenset[str]) -> Decision | Refusal:
+               prompt_tokens: int, unavailable: frozenset[str], *, thread: bool = False) -> Decision | Refusal:
         now = time.monotonic()
         since = self._refused_since.get(session)
         a = admit(d, hosts, holdings, prompt_tokens, self.policy, self.admission,
-                  unavailable=unavailable, session=session, waited_s=now - since if since is not None else 0.0)
+                  unavailable=unavailable, session=session, waited_s=now - since if since is not None else 0.0,
+                  new_session=False if thread else None)
         if isinstance(a, Refusal):
             self._refused_since.setdefault(session, now)
             while len(self._refused_since) > MAX_REFUSED_TRACKED:

@@ -126,6 +126,26 @@ def test_a_running_session_is_queued_while_a_new_one_is_refused(node: ThreadedSe
         assert again.result(timeout=60).choices[0].message.content is not None
 
 
+def test_a_subagents_first_turn_is_queued_as_its_running_sessions(node: ThreadedServer) -> None:
+    """A new conversation under a session already served (a subagent's) waits like the session's own turns."""
+    client = _anthropic(node)
+    first = client.messages.create(model="claude-sonnet-4-5", max_tokens=400, system="main", messages=HOLD,  # type: ignore[arg-type]
+                                   extra_headers={"X-Claude-Code-Session-Id": "cc-parent"})
+    assert first.content
+    with holding(node) as lines, concurrent.futures.ThreadPoolExecutor(1) as ex:
+        sub = ex.submit(client.messages.with_raw_response.create, model="claude-sonnet-4-5", max_tokens=2,
+                        system="You are the Explore subagent.", messages=[{"role": "user", "content": "find it"}],
+                        extra_headers={"X-Claude-Code-Session-Id": "cc-parent"})
+        with pytest.raises(anthropic.OverloadedError) as refused:
+            client.messages.create(model="claude-sonnet-4-5", max_tokens=2, messages=HOLD,  # type: ignore[arg-type]
+                                   extra_headers={"X-Claude-Code-Session-Id": "cc-stranger"})
+        assert refused.value.status_code == 529
+        for _ in lines:
+            pass
+        raw = sub.result(timeout=60)
+    assert raw.headers["x-session-id"].startswith("cc-parent#") and raw.parse().content
+
+
 def test_the_anthropic_sdk_retries_after_retry_after_and_is_served(node: ThreadedServer) -> None:
     """With retries on (as Claude Code has them), a refused new session's turn is served once the slot frees."""
     client = _anthropic(node, retries=30)
