@@ -4,7 +4,10 @@ The prompt is one string or one list of token ids (a batch of several is refused
 given with the model's BOS in front (as llama.cpp does) unless it is already there. Streaming
 sends `text_completion` chunks, then [DONE]. There is no chat template, so no tool calls. A
 forwarded turn travels as legacy completions too (the splice reads `choices[0].text`).
-Refused with a 400 naming the field: `echo`, `logprobs`, `suffix`, `best_of` > 1, `n` > 1.
+`logprobs: k` gives each token's log probability and its k likeliest alternatives in the legacy
+shape (tokens, token_logprobs, top_logprobs, text_offset: offsets into the completion's text),
+streamed beside the text they score.
+Refused with a 400 naming the field: `echo`, `suffix`, `best_of` > 1, `n` > 1.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvmesh.node.api.answer import Failed, Finish, collect, local_events
+from kvmesh.node.api.answer import Failed, Finish, Logprobs, collect, local_events
 from kvmesh.node.api.chat_format import usage
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
@@ -28,13 +31,14 @@ from kvmesh.node.api.serving import check_model, relayed, sse_response, turn_hea
 from kvmesh.node.api.sessionid import Named, name_session
 from kvmesh.node.api.toolevents import ContentDelta
 from kvmesh.node.engine.engine import GenerateRequest
+from kvmesh.node.engine.turns import TokenLogprob
 from kvmesh.node.errors import InvalidRequest
 from kvmesh.node.mesh.forward import sse_error
 from kvmesh.node.mesh.turn import HostTurn
 from kvmesh.node.node import Node
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
-_REFUSED = {"echo": "echoing the prompt is not supported", "logprobs": "kvmesh does not return log probabilities",
+_REFUSED = {"echo": "echoing the prompt is not supported",
             "suffix": "insertion (suffix) is not supported", "logit_bias": "kvmesh does not bias logits",
             "frequency_penalty": "kvmesh does not apply repetition penalties",
             "presence_penalty": "kvmesh does not apply repetition penalties"}
@@ -55,6 +59,7 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
+    logprobs: int | None = Field(None, ge=0, le=20)  # each token's log probability and its k likeliest alternatives
     best_of: int = Field(1, ge=1, le=1)
     user: str | None = Field(None, max_length=512)
 
@@ -99,32 +104,57 @@ def _request(node: Node, body: CompletionRequest, request: Request) -> tuple[Gen
                            conversation=False)
     greq = GenerateRequest(session=session.id, prompt=ids, max_tokens=body.max_tokens, temperature=body.temperature,
                            top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_list(),
-                           ignore_eos=body.ignore_eos)
+                           ignore_eos=body.ignore_eos, top_logprobs=body.logprobs)
     node.engine.validate(greq)
     return greq, session.source
 
 
-def _chunk(ident: tuple[str, int, str], text: str, fin: Finish | None = None, *, with_usage: bool = False) -> bytes:
+def legacy_logprobs(entries: tuple[TokenLogprob, ...] | list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy shape of these tokens' log probabilities; `offset`: where the first one's text starts."""
+    tokens = [e.token.decode("utf-8", "replace") for e in entries]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t.decode("utf-8", "replace"): v for t, v in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def _chunk(ident: tuple[str, int, str], text: str, fin: Finish | None = None, *, with_usage: bool = False,
+           logprobs: dict[str, Any] | None = None) -> bytes:
     cid, created, model = ident
     obj: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model}
     if with_usage and fin is not None:
         obj |= {"choices": [], "usage": usage(fin)}
     else:
-        obj["choices"] = [{"index": 0, "text": text, "logprobs": None,
+        obj["choices"] = [{"index": 0, "text": text, "logprobs": logprobs,
                            "finish_reason": fin.finish_reason if fin else None}]
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _sse(run: HostTurn, ident: tuple[str, int, str], include_usage: bool) -> AsyncIterator[bytes]:
+    """The turn as text_completion chunks; a delta's text waits for its tokens' log probabilities (when
+    asked for, they come right after it) so both go in one chunk, as OpenAI's do."""
+    pending: str | None = None
+    offset = 0
     async for ev in local_events(run, lambda: None):
+        if isinstance(ev, Logprobs):
+            yield _chunk(ident, pending or "", logprobs=legacy_logprobs(ev.entries, offset))
+            offset += len(pending or "")
+            pending = None
+            continue
+        if pending is not None:
+            yield _chunk(ident, pending)
+            offset += len(pending)
+            pending = None
         if isinstance(ev, ContentDelta):
-            yield _chunk(ident, ev.text)
+            pending = ev.text
         elif isinstance(ev, Finish):
             yield _chunk(ident, "", ev)
             if include_usage:
                 yield _chunk(ident, "", ev, with_usage=True)
         elif isinstance(ev, Failed):
             yield sse_error(ev.message, ev.type, ev.code)
+    if pending is not None:
+        yield _chunk(ident, pending)
     yield b"data: [DONE]\n\n"
 
 
@@ -148,7 +178,8 @@ async def completions(body: CompletionRequest, request: Request, node: NodeDep) 
     text = "".join(ev.text for ev in events if isinstance(ev, ContentDelta))
     cid, created, model = ident
     return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fin.finish_reason}],
+                         "choices": [{"index": 0, "text": text, "finish_reason": fin.finish_reason,
+                                      "logprobs": legacy_logprobs(fin.logprobs, 0) if body.logprobs is not None else None}],
                          "usage": usage(fin)}, headers=headers)
 
 

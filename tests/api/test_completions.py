@@ -103,7 +103,7 @@ def test_same_prefix_and_session_reuses_the_cache(sim, sim_client):
 
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "echo": ({"echo": True}, "echo"),
-    "logprobs": ({"logprobs": 2}, "logprobs"),
+    "logprobs-21": ({"logprobs": 21}, "logprobs"),
     "suffix": ({"suffix": " the end."}, "suffix"),
     "n": ({"n": 2}, "n"),
     "best_of": ({"best_of": 2}, "best_of"),
@@ -114,7 +114,7 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
 
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_unsupported_fields_are_400_naming_the_field(sim, sim_client, case):
-    """echo, logprobs, suffix, n=2, best_of=2 and a batch of prompts: openai.BadRequestError naming the field."""
+    """echo, logprobs past 20, suffix, n=2, best_of=2 and a batch of prompts: openai.BadRequestError naming the field."""
     extra, field = REFUSED[case]
     kw: dict[str, Any] = {"prompt": "hi", "max_tokens": 4, **extra}
     with pytest.raises(openai.BadRequestError) as ei:
