@@ -4,7 +4,8 @@ Defaults: 2,000 sessions on 4 hosts, 200 events/s, 30 s, a 120x40 screen (every
 panel on screen). `--hosts 256 --sessions 20000`: a mesh past the directory threshold, one
 stream per host, each snapshot only that host's part (console.synthetic), so startup_s is the
 time until every part is merged into the full view (all sessions, all hosts). `--ended N`: N of the sessions finished long ago (a long run's history);
-the sessions table lists live ones only, so `rows_on_screen_table` is the live count. Events go through the same path as the wire (JSON -> parse_event ->
+the sessions table lists live ones only, so `rows_on_screen_table` is the live count. `--threads N`: each
+client session is a main conversation and N threads of it (the table reads each group as one). Events go through the same path as the wire (JSON -> parse_event ->
 ConsoleState) and the same timer-driven patching; only the terminal write is
 skipped (headless driver), the rendering into screen lines is not.
 
@@ -43,9 +44,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def _run(
-    seconds: float, sessions: int, events_per_s: float, size: tuple[int, int], warmup: float, ended: int, hosts: int
+    seconds: float, sessions: int, events_per_s: float, size: tuple[int, int], warmup: float, ended: int, hosts: int,
+    threads: int = 0,
 ) -> dict[str, Any]:
-    mesh = SyntheticMesh(sessions=sessions, hosts=hosts, ended=ended)
+    mesh = SyntheticMesh(sessions=sessions, hosts=hosts, ended=ended, threads=threads)
     state = ConsoleState()
     # What the nodes would send is made before the clock starts: the console's cost is parsing it, not this.
     frames = snapshot_frames(mesh, time.time())
@@ -84,6 +86,7 @@ async def _run(
         "hosts": len(state.hosts),
         "streams": len(state.nodes),
         "ended_sessions": state.lifecycle_counts["ended"],
+        "threads_per_group": threads,
         "events_per_s": round((events1 - events0) / wall, 1),
         "cpu_core_fraction": round((cpu1 - cpu0) / wall, 4),
         "p95_refresh_ms": round(percentile(refresh, 95), 2),
@@ -106,11 +109,11 @@ async def _run(
 
 def run_bench(
     seconds: float = 30.0, sessions: int = 2000, events_per_s: float = 200.0, size: tuple[int, int] = (120, 40),
-    as_json: bool = False, warmup: float = WARMUP_S, ended: int = 0, hosts: int = 4,
+    as_json: bool = False, warmup: float = WARMUP_S, ended: int = 0, hosts: int = 4, threads: int = 0,
 ) -> dict[str, Any]:
     print(f"kvmesh-console bench: {sessions} sessions ({ended} ended) on {hosts} hosts, {events_per_s:g} events/s,"
           f" {seconds:g} s, {size[0]}x{size[1]}", flush=True)
-    result = asyncio.run(_run(seconds, sessions, events_per_s, size, warmup, ended, hosts))
+    result = asyncio.run(_run(seconds, sessions, events_per_s, size, warmup, ended, hosts, threads))
     print(f"  events applied      {result['events_per_s']:.0f}/s")
     print(f"  cpu core fraction   {result['cpu_core_fraction']:.3f}  (goal <= 0.25)")
     print(f"  refresh p50 / p95   {result['p50_refresh_ms']:.1f} / {result['p95_refresh_ms']:.1f} ms  (goal p95 <= 100)")

@@ -64,6 +64,8 @@ def _bench_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, default=4,
                    help="hosts; past 16 (the directory threshold) each streams its own part, as a large mesh does")
     p.add_argument("--ended", type=int, default=0, help="of the sessions, this many finished long ago")
+    p.add_argument("--threads", type=int, default=0,
+                   help="each client session: a main conversation and this many threads (subagents) of it")
     p.add_argument("--events-per-s", type=float, default=200.0)
     p.add_argument("--size", default="120x40", help="terminal size WxH")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds after the snapshot before measuring")
@@ -99,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvmesh.console.bench import run_bench
 
         run_bench(bargs.seconds, bargs.sessions, bargs.events_per_s, (int(w), int(h)), as_json=bargs.json,
-                  warmup=bargs.warmup, ended=bargs.ended, hosts=bargs.hosts)
+                  warmup=bargs.warmup, ended=bargs.ended, hosts=bargs.hosts, threads=bargs.threads)
         return 0
     for a in argv:
         if a == "--admin-token" or a.startswith("--admin-token="):
@@ -139,7 +141,7 @@ def run_console(cfg: ConsoleConfig) -> int:
         from kvmesh.console.synthetic import SyntheticMesh, run_synthetic
 
         cfg.discover = False
-        mesh = SyntheticMesh(sessions=200, hosts=4, ended=140, t0=time.time())
+        mesh = SyntheticMesh(sessions=200, hosts=4, ended=140, threads=3, t0=time.time())
 
         async def demo(st: ConsoleState) -> None:
             await run_synthetic(mesh, st.feed_frame, st.node_connected, events_per_s=20, clock=time.time)

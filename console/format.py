@@ -50,6 +50,7 @@ class Glyphs:
     spark: str  # low-to-high ramp for sparklines
     arrow: str  # link direction
     mark: str  # row marked for a batch action
+    thread: str  # a conversation of a client session listed under its main ("› #a1b2c3d4")
     cursor: str  # current view in the compact view bar
     down: str  # bytes in
     up: str  # bytes out
@@ -69,12 +70,12 @@ class Glyphs:
 
 UNICODE = Glyphs(
     warm="●", partial="◐", cold="○", fresh="●", behind="◐", stale="○", none="—", inflight="⇄", running="▶", ended="×",
-    bar_full="█", bar_empty="░", spark="▁▂▃▄▅▆▇█", arrow="→", mark="✓", cursor="▸",
+    bar_full="█", bar_empty="░", spark="▁▂▃▄▅▆▇█", arrow="→", mark="✓", thread="›", cursor="▸",
     down="↓", up="↑", ellipsis="…", dot="·", overflow="ellipsis",
 )
 ASCII = Glyphs(
     warm="#", partial="~", cold=".", fresh="#", behind="~", stale=".", none="-", inflight="=", running=">", ended="x",
-    bar_full="#", bar_empty=".", spark="_.-=+*#@", arrow=">", mark="*", cursor=">",
+    bar_full="#", bar_empty=".", spark="_.-=+*#@", arrow=">", mark="*", thread="\\", cursor=">",
     down="v", up="^", ellipsis="~", dot="|", overflow="crop",
 )
 
@@ -221,3 +222,14 @@ def truncate(text: str, width: int, glyphs: Glyphs) -> str:
     if width <= 1:
         return text[:width]
     return text[: width - 1] + glyphs.ellipsis
+
+
+def truncate_middle(text: str, width: int, glyphs: Glyphs) -> str:
+    """Keep both ends of a long id ("sess…148"): ids that share a prefix (a kind, a client session) differ at
+    the end."""
+    if len(text) <= width:
+        return text
+    if width <= 2:
+        return text[:width]
+    head = width // 2
+    return text[:head] + glyphs.ellipsis + text[len(text) - (width - 1 - head):]

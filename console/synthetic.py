@@ -10,6 +10,9 @@ console's parse path is exercised too.
 Past `directory_after_hosts` hosts it plays what a large mesh sends: one stream per host, each
 snapshot that host's part only (the sessions it is home of or holds a replica of, and those it is
 directory for, with the whole picture), so the console must merge the parts to see the mesh.
+
+`threads` N: each client session is a main conversation and N threads of it (subagents' conversations),
+keyed `<main>#<8 hex>` with the main's id as their group, as a node names them (`SessionInfo.group`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class _Sess:
     moves: int = 0
     last: str | None = None
     last_turn_at: float = 0.0
+    group: str = ""
 
 
 @dataclass
@@ -63,6 +67,7 @@ class SyntheticMesh:
     seed: int = 7
     slots: int = 4
     ended: int = 0  # this many sessions (the first ones) finished long ago: no events for them
+    threads: int = 0  # each client session: a main conversation and this many threads of it (see the docstring)
     directory_after_hosts: int = 16  # past this many hosts, each host's snapshot is its part (see the docstring)
     t0: float = 1_700_000_000.0
     _rng: random.Random = field(init=False)
@@ -83,6 +88,11 @@ class SyntheticMesh:
         for i in range(self.sessions):
             home = self.host_names[i % self.hosts]
             s = _Sess(sid=f"sess-{i:05d}", home=home, tokens=self._rng.randint(2_000, 60_000))
+            if self.threads:
+                main = f"sess-{i - i % (self.threads + 1):05d}"
+                s.group = main
+                if main != s.sid:
+                    s.sid = f"{main}#{zlib.crc32(s.sid.encode()):08x}"
             if self._rng.random() < 0.7:
                 s.replica = self.host_names[(i + 1) % self.hosts]
                 # Whole blocks only; a few replicas lag by a block or four.
@@ -129,6 +139,7 @@ class SyntheticMesh:
             replica_behind_tokens=max(0, s.tokens - s.replica_tokens) if rep else 0,
             replica_age_s=(now - s.replica_at) if rep and s.replica_at else None,
             last_handoff=s.last, turns=s.turns, moves=s.moves, last_turn_at=s.last_turn_at + (now - self.t0),
+            group=s.group,
         )
 
     def _parts(self, now: float) -> dict[str, list[SessionInfo]]:

@@ -32,7 +32,7 @@ The package, one concern a file: `model.py` the `ConsoleState` that composes the
 rest; `stream.py` frames, dedupe, the pause queue and ingest counts; `router.py`
 which part each event changes (and replay vs live); `nodes.py` the console's own
 connections; `hosts.py`, `sessions.py` (lifecycle, freshness) with `replicas.py`
-(replica events), `links.py`, `counters.py` and `eventlog.py` the tables; and
+(replica events) and `threads.py` (a client session's conversations, one group), `links.py`, `counters.py` and `eventlog.py` the tables; and
 `changes.py` the dirty marks they share and the "never backwards" rule. This file
 names what widgets and tests import.
 """
@@ -55,6 +55,7 @@ from kvmesh.console.state.sessions import (
     SessionRow,
 )
 from kvmesh.console.state.stream import DEDUPE_WINDOW
+from kvmesh.console.state.threads import group_of_key
 
 __all__ = [
     "CONSOLE_NODE",
@@ -78,5 +79,6 @@ __all__ = [
     "ReplicaFreshness",
     "SessionRow",
     "describe",
+    "group_of_key",
     "normalize_url",
 ]

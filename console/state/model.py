@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from kvmesh.console.format import UNICODE, Glyphs
 from kvmesh.console.state.changes import Changes, LinkKey
@@ -57,6 +58,15 @@ class ConsoleState:
         self._stream = Stream(self._apply, self._log, self._changes, clock)
 
     # ---- what widgets read -------------------------------------------------------
+
+    def threads_of(self, group: str) -> AbstractSet[str]:
+        """The conversations of a client session (an affinity group) other than its main one, as known now
+        (the main conversation's id is the group's; `SessionRow.group_id` names a row's group)."""
+        return self._sessions.threads.of_group.get(group, frozenset())
+
+    def thread_count(self, group: str) -> int:
+        """How many conversations of `group` other than its main one are known."""
+        return self._sessions.threads.count(group)
 
     def session_parts(self, sid: str) -> int:
         """How many nodes' snapshots list the session (0: only live events have)."""

@@ -19,6 +19,7 @@ from typing import Literal
 from kvmesh.console.state.changes import Changes, advance
 from kvmesh.console.state.hosts import Hosts
 from kvmesh.console.state.parts import SessionParts
+from kvmesh.console.state.threads import Threads, group_id
 from kvmesh.node.protocol import (
     Handoff,
     MigrateCompleted,
@@ -67,6 +68,9 @@ class SessionRow:
     inflight_tokens: int = 0  # ...covering this many tokens,
     inflight_eta_s: float | None = None  # ...expected to take this long (the link's last measured rate)
     id_source: str = ""  # what the client sent that named it (a header, a body field, or "digest")
+    # The client session (affinity group) it is a conversation of, as a snapshot said ("": an older node, its
+    # own); None: seen only live, placed by its key's form (`threads.py`). `group_id` is the answer.
+    group: str | None = None
     from_live: bool = False  # made by a live event, not (yet) listed by any node's snapshot
 
     @classmethod
@@ -79,8 +83,18 @@ class SessionRow:
             replica_host=info.replica_host, replica_tokens=info.replica_tokens,
             replica_behind_tokens=info.replica_behind_tokens, replica_at=replica_at,
             last_handoff=info.last_handoff, turns=info.turns, moves=info.moves,
-            last_turn_at=info.last_turn_at, home_seq=info.home_seq, id_source=info.id_source,
+            last_turn_at=info.last_turn_at, home_seq=info.home_seq, id_source=info.id_source, group=info.group,
         )
+
+    @property
+    def group_id(self) -> str:
+        """The client session it is a conversation of (itself for a main conversation, see `threads.py`)."""
+        return group_id(self.sid, self.group)
+
+    @property
+    def is_thread(self) -> bool:
+        """A conversation of a group other than its main one (a subagent's, a side request)."""
+        return self.group_id != self.sid
 
     def missing_tokens(self, block_size: int) -> int:
         """Tokens of whole blocks the replica lacks; a partial last block is never replicated.
@@ -161,6 +175,7 @@ class Sessions:
     def __init__(self, changes: Changes, clock: Callable[[], float], hosts: Hosts) -> None:
         self.rows: dict[str, SessionRow] = {}
         self.parts = SessionParts()
+        self.threads = Threads()  # each group's conversations other than its main
         # Each session's lifecycle as of the last tick, and how many are in each state.
         self.lifecycles: dict[str, Lifecycle] = {}
         self.lifecycle_counts: dict[Lifecycle, int] = dict.fromkeys(LIFECYCLES, 0)
@@ -196,12 +211,17 @@ class Sessions:
                 del self.rows[sid]
                 self.changes.removed_sessions.add(sid)
                 self.changes.sessions.discard(sid)
+                self._regroup(self.threads.remove(sid))
             return
         # One part (a small mesh, or the first node to list it): that node's view is the merge.
         info = pairs[0][0] if len(pairs) == 1 else merge_session_parts(pairs, ts)
         new = SessionRow.from_info(info, pairs[0][1] if len(pairs) == 1 else ts)
         if old is not None:
             if old.home_seq > new.home_seq:
+                if old.group != new.group:  # ...but a snapshot is the only word on its group
+                    old.group = new.group
+                    self._regroup(self.threads.set(sid, old.group_id))
+                    self.changes.sessions.add(sid)
                 return  # live events have moved it past what any snapshot says
             if old.home == new.home and new.home != host:
                 new.active = old.active  # a snapshot from another node says nothing of a turn running there
@@ -212,6 +232,12 @@ class Sessions:
         self.rows[sid] = new
         self.changes.sessions.add(sid)
         self.changes.removed_sessions.discard(sid)
+        self._regroup(self.threads.set(sid, new.group_id))
+
+    def _regroup(self, groups: list[str]) -> None:
+        """These groups gained or lost a thread: their main rows count them, so they are drawn again."""
+        for g in groups:
+            self.touch(g)
 
     def session(self, sid: str) -> SessionRow:
         """The session's row, created if new, marked to be rendered again."""
@@ -219,6 +245,7 @@ class Sessions:
         if row is None:
             row = self.rows[sid] = SessionRow(sid=sid, from_live=True)
             self.changes.removed_sessions.discard(sid)
+            self._regroup(self.threads.set(sid, row.group_id))
         self.changes.sessions.add(sid)
         return row
 

@@ -10,16 +10,22 @@ By default only live sessions are listed (running, then idle: `state.Lifecycle`)
 Only rows the state marked dirty are re-rendered; the freshness column, which
 changes with time alone, is refreshed for the rows on screen. The cursor stays on
 the same session id whatever moves.
+
+A row is one conversation; a client session's conversations (an affinity group, `state/threads.py`)
+read as one: whatever the sort, a group's rows sit together, its main first ("cc-1 +3": the other
+conversations of it known), then its threads ("› #a1b2c3d4", or the whole id when the main is not
+listed). The line under the table names the group and the threads of the session under the cursor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from heapq import nsmallest
 
 from rich.text import Text
 
-from kvmesh.console.format import CLASS_WORDS, Glyphs, fmt_age, fmt_tokens, truncate
+from kvmesh.console.format import CLASS_WORDS, Glyphs, fmt_age, fmt_tokens, truncate, truncate_middle
 from kvmesh.console.state import Changes, ConsoleState, Lifecycle, ReplicaFreshness, SessionRow
 from kvmesh.console.theme import Palette
 from kvmesh.console.widgets.table import Cell, Column, KeyedTable
@@ -105,6 +111,7 @@ class SessionsTable(KeyedTable):
             or (s.replica_host is not None and f in s.replica_host.lower())
             or (s.last_handoff is not None and f in CLASS_WORDS[s.last_handoff].lower())
             or f in s.id_source.lower()
+            or (s.group is not None and f in s.group.lower())  # a thread's key names its group anyway
         )
 
     def sort_key_fn(self, state: ConsoleState) -> Callable[[str], object]:
@@ -157,12 +164,17 @@ class SessionsTable(KeyedTable):
         candidates = state.sessions.keys() if full else changes.sessions | changes.removed_sessions
         key = self.sort_key_fn(state)
         show_all = self.show_all
+        # A thread's id cell says whether its main is listed: rows of mains that came or went are drawn again.
+        regrouped: set[str] = set()
         for sid in candidates:
             s = state.sessions.get(sid)
+            was = not full and sid in win
             if s is None or not (show_all or state.lifecycle(sid) != "ended") or not self.matches(s):
                 win.discard(sid)
             else:
-                win.put(sid, key(sid))
+                win.put(sid, key(sid), s.group_id)
+            if not full and was != (sid in win):
+                regrouped.update(state.threads_of(sid))
         follow, self._follow = self._follow, None
         if (win.settle() or follow) and (follow or cursor):
             win.show(follow or cursor or "")  # the cursor stays on its session, whatever moves
@@ -170,15 +182,16 @@ class SessionsTable(KeyedTable):
         on_page = set(rows)
         self.drop_rows([k for k in self.shown_keys() if k not in on_page])  # in bulk: a filter can drop thousands
         for sid in rows:
-            if full or sid in candidates or not self.has_row(sid):
+            if full or sid in candidates or sid in regrouped or not self.has_row(sid):
                 s = state.sessions[sid]
                 life = state.lifecycle(sid)
                 fresh = state.replica_freshness(s, now)
-                render = partial(self.render_session, s, life, fresh, palette, glyphs, now)
-                self.sync_row(sid, render, self.signature(s, life, fresh, glyphs, now))
+                label = self.id_label(state, s, glyphs)
+                render = partial(self.render_session, s, life, fresh, palette, glyphs, now, label)
+                self.sync_row(sid, render, (label, *self.signature(s, life, fresh, glyphs, now)))
         self.set_order(rows)
         self.restore_cursor(follow or cursor, scroll=follow is not None)
-        self._patch_subtitle(state)
+        self._patch_subtitle(state, glyphs)
         # Ages move with the clock alone; paused means frozen, so they wait too.
         for sid in [] if state.paused else self.visible_keys():
             s = state.sessions.get(sid)
@@ -228,7 +241,10 @@ class SessionsTable(KeyedTable):
         sessions = state.sessions
         low = text.lower()
         sid = text if text in sessions else None
-        if sid is None:
+        if sid is None and (threads := state.threads_of(text)):
+            sid = min(threads)  # a client session whose main conversation is not known: its first thread
+            note = f" (a thread of {text})"
+        elif sid is None:
             hits = [k for k in sessions if low in k.lower()]
             starts = [k for k in hits if k.lower().startswith(low)]
             pool = starts or hits
@@ -236,6 +252,8 @@ class SessionsTable(KeyedTable):
             if sid is None:
                 return None, f"no session id contains {text!r}"
             note = f" (1 of {len(hits)} containing {text!r})" if len(hits) > 1 else ""
+        elif n := state.thread_count(sid):
+            note = f" (main + {n} thread{'s' if n > 1 else ''})"
         else:
             note = ""
         if self.filter_text and not self.matches(sessions[sid]):
@@ -253,10 +271,50 @@ class SessionsTable(KeyedTable):
         n = state.lifecycle_counts
         return f" {glyphs.dot} ".join(f"{n[k]} {k}" for k in ("running", "idle", "ended"))
 
-    def _patch_subtitle(self, state: ConsoleState) -> None:
-        """Under the table: what named the session under the cursor (which client header or field)."""
+    def id_label(self, state: ConsoleState, s: SessionRow, glyphs: Glyphs, width: int = 11) -> str:
+        """The id cell: a group's main counts the group's other conversations known ("cc-1 +3"); a thread
+        reads as a branch of its main listed above it ("› #a1b2c3d4"), or by its whole id when the main is
+        not listed (ended, filtered out, not known); a session of no group by its id. A group's ids too long
+        for the cell keep both ends ("sess…148 +3"): the end tells them apart."""
+        group = s.group_id
+        if group != s.sid:
+            if group in self.window:
+                branch = s.sid[len(group):] if s.sid.startswith(group) else s.sid
+                return truncate(f"{glyphs.thread} {branch}", width, glyphs)
+            return truncate_middle(s.sid, width, glyphs)  # the group's threads share its head
+        if n := state.thread_count(group):
+            more = f" +{n}"
+            return truncate_middle(s.sid, width - len(more), glyphs) + more
+        return truncate(s.sid, width, glyphs)
+
+    @staticmethod
+    def group_text(state: ConsoleState, group: str, most: int = 4) -> str:
+        """The group's conversations in words: 'main + 3 threads: #a1b2c3d4, #0f0e0d0c, #12345678' (the
+        first `most` threads by id, then how many more; each by its key past the group's id)."""
+        threads = state.threads_of(group)
+        n = len(threads)
+        text = f"{n} thread{'' if n == 1 else 's'}"
+        text = f"main + {text}" if group in state.sessions else f"{text} (main not known)"
+        if n:
+            names = [t[len(group):] if t.startswith(group) else t for t in nsmallest(most, threads)]
+            text += ": " + ", ".join(names) + (f" +{n - most} more" if n > most else "")
+        return text
+
+    def _patch_subtitle(self, state: ConsoleState, glyphs: Glyphs) -> None:
+        """Under the table, the session under the cursor: what named it (which client header or field), and
+        the client session it is a conversation of, with that group's threads."""
         s = state.sessions.get(self.cursor_key or "")
-        subtitle = f"{s.sid} named by {s.id_source}" if s is not None and s.id_source else ""
+        subtitle = ""
+        if s is not None:
+            parts = [f"{s.sid} named by {s.id_source}" if s.id_source else s.sid]
+            group = s.group_id
+            if group != s.sid:
+                # the id says the group already when it begins with it: there a shortened name will do
+                name = truncate(group, 13, glyphs) if s.sid.startswith(group) else group
+                parts.append(f"thread of {name}: {self.group_text(state, group)}")
+            elif state.thread_count(group):
+                parts.append(self.group_text(state, group))
+            subtitle = f" {glyphs.dot} ".join(parts) if len(parts) > 1 or s.id_source else ""
         if self.border_subtitle != subtitle:
             self.border_subtitle = subtitle
 
@@ -282,7 +340,8 @@ class SessionsTable(KeyedTable):
         )
 
     def render_session(
-        self, s: SessionRow, life: Lifecycle, fresh: ReplicaFreshness, palette: Palette, glyphs: Glyphs, now: float
+        self, s: SessionRow, life: Lifecycle, fresh: ReplicaFreshness, palette: Palette, glyphs: Glyphs, now: float,
+        label: str | None = None,
     ) -> tuple[Text, ...]:
         base = palette.stale if s.home in self._stale_homes else (palette.muted if life == "ended" else None)
         mark = glyphs.mark if s.sid in self.marked else " "
@@ -304,7 +363,8 @@ class SessionsTable(KeyedTable):
                 tokens = f"store:{s.replica_host}"  # "store:node-1" still fits the column
         return (
             Cell.assemble(
-                (mark, palette.marked), (life_glyph, palette.bold), (truncate(s.sid, 11, glyphs), base or ""),
+                (mark, palette.marked), (life_glyph, palette.bold),
+                (truncate(s.sid, 11, glyphs) if label is None else label, base or ""),
                 no_wrap=True,
             ),
             cell(truncate(home, 7, glyphs), palette.bold if s.active else None),

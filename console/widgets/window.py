@@ -14,6 +14,7 @@ import bisect
 from typing import Any
 
 PAGE = 400  # rows the table holds at once: a screen at any terminal size, with room to scroll
+_NONE = object()
 
 
 class Window:
@@ -21,40 +22,121 @@ class Window:
 
     The order is kept ascending (`_asc`); `reverse` only changes how it is read. After a few changes the
     changed keys are taken out and put back by bisection, so a refresh costs what changed, not a sort of
-    everything; sort keys are unique (each ends in the session id), so a key's place is found the same way."""
+    everything; sort keys are unique (each ends in the session id), so a key's place is found the same way.
+
+    Groups (a client session's conversations, `state/threads.py`): a key put with a `group` other than itself
+    is a thread of that group, and the group's rows read as one: they sit together, where the group's
+    foremost member sorts (in display order, so either direction), its main (the key that is the group) first,
+    then its threads in sort order. Each key's place is (group head, main first, own sort key); a change
+    re-derives the head of that key's group only, once per settle, so a refresh costs the groups that changed."""
 
     def __init__(self, page: int = PAGE) -> None:
         self.page = page
         self.reverse = False
         self.start = 0  # the page's first row, counted in display order
         self._asc: list[str] = []
-        self._keys: dict[str, Any] = {}
+        self._keys: dict[str, Any] = {}  # key -> its place: (group head, rank, own sort key)
+        self._own: dict[str, Any] = {}  # key -> its own sort key
+        self._group: dict[str, str] = {}  # thread -> its group (a main, or a key of no group, is not listed)
+        self._threads: dict[str, set[str]] = {}  # group -> its threads in the window
+        self._dirty: set[str] = set()  # groups whose head must be derived again
         self._changed: set[str] = set()
         self._resort = False
 
     @property
     def total(self) -> int:
-        return len(self._keys)
+        return len(self._own)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._own
 
     def clear(self) -> None:
         self._keys.clear()
+        self._own.clear()
+        self._group.clear()
+        self._threads.clear()
+        self._dirty.clear()
         self._resort = True
 
-    def put(self, key: str, sort_key: object) -> None:
-        """`key` matches, and sorts by `sort_key`."""
-        if key not in self._keys or self._keys[key] != sort_key:
-            self._keys[key] = sort_key
-            self._changed.add(key)
+    @property
+    def _main_rank(self) -> int:
+        # A group's main reads first either way: first in the ascending order, or last when it is read reversed.
+        return 2 if self.reverse else 0
+
+    def put(self, key: str, sort_key: object, group: str | None = None) -> None:
+        """`key` matches, and sorts by `sort_key`; `group`: the group it is a thread of (None or `key`: none)."""
+        thread_of = None if group == key else group
+        old = self._group.get(key)
+        if old != thread_of:
+            if old is not None:
+                self._leave(key, old)
+            if thread_of is not None:
+                self._group[key] = thread_of
+                threads = self._threads.get(thread_of)
+                if threads is None:
+                    self._threads[thread_of] = {key}
+                else:
+                    threads.add(key)
+        elif self._own.get(key, _NONE) == sort_key:
+            return
+        self._own[key] = sort_key
+        if thread_of is not None:
+            self._dirty.add(thread_of)
+        elif key in self._threads:
+            self._dirty.add(key)  # a main: its threads sit where the group's foremost member does
+        else:
+            place = (sort_key, 2 if self.reverse else 0, sort_key)
+            if self._keys.get(key) != place:
+                self._keys[key] = place
+                self._changed.add(key)
 
     def discard(self, key: str) -> None:
-        if self._keys.pop(key, None) is not None:
-            self._changed.add(key)
+        if key not in self._own:
+            return
+        del self._own[key]
+        group = self._group.get(key)
+        if group is not None:
+            self._leave(key, group)
+        elif key in self._threads:
+            self._dirty.add(key)
+        self._keys.pop(key, None)
+        self._changed.add(key)
+
+    def _leave(self, key: str, group: str) -> None:
+        del self._group[key]
+        threads = self._threads[group]
+        threads.discard(key)
+        if not threads:
+            del self._threads[group]
+        self._dirty.add(group)
+
+    def _place_group(self, group: str) -> None:
+        """Derive the group's head (its foremost member's sort key) and place each of its members under it."""
+        own, places, changed = self._own, self._keys, self._changed
+        members = [(t, 1) for t in self._threads.get(group, ())]
+        if group in own and group not in self._group:  # (a key named as a group while a thread of another: a thread)
+            members.append((group, self._main_rank))
+        if not members:
+            return
+        head = (max if self.reverse else min)(own[k] for k, _ in members)
+        for k, rank in members:
+            place = (head, rank, own[k])
+            if places.get(k) != place:
+                places[k] = place
+                changed.add(k)
 
     def set_reverse(self, reverse: bool) -> None:
-        self.reverse = reverse
+        if reverse != self.reverse:
+            self.reverse = reverse
+            # A group's head and its main's rank follow the direction: every group is placed again.
+            self._dirty.update(k for k in self._own if k not in self._group)
+            self._dirty.update(self._threads)
 
     def settle(self) -> bool:
         """Bring the order up to date; True when it moved."""
+        for group in self._dirty:
+            self._place_group(group)
+        self._dirty.clear()
         changed, self._changed = self._changed, set()
         if not (changed or self._resort):
             return False

@@ -167,3 +167,20 @@ def screen_text(app: KvmeshConsole) -> str:
                       record=True, legacy_windows=False, safe_box=False)
     console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
     return console.export_text()
+
+
+GROUP = "cc-1"  # a client session (an affinity group) in the tests' threads
+THREADS = ("a1b2c3d4", "0f0e0d0c", "12345678")  # its threads' keys past the group: `cc-1#a1b2c3d4`...
+
+
+def add_group(snap: SnapshotEvent, group: str = GROUP, threads: tuple[str, ...] = THREADS) -> SnapshotEvent:
+    """`snap` with a client session's conversations added: its main (keyed `group`, more tokens than any other
+    session) and a thread per hex (`<group>#<hex>`, on the hosts in turn), all idle, each naming `group`."""
+    ts = snap.cluster.ts
+    infos = [SessionInfo(session=group, group=group, home="node-2", resident_tokens=42_000, turns=9,
+                         last_turn_at=ts - 2)]
+    for i, h in enumerate(threads):
+        infos.append(SessionInfo(session=f"{group}#{h}", group=group, home=f"node-{i % 3 + 1}",
+                                 resident_tokens=5000 + 700 * i, turns=2 + i, last_turn_at=ts - 3 - i))
+    cluster = snap.cluster.model_copy(update={"sessions": [*snap.cluster.sessions, *infos]})
+    return snap.model_copy(update={"cluster": cluster})

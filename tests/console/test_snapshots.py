@@ -7,11 +7,11 @@ Update with `pytest tests/console/test_snapshots.py --snapshot-update` after an 
 from __future__ import annotations
 
 import pytest
-from kvm_helpers import NODE1, NODE2, T0, Clock, make_app, make_snapshot
+from kvm_helpers import NODE1, NODE2, T0, Clock, add_group, make_app, make_snapshot
 
 from kvmesh.console.app import KvmeshConsole
 from kvmesh.console.theme import THEME_NAMES
-from kvmesh.node.protocol import DrainStarted, Handoff, ReplicaSent
+from kvmesh.node.protocol import DrainStarted, Handoff, ReplicaSent, TurnStarted
 
 
 def scenario(theme: str = "kvmesh-dark", ascii_only: bool = False, readonly: bool = False) -> KvmeshConsole:
@@ -59,3 +59,19 @@ def test_confirm_modal_snapshot(snap_compare) -> None:  # type: ignore[no-untype
         await pilot.pause()
 
     assert snap_compare(scenario(), terminal_size=(80, 24), run_before=open_confirm)
+
+
+def threads_scenario() -> KvmeshConsole:
+    """The six sessions and a client session cc-1 (issue 31): its main conversation and three threads, one of
+    them running a turn."""
+    app, state = make_app(Clock(T0 + 10), snapshot=add_group(make_snapshot()))
+    state.feed(NODE1, TurnStarted(ts=T0 + 9, node="node-3", seq=1, session="cc-1#12345678", host="node-3",
+                                  prompt_tokens=6400, cached_tokens=6300))
+    return app
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "120x40"])
+def test_threads_snapshot(snap_compare, size: tuple[int, int]) -> None:  # type: ignore[no-untyped-def]
+    """A client session's rows read as one: "cc-1 +3" then its threads as "› #<hex>", the group first since one
+    thread is running; at 120x40 the line under the table names the group's threads (cursor on the main)."""
+    assert snap_compare(threads_scenario(), terminal_size=size, run_before=_settle)
