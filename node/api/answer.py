@@ -112,6 +112,24 @@ async def local_events(run: HostTurn, new_parser: ParserFactory) -> AsyncIterato
         await events.aclose()
 
 
+def peer_logprobs(choice: dict[str, Any]) -> Logprobs | None:
+    """A peer's chat choice.logprobs (OpenAI's shape) back as the tokens' log probabilities, if it has any."""
+    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    if not isinstance(content, list) or not content:
+        return None
+
+    def tok(e: dict[str, Any]) -> bytes:
+        b = e.get("bytes")
+        return bytes(b) if isinstance(b, list) else str(e.get("token", "")).encode()
+
+    try:
+        return Logprobs(tuple(TokenLogprob(tok(e), float(e["logprob"]),
+                                           tuple((tok(t), float(t["logprob"])) for t in e.get("top_logprobs") or []))
+                              for e in content))
+    except (KeyError, TypeError, ValueError):
+        return None  # a malformed peer answer loses its log probabilities, never the turn
+
+
 def _usage_of(obj: dict[str, Any]) -> tuple[int, int, int]:
     u = obj.get("usage") or {}
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -167,6 +185,8 @@ class ChatChunks:
             return []
         choice = choices[0]
         out = self._delta(choice.get("delta") or {})
+        if scored := peer_logprobs(choice):
+            out.append(scored)
         if choice.get("finish_reason"):
             self._finish = (str(choice["finish_reason"]), choice.get("stop_reason"))
         return out
@@ -216,6 +236,8 @@ def completion_events(obj: dict[str, Any]) -> list[AnswerEvent]:
     choice = (obj.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
     out: list[AnswerEvent] = [ContentDelta(msg["content"])] if msg.get("content") else []
+    if msg.get("content") and (scored := peer_logprobs(choice)):
+        out.append(scored)
     for i, tc in enumerate(msg.get("tool_calls") or []):
         fn = tc.get("function") or {}
         out += [ToolCallStart(i, str(tc.get("id") or ""), str(fn.get("name") or "")),

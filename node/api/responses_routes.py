@@ -7,6 +7,8 @@ output_item.added, (content_part.added, output_text.delta..., output_text.done,
 content_part.done) or (function_call_arguments.delta..., .done), output_item.done; and at the
 end response.completed (response.incomplete when max_output_tokens cut it, response.failed
 when the turn broke off). Usage has input_tokens_details.cached_tokens: the reused prefix.
+With `include: ["message.output_text.logprobs"]`, a text delta waits for its tokens' log
+probabilities (they come right after it) and carries them; the part gathers them all.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, collect, rendered
+from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, Logprobs, collect, rendered
+from kvmesh.node.api.chat_format import logprobs_content
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.responses_schema import ResponsesRequest
@@ -49,6 +52,7 @@ class ResponseBuilder:
         self.usage: dict[str, Any] | None = None
         self.incomplete: dict[str, str] | None = None
         self.error: dict[str, str] | None = None
+        self._pending: str | None = None  # text out of the parser whose log probabilities are still to come
 
     def response(self) -> dict[str, Any]:
         b = self.body
@@ -71,11 +75,38 @@ class ResponseBuilder:
         return [self._ev("response.created", {"response": r}), self._ev("response.in_progress", {"response": r})]
 
     def feed(self, ev: AnswerEvent) -> list[bytes]:
+        if isinstance(ev, Logprobs):
+            return self._scored(ev)
+        out = self._flush()
         if isinstance(ev, ContentDelta):
-            out = [] if self.open is not None and self.open["type"] == "message" else self._open_message()
+            out += [] if self.open is not None and self.open["type"] == "message" else self._open_message()
             self.open["content"][0]["text"] += ev.text  # type: ignore[index]
-            return out + [self._ev("response.output_text.delta", {**self._at(), "content_index": 0, "delta": ev.text,
-                                                                   "logprobs": []})]
+            if self.body.logprobs:
+                self._pending = (self._pending or "") + ev.text
+                return out
+            return out + [self._delta(ev.text, [])]
+        return out + self._event(ev)
+
+    def _delta(self, text: str, logprobs: list[dict[str, Any]]) -> bytes:
+        return self._ev("response.output_text.delta", {**self._at(), "content_index": 0, "delta": text,
+                                                        "logprobs": logprobs})
+
+    def _scored(self, ev: Logprobs) -> list[bytes]:
+        """The pending text's delta, with its tokens' log probabilities (those of a tool call's text are not kept)."""
+        if self._pending is None or self.open is None or self.open["type"] != "message":
+            return []
+        entries = logprobs_content(ev.entries)
+        self.open["content"][0]["logprobs"] += entries
+        text, self._pending = self._pending, None
+        return [self._delta(text, entries)]
+
+    def _flush(self) -> list[bytes]:
+        if self._pending is None:
+            return []
+        text, self._pending = self._pending, None
+        return [self._delta(text, [])] if self.open is not None else []
+
+    def _event(self, ev: AnswerEvent) -> list[bytes]:
         if isinstance(ev, ToolCallStart):
             item = {"type": "function_call", "id": _id("fc_"), "call_id": ev.id, "name": ev.name, "arguments": "",
                     "status": "in_progress"}
@@ -97,7 +128,7 @@ class ResponseBuilder:
 
     def finish(self, fin: Finish) -> list[bytes]:
         """The answer's end: the open item closed (its events returned), the status and usage set."""
-        out = self._close()
+        out = self._flush() + self._close()
         self.status = "incomplete" if fin.finish_reason == "length" else "completed"
         self.incomplete = {"reason": "max_output_tokens"} if self.status == "incomplete" else None
         self.usage = {"input_tokens": fin.prompt_tokens, "input_tokens_details": {"cached_tokens": fin.cached_tokens},
@@ -113,7 +144,7 @@ class ResponseBuilder:
         item: dict[str, Any] = {"type": "message", "id": _id("msg_"), "status": "in_progress", "role": "assistant",
                                 "content": []}
         out = self._close() + self._add(item)
-        part = {"type": "output_text", "text": "", "annotations": []}
+        part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         item["content"] = [part]
         return out + [self._ev("response.content_part.added", {**self._at(), "content_index": 0, "part": dict(part)})]
 
@@ -131,7 +162,8 @@ class ResponseBuilder:
         item["status"] = "completed"
         if item["type"] == "message":
             part = item["content"][0]
-            out = [self._ev("response.output_text.done", {**at, "content_index": 0, "text": part["text"], "logprobs": []}),
+            out = [self._ev("response.output_text.done", {**at, "content_index": 0, "text": part["text"],
+                                                           "logprobs": part["logprobs"]}),
                    self._ev("response.content_part.done", {**at, "content_index": 0, "part": part})]
         else:
             out = [self._ev("response.function_call_arguments.done", {**at, "arguments": item["arguments"]})]
@@ -153,6 +185,9 @@ async def responses(body: ResponsesRequest, request: Request, node: NodeDep) -> 
     events, fin = await collect(opened.events)
     for ev in events:
         b.feed(ev)
+    if fin.logprobs and b.output and all(item["type"] == "message" for item in b.output):
+        # collect gathers a whole answer's log probabilities into its Finish: they are the text's
+        b.output[-1]["content"][0]["logprobs"] = logprobs_content(fin.logprobs)
     b.finish(fin)
     return JSONResponse(b.response(), headers=headers)
 

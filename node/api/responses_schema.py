@@ -10,7 +10,9 @@ every turn (a string, or items: `message` with input_text / output_text parts, `
 Decided: responses are not stored. `previous_response_id` is a 400 saying to send the whole
 input (Codex never sends it); `store=true` is accepted, but GET /v1/responses/{id} finds nothing.
 `reasoning` and `include` are accepted and have no effect (no served template reasons); the
-answer says so in `X-Kvmesh-Ignored`; `include` asking for logprobs is refused (chat has them). `text.format` (json_schema, json_object) is honoured: it
+answer says so in `X-Kvmesh-Ignored`, except `include` asking for `message.output_text.logprobs`,
+which is honoured (with `top_logprobs`): each output_text part and delta carries its tokens' log
+probabilities. `text.format` (json_schema, json_object) is honoured: it
 becomes chat's response_format (node.api.structured constrains the reply). Refused with a 400
 naming the field: non-function tools (web_search, file_search, local_shell, custom), image and
 file input, `background`, `conversation`.
@@ -113,17 +115,18 @@ class ResponsesRequest(BaseModel):
     user: str | None = Field(None, max_length=512)
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # with include's logprobs: the likeliest alternatives
     text: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _refused(cls, v: Any) -> Any:
-        if isinstance(v, dict) and isinstance(v.get("include"), list) and LOGPROBS_INCLUDE in v["include"]:
-            # Other `include` items (Codex sends reasoning.encrypted_content) have nothing to return here; this
-            # one asks for data the client would use, so it is refused rather than silently left out.
-            raise InvalidRequest(f"include {LOGPROBS_INCLUDE!r} is not supported on /v1/responses; use "
-                                 "/v1/chat/completions with logprobs", param="include")
         return refuse_unhonoured(v, _REFUSED)
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the client asked for the output text's log probabilities."""
+        return LOGPROBS_INCLUDE in (self.include or [])
 
     def response_format(self) -> dict[str, Any] | None:
         """`text.format` as chat's response_format (json_schema's name, schema and strict sit in it flat here)."""
@@ -138,7 +141,9 @@ class ResponsesRequest(BaseModel):
 
     def ignored(self) -> list[str]:
         """Fields accepted with no effect, to say so in X-Kvmesh-Ignored."""
-        return [n for n in ("reasoning", "include") if getattr(self, n)]
+        # Other `include` items (Codex sends reasoning.encrypted_content) have nothing to return here.
+        unused = [i for i in self.include or [] if i != LOGPROBS_INCLUDE]
+        return [n for n, v in (("reasoning", self.reasoning), ("include", unused)) if v]
 
     def chat(self) -> ChatCompletionRequest:
         messages: list[dict[str, Any]] = []
@@ -152,6 +157,8 @@ class ResponsesRequest(BaseModel):
                                 "response_format": self.response_format()}
         body |= {k: v for k, v in (("max_tokens", self.max_output_tokens), ("temperature", self.temperature),
                                    ("top_p", self.top_p)) if v is not None}
+        if self.logprobs:
+            body |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         if self.tools:
             body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                              for t in self.tools]

@@ -179,13 +179,6 @@ def test_previous_response_id_is_refused_by_name(client):
     assert "previous_response_id" in ei.value.body["message"]
 
 
-def test_include_asking_for_logprobs_is_refused_by_name(client):
-    """include message.output_text.logprobs: a 400 naming include (not an answer silently without them)."""
-    with pytest.raises(openai.BadRequestError) as ei:
-        _create(client, "hi", include=["message.output_text.logprobs"])
-    assert ei.value.body["param"] == "include" and "logprobs" in ei.value.body["message"]
-
-
 def test_text_format_of_no_known_type_is_refused(client):
     """text.format that is not an object, or of no known type, is a 400; text.format text is accepted."""
     with pytest.raises(openai.BadRequestError) as ei:
