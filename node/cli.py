@@ -313,7 +313,8 @@ def _add_bench_subagents(bsub: Subparsers) -> None:
     s.add_argument("--subagent-tokens", type=int, help="each subagent's first prompt (default: 14000 sim, 1500 llama.cpp)")
     s.add_argument("--subagents", type=int, default=3)
     s.add_argument("--max-tokens", type=int, default=16, help="reply tokens at most")
-    s.add_argument("--cache-mib", type=int, default=512, help="KV pool per node")
+    s.add_argument("--cache-tokens", type=int, default=0, help="KV pool per node in tokens (0: 1.3 times one "
+                   "variant's prompts, a full node's pool)")
     s.add_argument("--meshes", nargs="+", choices=["one_node", "two_nodes"], default=["one_node", "two_nodes"])
     s.add_argument("--seed", type=int, default=1)
     s.set_defaults(func=cmd_bench_subagents, engine_default="sim")

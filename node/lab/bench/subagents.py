@@ -7,7 +7,10 @@ The scenario, in Anthropic Messages as Claude Code speaks it: the main's first t
 subagents' first turns, then the main's next turn (its previous prompt, its reply, a new user
 message). Four variants: the subagents under the main's id or under ids of their own, sent at once
 or one by one; each variant has fresh ids and texts. It runs on one node, then on a two-node mesh,
-every request entered at the same node (`--meshes` picks).
+every request entered at the same node (`--meshes` picks). Each node's KV pool holds about 1.3 times
+one variant's prompts (`--cache-tokens`), as a busy node's is full: blocks no conversation holds
+any more get overwritten, so a main conversation whose cache a subagent displaced loses it (an
+ample pool keeps such blocks addressable by hash and hides the loss).
 
 Figures per mesh: `parallel_ratio`, the wall time of the concurrent subagents under the main's id
 over that under their own ids (goal <= 1.2), and `main_reuse`, the cached over the prompt tokens of
@@ -38,6 +41,7 @@ from kvmesh.node.lab.workload import text
 GOALS = {"parallel_ratio": 1.2, "main_reuse": 0.9}
 # (main's first prompt, each subagent's) in tokens: the sim's scale, and one an 8k-context model on 2 cores can run.
 SIZES = {"sim": (22_000, 14_000), "llamacpp": (2_000, 1_500)}
+POOL_SHARE = 1.3  # the pool over one variant's prompts (the main's and every subagent's)
 REPLY = "I will split this up: one subagent reads the code, one the tests, one the docs. Then I report."
 ASK_CHARS = 300  # each first and next user message
 MODEL = "claude-sonnet-4-5"
@@ -120,6 +124,8 @@ def run_subagents(args: argparse.Namespace) -> int:
     main_tokens = args.main_tokens or SIZES[kind][0]
     sub_tokens = args.subagent_tokens or SIZES[kind][1]
     chars = (int(main_tokens * per_token), int(sub_tokens * per_token))
+    cache_tokens = args.cache_tokens or int(POOL_SHARE * (main_tokens + args.subagents * sub_tokens))
+    engine["cache_tokens"] = cache_tokens
     rng = random.Random(args.seed)
     runs: dict[str, dict[str, Any]] = {}
     t0 = time.monotonic()
@@ -127,7 +133,7 @@ def run_subagents(args: argparse.Namespace) -> int:
         for label in args.meshes:
             names = ["node-a"] if label == "one_node" else ["node-a", "node-b"]
             nodes: list[NodeProcess] = start_mesh(Path(tmp) / label, names, slots=args.subagents + 1, kv_scale=0.02,
-                                                  cache_bytes=args.cache_mib << 20, engine=engine)
+                                                  cache_bytes=1 << 30, engine=engine)
             try:
                 wait_peers(nodes)
                 runs[label] = asyncio.run(_mesh_run(nodes[0].api, rng, chars, args.subagents, args.max_tokens))
@@ -145,7 +151,7 @@ def run_subagents(args: argparse.Namespace) -> int:
         "goals": GOALS, "goals_met": {"parallel_ratio": ratio is not None and ratio <= GOALS["parallel_ratio"],
                                       "main_reuse": reuse is not None and reuse >= GOALS["main_reuse"]},
         "sizes": {"main_tokens": main_tokens, "subagent_tokens": sub_tokens, "subagents": args.subagents,
-                  "max_tokens": args.max_tokens},
+                  "max_tokens": args.max_tokens, "cache_tokens": cache_tokens},
         **runs,
         "turns": sum(len(v["subagents"]) + 2 for r in runs.values() for v in r["variants"].values()),
         "errors": sum(r["errors"] for r in runs.values()),
