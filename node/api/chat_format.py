@@ -16,7 +16,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvmesh.node.api.answer import Failed, Finish, Logprobs, ParserFactory, local_events
+from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, Logprobs, ParserFactory, local_events
 from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallStart, ToolEvent, assemble
 from kvmesh.node.engine.turns import TokenLogprob
 from kvmesh.node.mesh.forward import sse_error
@@ -42,9 +42,9 @@ def logprobs_content(entries: tuple[TokenLogprob, ...]) -> list[dict[str, Any]]:
 
 
 def _chunk(ident: Ident, delta: dict[str, Any], finish: Finish | None = None,
-           with_usage: dict[str, Any] | None = None, logprobs: Logprobs | None = None) -> bytes:
+           with_usage: dict[str, Any] | None = None, logprobs: Logprobs | None = None, index: int = 0) -> bytes:
     cid, created, model = ident
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish.finish_reason if finish else None,
+    choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish.finish_reason if finish else None,
                               "logprobs": None if logprobs is None else {"content": logprobs_content(logprobs.entries),
                                                                          "refusal": None}}
     if finish is not None and finish.stop_sequence is not None:
@@ -70,32 +70,51 @@ def _delta(ev: ToolEvent) -> dict[str, Any] | None:
 
 async def chat_sse(run: HostTurn, ident: Ident, include_usage: bool, new_parser: ParserFactory) -> AsyncIterator[bytes]:
     """A turn running here, as OpenAI stream chunks ending in [DONE] (an error after the first byte goes in-band)."""
-    yield _chunk(ident, {"role": "assistant", "content": ""})
-    async for ev in local_events(run, new_parser):
+    fins: list[Finish] = []
+    async for chunk in choice_chunks(local_events(run, new_parser), ident, 0, fins):
+        yield chunk
+    if include_usage and fins:
+        yield usage_chunk(ident, fins[0])
+    yield b"data: [DONE]\n\n"
+
+
+async def choice_chunks(events: AsyncIterator[AnswerEvent], ident: Ident, index: int,
+                        fins: list[Finish]) -> AsyncIterator[bytes]:
+    """One choice's answer events as stream chunks (its Finish appended to `fins`); no usage, no [DONE]."""
+    yield _chunk(ident, {"role": "assistant", "content": ""}, index=index)
+    async for ev in events:
         if isinstance(ev, Finish):
-            yield _chunk(ident, {}, ev)
-            if include_usage:
-                yield _chunk(ident, {}, with_usage=usage(ev))
+            fins.append(ev)
+            yield _chunk(ident, {}, ev, index=index)
         elif isinstance(ev, (ContentDelta, ToolCallStart, ToolCallArgs)):
             if (delta := _delta(ev)) is not None:
-                yield _chunk(ident, delta)
+                yield _chunk(ident, delta, index=index)
         elif isinstance(ev, Logprobs):
-            yield _chunk(ident, {}, logprobs=ev)
+            yield _chunk(ident, {}, logprobs=ev, index=index)
         elif isinstance(ev, Failed):
             yield sse_error(ev.message, ev.type, ev.code)
-    yield b"data: [DONE]\n\n"
+
+
+def usage_chunk(ident: Ident, fin: Finish) -> bytes:
+    """stream_options.include_usage's last chunk: no choices, the usage."""
+    return _chunk(ident, {}, with_usage=usage(fin))
 
 
 def chat_completion(ident: Ident, events: list[ToolEvent], fin: Finish) -> dict[str, Any]:
     """A whole answer as one chat.completion object."""
+    cid, created, model = ident
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [chat_choice(events, fin, 0)], "usage": usage(fin)}
+
+
+def chat_choice(events: list[ToolEvent], fin: Finish, index: int) -> dict[str, Any]:
+    """One choice of a whole answer."""
     reply = assemble(events)
     message: dict[str, Any] = {"role": "assistant", "content": reply.content}
     if reply.calls:
         message = {"role": "assistant", "content": reply.content or None, "tool_calls": [c.openai() for c in reply.calls]}
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": fin.finish_reason,
+    choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": fin.finish_reason,
                               "logprobs": {"content": logprobs_content(fin.logprobs), "refusal": None} if fin.logprobs else None}
     if fin.stop_sequence is not None:
         choice["stop_reason"] = fin.stop_sequence
-    cid, created, model = ident
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage(fin)}
+    return choice

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvmesh.node.api.answer import collect, local_events
 from kvmesh.node.api.chat_format import chat_completion, chat_sse
+from kvmesh.node.api.choices import several
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.schema import ChatCompletionRequest
@@ -68,6 +69,9 @@ async def ready(node: NodeDep) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request, node: NodeDep) -> Response:
     session = name_session(request.headers, Named(user=body.user), body.messages_as_dicts())
     greq = constrained(prompt_request(node, body, session), body)  # response_format, tool_choice
+    if body.n > 1:
+        return await several(node, body, greq, session, request.headers,
+                             ("chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.model))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     new_parser = parser_factory(body)
 

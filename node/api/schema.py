@@ -187,7 +187,7 @@ class ChatCompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     top_k: int = Field(0, ge=0, le=1_000_000)  # llama.cpp's and vLLM's extension; 0: off
     ignore_eos: bool = False  # llama.cpp's and vLLM's extension: generate max_tokens whatever is sampled
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=16)  # choices, each from the one prefill (node.api.choices)
     user: str | None = Field(None, max_length=512)
     tools: list[ToolDef] | None = Field(None, max_length=512)
     tool_choice: str | NamedToolChoice | None = None
