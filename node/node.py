@@ -226,7 +226,8 @@ class Node:
             gpu_mem_used_bytes=gpu_used, gpu_mem_total_bytes=gpu_total, kv_cache_bytes=e.pool.num_blocks * e.block_bytes,
             kv_cache_used_bytes=(e.pool.num_blocks - e.blocks.num_free) * e.block_bytes,
             store_bytes=self.kvshare.store_bytes(), kvshare_in_bps=in_bps, kvshare_out_bps=out_bps,
-            prefill_tps=e.prefill_rate(), prefill_backlog_tokens=e.prefill_backlog(), last_seen=time.time(),
+            prefill_tps=e.prefill_rate(), prefill_backlog_tokens=e.prefill_backlog(),
+            queued_tokens=e.slots.queued_tokens, last_seen=time.time(),
             block_size=e.block_size, no_replicas=e.inexact_reason or "", zone=self.zone,
         )
 

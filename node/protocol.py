@@ -75,6 +75,7 @@ class HostInfo(_Model):
     kvshare_out_bps: float = 0.0
     prefill_tps: float = 0.0
     prefill_backlog_tokens: int = 0  # prompt tokens its running turns have still to prefill
+    queued_tokens: int = 0  # prompt tokens its turns queued for a slot will prefill
     last_seen: float = 0.0  # wall time this host was last heard from
     # Tokens per KV block in this host's engine; replicas move whole blocks only, so a replica
     # missing just the partial last block is as fresh as it can be. 0: not reported (older node).

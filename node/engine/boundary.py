@@ -100,6 +100,9 @@ class SlotLoad(Protocol):
     @property
     def queued(self) -> int: ...
 
+    @property
+    def queued_tokens(self) -> int: ...
+
     def mean_turn_s(self) -> float: ...
 
 

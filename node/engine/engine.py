@@ -219,7 +219,8 @@ class Engine:
         self._locks[req.session] = (lock, users + 1)
         try:
             async with lock:
-                slot = await self.slots.acquire(self.slot_caches.preference(req.session) if self.slot_caches else ())
+                slot = await self.slots.acquire(self.slot_caches.preference(req.session) if self.slot_caches else (),
+                                                prefill_tokens=max(0, len(tokens) - self.resident_tokens(req.session)))
                 try:
                     if req.prepare is not None:
                         await req.prepare()

@@ -21,6 +21,7 @@ class SlotScheduler:
         self._waiters: collections.deque[asyncio.Future[int]] = collections.deque()
         self._recent_turn_s: collections.deque[float] = collections.deque(maxlen=32)
         self._started: dict[int, float] = {}
+        self._waiting_tokens: dict[asyncio.Future[int], int] = {}  # what each waiter will prefill
 
     @property
     def busy(self) -> int:
@@ -29,6 +30,11 @@ class SlotScheduler:
     @property
     def queued(self) -> int:
         return sum(1 for w in self._waiters if not w.done())
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens the queued turns will prefill (a queue of long prompts takes longer than its length says)."""
+        return sum(n for w, n in self._waiting_tokens.items() if not w.done())
 
     def has_free_slot(self) -> bool:
         return bool(self._free) and not self.queued
@@ -45,8 +51,9 @@ class SlotScheduler:
     def can_admit(self) -> bool:
         return self.has_free_slot() or self.queued < self.queue_max
 
-    async def acquire(self, prefer: Sequence[int] = ()) -> int:
-        """A free slot (the first of `prefer` that is free), else one once freed, in arrival order."""
+    async def acquire(self, prefer: Sequence[int] = (), *, prefill_tokens: int = 0) -> int:
+        """A free slot (the first of `prefer` that is free), else one once freed, in arrival order;
+        `prefill_tokens`: what the turn will prefill, counted in `queued_tokens` while it waits."""
         if self.has_free_slot():
             slot = next((s for s in prefer if s in self._free), self._free[-1])
             self._free.remove(slot)
@@ -57,6 +64,7 @@ class SlotScheduler:
             )
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        self._waiting_tokens[fut] = prefill_tokens
         try:
             slot = await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
         except TimeoutError:
@@ -71,6 +79,8 @@ class SlotScheduler:
                 self.release(fut.result(), finished=False)
             fut.cancel()
             raise
+        finally:
+            del self._waiting_tokens[fut]
         return self._take(slot)
 
     def _take(self, slot: int) -> int:

@@ -136,7 +136,7 @@ class Mesh:
         e = self.engine
         return HostLoad(self.name, e.slots.slots, e.slots.busy, e.slots.queued, e.slots.mean_turn_s(),
                         e.prefill_rate(), self.replicas.import_bps(), available=not self.draining,
-                        backlog_tokens=e.prefill_backlog())
+                        backlog_tokens=e.prefill_backlog(), queued_tokens=e.slots.queued_tokens)
 
     def hosts(self) -> dict[str, HostLoad]:
         out = {self.name: self._self_load()}
@@ -148,7 +148,8 @@ class Mesh:
             h = st.host
             out[p.name] = HostLoad(p.name, h.slots, min(h.slots, h.busy + p.pending), h.queued, st.mean_turn_s,
                                    max(h.prefill_tps, 1.0), st.import_bps, available=p.reachable and not h.draining,
-                                   backlog_tokens=h.prefill_backlog_tokens)
+                                   backlog_tokens=h.prefill_backlog_tokens + p.pending_tokens,
+                                   queued_tokens=h.queued_tokens)
         return out
 
     def local_holding(self, session: str) -> SessionHolding:

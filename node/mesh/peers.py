@@ -46,6 +46,7 @@ class Peer:
     error: str = ""
     sessions: dict[str, SessionHolding] = field(default_factory=dict)
     pending: int = 0  # turns this node forwarded there and that have not started yet
+    pending_tokens: int = 0  # ...and their prompts, which its prefill engine will take on (entries herd otherwise)
     streaming: bool = False  # its state arrives pushed (else it is polled)
 
     @property

@@ -42,6 +42,7 @@ class HostLoad:
     import_bps: float  # replica store -> engine, bytes/s
     available: bool = True  # reachable and not draining
     backlog_tokens: int = 0  # prompt tokens its running turns have still to prefill (a new prefill shares the engine)
+    queued_tokens: int = 0  # prompt tokens the turns queued for its slots will prefill, before a turn queued after them
 
     @property
     def free(self) -> int:
@@ -54,8 +55,14 @@ class HostLoad:
         return (self.queued + 1) * self.mean_turn_s / max(1, self.slots)
 
     def prefill_wait_s(self) -> float:
-        """Time the prefill already running there takes: a new prompt's prefill shares the engine with it."""
-        return self.backlog_tokens / self.prefill_tps
+        """Time the prefill already running or queued there takes: a new prompt's prefill shares the engine
+        with it (a queue of long prompts is longer than its length in turns says)."""
+        return (self.backlog_tokens + self.queued_tokens) / self.prefill_tps
+
+    def ahead_s(self) -> float:
+        """Expected wait before a new turn's own prefill starts there: for a slot, and for the prefill engine to
+        finish what is running and queued ahead of it, whichever is later (a queued turn needs both)."""
+        return max(self.wait_s(), self.prefill_wait_s())
 
     def idle(self, policy: Policy) -> bool:
         """Running nothing (no busy slot, next to no prefill): the only host a move that is not warm may go to."""
@@ -116,7 +123,7 @@ def next_seq(holdings: dict[str, Holding]) -> int:
 
 def estimate(h: HostLoad, held: Holding | None, prompt: int, policy: Policy) -> tuple[float, int, float]:
     """(expected TTFT seconds, tokens reused, seconds of h's prefill engine the turn takes) if it ran on h."""
-    wait = h.wait_s() + h.prefill_wait_s()
+    wait = h.ahead_s()
     reuse, extra, resident = 0, 0.0, 0
     if held is not None:
         reuse = resident = held.resident

@@ -342,7 +342,9 @@ class EntryTurn:
             headers[PREV_HOST] = d.prev_host
         if mesh.peer_token:
             headers[PEER_HEADER] = mesh.peer_token
+        todo = max(0, len(self.req.prompt) - d.predicted_reused)  # what it will prefill there
         peer.pending += 1
+        peer.pending_tokens += todo
         try:
             self._body = self._body or self._hop_body()
             resp = await open_turn(mesh.peers.client, d.host, peer.cfg.api + self.hop_path, self._body, headers,
@@ -352,6 +354,7 @@ class EntryTurn:
                 whole = PeerAnswer(await read_whole(d.host, resp))
         finally:
             peer.pending -= 1
+            peer.pending_tokens -= todo
         mesh.note_routed(self.session, d.host, self.seq)
         return whole if whole is not None else _There(d.host, resp)
 

@@ -156,3 +156,24 @@ def test_expected_wait_grows_with_queue() -> None:
             await t
 
     asyncio.run(go())
+
+
+def test_queued_tokens_count_what_waiting_turns_will_prefill() -> None:
+    """Turns waiting for a slot count their prefill in queued_tokens until they get one, or give up."""
+
+    async def go() -> None:
+        s = SlotScheduler(1, queue_max=4, queue_timeout_s=0.2)
+        first = await s.acquire(prefill_tokens=999)  # running, not queued
+        a = asyncio.create_task(s.acquire(prefill_tokens=30_000))
+        b = asyncio.create_task(s.acquire(prefill_tokens=500))
+        await _settle()
+        assert s.queued == 2 and s.queued_tokens == 30_500
+        s.release(first)
+        assert await a == first
+        await _settle()
+        assert s.queued_tokens == 500
+        with pytest.raises(Overloaded):
+            await b  # timed out
+        assert s.queued_tokens == 0
+
+    asyncio.run(go())

@@ -181,3 +181,14 @@ def test_a_new_conversation_of_a_session_starts_beside_its_home_while_that_has_r
     hosts["c"] = HostLoad("c", 4, 4, 0, 1.0, PREFILL, 1e9)
     d = choose(hosts, {}, 2_000, Policy(), session="s#sub", group_home="c")
     assert d is not None and d.host != "c" and d.reason == "new-session", d
+
+
+def test_a_queue_of_long_prompts_is_longer_than_its_length_in_turns() -> None:
+    """Both hosts full with one turn queued: a new session goes where the queued turn's prompt is short, not
+    where its 200k tokens will hold the prefill engine for 20 s (a burst of subagents herded otherwise)."""
+    hosts = {"a": HostLoad("a", 2, 2, 1, 1.0, PREFILL, 1e9, queued_tokens=200_000),
+             "b": HostLoad("b", 2, 2, 1, 1.0, PREFILL, 1e9, queued_tokens=2_000)}
+    for i in range(10):
+        d = choose(hosts, {}, 5_000, Policy(), session=f"new{i}")
+        assert d is not None and d.host == "b", d
+    assert hosts["a"].ahead_s() == 20.0 and hosts["b"].ahead_s() == hosts["b"].wait_s() == 1.0

@@ -120,6 +120,7 @@ class SimHost:
     busy: int = 0
     backlog: int = 0  # prompt tokens of its turns still to prefill (Engine.prefill_backlog)
     queue: collections.deque[object] = field(default_factory=collections.deque)
+    queued_tokens: int = 0  # prompt tokens its queued turns will prefill (as far as their prefixes predict)
     prefill_free_at: float = 0.0
     link_free_at: float = 0.0
     mean_turn_s: float = 1.0
@@ -129,7 +130,7 @@ class SimHost:
 
     def load(self) -> HostLoad:
         return HostLoad(self.name, self.slots, self.busy, len(self.queue), self.mean_turn_s, self.prefill_tps,
-                        self.import_bps, backlog_tokens=self.backlog)
+                        self.import_bps, backlog_tokens=self.backlog, queued_tokens=self.queued_tokens)
 
 
 def tokens(blocks: int, limit: int) -> int:
@@ -172,7 +173,7 @@ class Cluster:
         its order: expected TTFT (as `choose` rounds it), busy slots, the session's spread of the hosts;
         `idle`: of the hosts running nothing (the only ones a cold move may go to)."""
         def key(h: HostLoad) -> tuple[float, int, int, str]:
-            return (round(h.wait_s() + h.prefill_wait_s() + prompt / h.prefill_tps, 4), h.busy, spread(session, h.name), h.name)
+            return (round(h.ahead_s() + prompt / h.prefill_tps, 4), h.busy, spread(session, h.name), h.name)
 
         hosts = [h for h in self._loads.values() if h.busy == 0] if idle else self._loads.values()
         return [h.name for h in heapq.nsmallest(k, hosts, key=key)]

@@ -108,7 +108,7 @@ class KvOverlapRouter(Router):
             held = max(h.engine.prefix(req.blocks), h.store.prefix(req.blocks))  # both tiers, as a KV block manager's
             cached = min(held * TRACE_BLOCK_TOKENS, req.input_length - 1)
             load = loads[name]
-            return (load.wait_s() + load.prefill_wait_s() + (req.input_length - cached) / h.prefill_tps, h.busy,
+            return (load.ahead_s() + (req.input_length - cached) / h.prefill_tps, h.busy,
                     self.rng.random())
 
         loads = self.cluster.loads()

@@ -129,6 +129,7 @@ class Simulation:
             self._start(now, host, turn)
         else:
             host.queue.append(turn)
+            host.queued_tokens += req.input_length - req.shared
             self.cluster.changed(host)
 
     def _start(self, now: float, host: SimHost, turn: _Turn) -> None:
@@ -206,6 +207,7 @@ class Simulation:
         if host.queue:
             nxt = host.queue.popleft()
             assert isinstance(nxt, _Turn)
+            host.queued_tokens -= nxt.req.input_length - nxt.req.shared
             self._start(now, host, nxt)
         queue = self._clients[req.client or req.session]
         if queue:
