@@ -234,7 +234,8 @@ def _add_bench(sub: Subparsers) -> None:
     x.add_argument("--block-size", type=int, help="with --engine llamacpp: tokens per KV block (default: from the model's context)")
     x.set_defaults(engine_default="sim")
     x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
-    for more in (_add_side_by_side, _add_bench_control, _add_bench_policies, _add_bench_tools, _add_bench_subagents):
+    for more in (_add_side_by_side, _add_bench_control, _add_bench_policies, _add_bench_tools, _add_bench_subagents,
+                 _add_bench_llamacpp_suite):
         more(bsub)
     b.set_defaults(func=cmd_bench)
 
@@ -318,6 +319,22 @@ def _add_bench_subagents(bsub: Subparsers) -> None:
     s.add_argument("--meshes", nargs="+", choices=["one_node", "two_nodes"], default=["one_node", "two_nodes"])
     s.add_argument("--seed", type=int, default=1)
     s.set_defaults(func=cmd_bench_subagents, engine_default="sim")
+
+
+def cmd_bench_llamacpp_suite(args: argparse.Namespace) -> int:
+    from kvmesh.node.lab.llamacpp_suite import run_suite
+
+    return run_suite(args)
+
+
+def _add_bench_llamacpp_suite(bsub: Subparsers) -> None:
+    """`bench llamacpp-suite`: llama.cpp's own server tests against a kvmesh node (node.lab.llamacpp_suite)."""
+    from kvmesh.node.lab.llamacpp_suite import add_arguments
+
+    s = bsub.add_parser("llamacpp-suite", help="llama.cpp's server tests (response_format, logprobs, n) "
+                        "against a kvmesh node on SmolLM2: passed/failed and why")
+    add_arguments(s)
+    s.set_defaults(func=cmd_bench_llamacpp_suite)
 
 
 def _add_bench_policies(bsub: Subparsers) -> None:
