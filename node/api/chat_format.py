@@ -7,7 +7,7 @@ stream as OpenAI tool-call deltas (the id, type and name first, then argument fr
 finish_reason "tool_calls" when the model stopped after calling. A stop string that ended the
 answer is named in the choice's `stop_reason` (vLLM's extension; Anthropic's stop_sequence needs it).
 Asked for (`logprobs`, `top_logprobs`), each content token's log probability is in `choice.logprobs`
-(OpenAI's shape), streamed in chunks of their own after the text they score.
+(OpenAI's shape), streamed in the chunk of the text they score (a tool call's tokens: in one of their own).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _delta(ev: ToolEvent) -> dict[str, Any] | None:
 async def chat_sse(run: HostTurn, ident: Ident, include_usage: bool, new_parser: ParserFactory) -> AsyncIterator[bytes]:
     """A turn running here, as OpenAI stream chunks ending in [DONE] (an error after the first byte goes in-band)."""
     fins: list[Finish] = []
-    async for chunk in choice_chunks(local_events(run, new_parser), ident, 0, fins):
+    async for chunk in choice_chunks(local_events(run, new_parser), ident, 0, fins,
+                                     scored=run.req.top_logprobs is not None):
         yield chunk
     if include_usage and fins:
         yield usage_chunk(ident, fins[0])
@@ -79,20 +80,33 @@ async def chat_sse(run: HostTurn, ident: Ident, include_usage: bool, new_parser:
 
 
 async def choice_chunks(events: AsyncIterator[AnswerEvent], ident: Ident, index: int,
-                        fins: list[Finish]) -> AsyncIterator[bytes]:
-    """One choice's answer events as stream chunks (its Finish appended to `fins`); no usage, no [DONE]."""
+                        fins: list[Finish], *, scored: bool = False) -> AsyncIterator[bytes]:
+    """One choice's answer events as stream chunks (its Finish appended to `fins`); no usage, no [DONE].
+    `scored` (log probabilities asked for): a content delta waits for those that follow it, to go in one chunk."""
     yield _chunk(ident, {"role": "assistant", "content": ""}, index=index)
+    pending: dict[str, Any] | None = None
     async for ev in events:
+        if isinstance(ev, Logprobs):
+            yield _chunk(ident, pending or {}, logprobs=ev, index=index)
+            pending = None
+            continue
+        if pending is not None:
+            yield _chunk(ident, pending, index=index)
+            pending = None
         if isinstance(ev, Finish):
             fins.append(ev)
             yield _chunk(ident, {}, ev, index=index)
-        elif isinstance(ev, (ContentDelta, ToolCallStart, ToolCallArgs)):
+        elif isinstance(ev, ContentDelta) and scored:
+            pending = _delta(ev)
+        elif isinstance(ev, ContentDelta):
+            yield _chunk(ident, {"content": ev.text}, index=index)
+        elif isinstance(ev, (ToolCallStart, ToolCallArgs)):
             if (delta := _delta(ev)) is not None:
                 yield _chunk(ident, delta, index=index)
-        elif isinstance(ev, Logprobs):
-            yield _chunk(ident, {}, logprobs=ev, index=index)
         elif isinstance(ev, Failed):
             yield sse_error(ev.message, ev.type, ev.code)
+    if pending is not None:
+        yield _chunk(ident, pending, index=index)
 
 
 def usage_chunk(ident: Ident, fin: Finish) -> bytes:

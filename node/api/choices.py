@@ -82,7 +82,7 @@ async def _stream(node: Node, body: ChatCompletionRequest, greq: GenerateRequest
             except KVMeshError as e:  # past the first byte, said in-band
                 yield sse_error(str(e), e.type, e.code)
                 break
-        async for chunk in choice_chunks(opened.events, ident, i, fins):
+        async for chunk in choice_chunks(opened.events, ident, i, fins, scored=body.logprobs):
             yield chunk
         if len(fins) <= i:  # the choice broke off (said in-band): the rest would only repeat it
             break

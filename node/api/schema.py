@@ -107,7 +107,23 @@ _REFUSED = {
     "function_call": "the legacy function_call field is not supported; send tool_choice",
     "audio": "kvmesh serves text only",
     "prediction": "predicted outputs are not supported",
+    "grammar": "GBNF grammars are not supported; send response_format with a JSON schema",
+    "continue_final_message": "continuing the final assistant message is not supported",
 }
+
+
+def llama_json_schema(v: Any) -> Any:
+    """llama.cpp's top-level `json_schema` (a bare JSON Schema) as the response_format it means."""
+    if not isinstance(v, dict) or v.get("json_schema") is None:
+        return v
+    if v.get("response_format") is not None:
+        raise InvalidRequest("send json_schema or response_format, not both", param="json_schema")
+    schema = v["json_schema"]
+    if not isinstance(schema, dict):
+        raise InvalidRequest("json_schema must be a JSON object (a JSON Schema)", param="json_schema")
+    rest = {k: x for k, x in v.items() if k != "json_schema"}
+    return rest | {"response_format": {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema,
+                                                                              "strict": True}}}
 
 
 def check_response_format(v: dict[str, Any]) -> dict[str, Any]:
@@ -222,8 +238,9 @@ class ChatCompletionRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refused(cls, v: Any) -> Any:
-        """Fields whose effect kvmesh cannot give, refused when set (the message names the field)."""
-        return refuse_unhonoured(v, _REFUSED)
+        """Fields whose effect kvmesh cannot give, refused when set (the message names the field); llama.cpp's
+        json_schema taken as the response_format it means."""
+        return llama_json_schema(refuse_unhonoured(v, _REFUSED))
 
     @model_validator(mode="after")
     def _role_order(self) -> ChatCompletionRequest:

@@ -53,3 +53,12 @@ def test_bad_logprobs_requests_are_400(sim, sim_client, kw, param):
     with pytest.raises(openai.BadRequestError) as ei:
         sim_client.chat.completions.create(model=sim.model, messages=HI, max_tokens=4, **kw)
     assert param in str(ei.value.body)
+
+
+def test_streamed_logprobs_ride_with_the_text_they_score(sim, sim_client):
+    """Streamed, every chunk with content carries that content's tokens (OpenAI's shape; llama.cpp's test_logprobs_stream)."""
+    chunks = list(sim_client.chat.completions.create(model=sim.model, messages=HI, max_tokens=16, temperature=0,
+                                                     logprobs=True, stream=True))
+    texts = [c.choices[0] for c in chunks if c.choices and c.choices[0].delta.content]
+    assert texts and all(ch.logprobs and "".join(e.token for e in ch.logprobs.content or []) == ch.delta.content
+                         for ch in texts)

@@ -98,6 +98,24 @@ def test_llama_cpp_schema_beside_json_object_is_honoured(srv, http):
         assert json.loads(r.json()["choices"][0]["message"]["content"]) == want
 
 
+def test_llama_cpp_top_level_json_schema_is_honoured(srv, http, check_error):
+    """llama.cpp's top-level json_schema constrains the reply (test_completion_with_json_schema); with a
+    response_format too, or not an object, it is a 400 naming json_schema."""
+    r = http.post(CHAT, json={"model": srv.model, "messages": HI, "max_tokens": 6, "json_schema": {"const": "42"}})
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) == "42"
+    both = {"model": srv.model, "messages": HI, "json_schema": {}, "response_format": {"type": "json_object"}}
+    check_error(http.post(CHAT, json=both), 400, param="json_schema", says="not both")
+    check_error(http.post(CHAT, json={"model": srv.model, "messages": HI, "json_schema": "x"}), 400, param="json_schema")
+
+
+@pytest.mark.parametrize("field", ["grammar", "continue_final_message"])
+def test_llama_cpp_and_vllm_fields_kvmesh_cannot_honour_are_400s(srv, http, check_error, field):
+    """A GBNF grammar or continue_final_message is refused by name, never silently dropped."""
+    body = {"model": srv.model, "messages": HI, field: 'root ::= "a"' if field == "grammar" else True}
+    check_error(http.post(CHAT, json=body), 400, param=field)
+
+
 def test_responses_parse_with_text_format_round_trips(srv, oai):
     """client.responses.parse(text_format=Verdict): output_text is that JSON, output_parsed a Verdict."""
     r = oai.responses.parse(model=srv.model, input="Is it ok?", text_format=Verdict, max_output_tokens=2000,
