@@ -264,6 +264,10 @@ class KVShareConfig(_Strict):
     store_budget_bytes: int = Field(8 << 30, gt=0)
     fsync: Literal["always", "never"] = "always"
     persist_own: bool = Field(True, description="also keep this host's own sessions in the store")
+    host_tier_bytes: int | None = Field(None, ge=0, description="host memory between the KV pool and the store (as "
+                                        "llama-server's --cache-ram): the store's write-behinds copy pool blocks here and "
+                                        "write the disk copy from here; a restore takes the blocks held here with a memory "
+                                        "copy. Unset: twice the KV pool (SGLang HiCache's ratio); 0: none")
     concurrency: int = Field(4, ge=1, le=64, description="replica pushes in flight at once (all targets together)")
     socket_buffer_bytes: int = Field(4 << 20, ge=65536)
     tls: TLSConfig | None = None

@@ -1,7 +1,8 @@
 """Before a turn: the engine must hold what this host holds of the session. `ensure_imported` waits for
-a replica still landing while that beats recomputing what it brings (`keep_waiting`), then imports the
-store's replica: blocks reserved on the loop, copied and digested on worker threads, committed on the
-loop, so a node importing 1 GB still answers every other turn and event."""
+a replica still landing while that beats recomputing what it brings (`keep_waiting`), then restores the
+prompt's blocks from the host-memory tier and the store's replica: blocks reserved on the loop, copied
+(and the stored ones digested) on worker threads, committed on the loop, so a node importing 1 GB still
+answers every other turn and event. A pool too full for the whole restore restores what fits."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from kvmesh.node.engine.boundary import EngineAPI
+from kvmesh.node.engine.hashing import block_hashes, chain_seed
 from kvmesh.node.errors import ImportRefused, KVMeshError
 from kvmesh.node.kvshare.common import _await_worker
 from kvmesh.node.kvshare.explain import HandoffNotes, store_match_blocks
+from kvmesh.node.kvshare.hosttier import HostTier
 from kvmesh.node.kvshare.landing import _Inbound
 from kvmesh.node.kvshare.store import ReplicaStore
+from kvmesh.node.kvshare.storeimport import StoreImport
 from kvmesh.node.kvshare.stream import _Job
 from kvmesh.node.protocol import Event, ReplicaImported
 
@@ -30,6 +35,7 @@ log = logging.getLogger("kvmesh.kvshare")
 IMPORT_THREADS = 2  # store -> engine imports copying at once (memcpy and digests let go of the GIL)
 MAX_INBOUND_WAIT_S = 30.0  # a turn never waits longer than this for a replica still landing
 INBOUND_CHECK_S = 0.1  # while a turn waits for a landing replica, its progress is judged this often
+FREE_PINNED_S = 2.0  # a restore waits at most this long for kv_share's own pins on the pool to let go
 
 
 def keep_waiting(rest_s: float, at_stake: int, prefill_tps: float) -> bool:
@@ -43,15 +49,18 @@ def keep_waiting(rest_s: float, at_stake: int, prefill_tps: float) -> bool:
 class Imports:
     """The import path. It is given what it uses: the host's name, the engine, the store, the replicas
     landing now (the receiver's map, read here), the handoff notes it records each turn's start in, a
-    publish function, and what pins pool blocks a restore may need: the pushes under way
-    (`pushes_moving`) and the store's write-behinds (`writes_pending`)."""
+    publish function, what pins pool blocks a restore may need: the pushes under way
+    (`pushes_moving`) and the store's write-behinds (`writes_pending`), and the host-memory tier
+    (`hosttier.py`) a restore takes blocks from before the store."""
 
     def __init__(self, name: str, engine: EngineAPI, store: ReplicaStore, *, inbound: Mapping[str, _Inbound],
                  notes: HandoffNotes, publish: Callable[[Event], object], pushes_moving: Callable[[], list[_Job]],
-                 writes_pending: Callable[[], list[concurrent.futures.Future[None]]]):
+                 writes_pending: Callable[[], list[concurrent.futures.Future[None]]], tier: HostTier):
         self.name = name
         self.engine = engine
         self.store = store
+        self.tier = tier
+        self._seed = chain_seed(engine.fingerprint)
         self._inbound = inbound
         self._notes = notes
         self._publish = publish
@@ -73,30 +82,41 @@ class Imports:
         return r[len(r) // 2] if r else 2e9
 
     async def ensure_imported(self, session: str, prompt: np.ndarray) -> int:
-        """Ask the engine what it holds; if the store (or a replica landing now) holds more
-        of this prompt, import it before the turn runs. Returns tokens imported."""
+        """Ask the engine what it holds; if the store and the host-memory tier (or a replica landing now)
+        hold more of this prompt, import it before the turn runs. Returns tokens imported."""
         ib = self._inbound.get(session)
         if ib is not None:
             await self._wait_inbound(session, ib)
         e = self.engine
         held = e.cached_prefix(session, prompt)
         stored_blocks = store_match_blocks(self.store, e, session, prompt)
-        self._notes.note_before(session, prompt, ib, stored_blocks * e.block_size)
+        hashes = self._restorable(prompt, stored_blocks)
+        self._notes.note_before(session, prompt, ib, len(hashes) * e.block_size)
         self._notes.used(session)
-        if stored_blocks * e.block_size <= held:
+        if len(hashes) * e.block_size <= held:
             return 0
         t0 = time.monotonic()
         try:
-            tokens = await self._import_from_store(session, stored_blocks)
+            tokens = await self._import_from_store(session, prompt, hashes)
         except KVMeshError as err:
             # An optimisation failed: the turn runs with what the engine has.
             log.warning("import of %s from the store failed (%s); running without it", session, err)
             return 0
         secs = time.monotonic() - t0
-        if secs > 0:
-            self._import_rates.append((stored_blocks * e.block_bytes) / secs)
+        if secs > 0 and tokens:
+            self._import_rates.append((tokens // e.block_size * e.block_bytes) / secs)
         self._publish(ReplicaImported(session=session, host=self.name, tokens=tokens, seconds=round(secs, 4)))
         return tokens
+
+    def _restorable(self, prompt: np.ndarray, stored: int) -> list[bytes]:
+        """Chain hashes of the prompt's leading blocks this host can restore: the `stored` ones its store
+        holds of the session, then on while the host-memory tier holds the next (any session's)."""
+        bs, tier = self.engine.block_size, self.tier
+        hashes = block_hashes(self._seed, prompt, bs)
+        n = min(stored, len(hashes))
+        while n < len(hashes) and tier.holds(hashes[n], prompt[n * bs : (n + 1) * bs]):
+            n += 1
+        return hashes[:n]
 
     async def _wait_inbound(self, session: str, ib: _Inbound) -> None:
         """Wait for a replica of the session still landing while that beats recomputing what it
@@ -116,31 +136,51 @@ class Imports:
                 await asyncio.wait_for(ib.arrived.wait(), min(INBOUND_CHECK_S, t0 + MAX_INBOUND_WAIT_S - now))
         log.info("turn of %s waited %.2fs for its replica from %s to land", session, time.monotonic() - t0, ib.src)
 
-    async def _import_from_store(self, session: str, upto_blocks: int) -> int:
+    async def _import_from_store(self, session: str, prompt: np.ndarray, hashes: list[bytes]) -> int:
         """Reserve the engine's blocks here on the loop, copy and digest on a worker thread,
         commit back on the loop. Whatever fails (or cancels the await), the import is aborted:
         the engine gets nothing, and its reserved blocks go back only once the worker stopped."""
-        e = self.engine
-        try:
-            imp = self.store.begin_import(e, session, upto_blocks=upto_blocks)
-        except ImportRefused as err:
-            # Pushes and store write-behinds pin the pool blocks they read; a user's turn comes first.
-            if err.reason != "no_room" or not await self._free_pinned(session):
-                raise
-            imp = self.store.begin_import(e, session, upto_blocks=upto_blocks)
+        imp = await self._reserve(session, prompt, hashes)
         if imp is None:
             return 0
         assert self._loop is not None
         cancel = threading.Event()
         fut = self._loop.run_in_executor(self._import_pool(), imp.copy, cancel)
         try:
-            await _await_worker(fut, stop=cancel.set, release=imp.txn.abort)
+            await _await_worker(fut, stop=cancel.set, release=imp.abort)
         except asyncio.CancelledError:
             raise  # aborted by _await_worker once the worker returns
         except BaseException:
-            imp.txn.abort()
+            imp.abort()
             raise
         return imp.txn.commit()
+
+    async def _reserve(self, session: str, prompt: np.ndarray, hashes: list[bytes]) -> StoreImport | None:
+        """The engine's blocks for the restore. When the pool has no room, pushes and write-behinds (which
+        pin pool blocks) let go first: a user's turn comes first. When running turns hold the rest, the
+        leading blocks there is room for (None: no more than the engine holds)."""
+        e = self.engine
+
+        def begin(n: int) -> StoreImport | None:
+            """The import of the first n blocks; None when the pool has no room for it."""
+            try:
+                return self.store.begin_restore(e, session, self.tier, tokens=prompt, hashes=hashes[:n])
+            except ImportRefused as err:
+                if err.reason != "no_room":
+                    raise
+                return None
+
+        if (imp := begin(len(hashes))) is not None:
+            return imp
+        if (imp := await self._free_pinned(session, lambda: begin(len(hashes)))) is not None:
+            return imp
+        held = e.cached_prefix(session, prompt)
+        fit = min(held // e.block_size + e.blocks.num_free, len(hashes))
+        if fit * e.block_size <= held:
+            return None
+        log.warning("restore of %s: running turns hold the pool; %d of its %d restorable blocks fit", session,
+                    fit, len(hashes))
+        return begin(fit)
 
     def _import_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         """Worker threads for store -> engine imports (not the disk thread: a turn's import must
@@ -149,21 +189,28 @@ class Imports:
             self._imports = concurrent.futures.ThreadPoolExecutor(IMPORT_THREADS, thread_name_prefix="kvshare-import")
         return self._imports
 
-    async def _free_pinned(self, session: str, limit_s: float = 2.0) -> bool:
-        """Free the pool blocks kv_share pins so a restore can have them; True once they are free
-        (False when kv_share pinned nothing, or they did not come free within limit_s).
+    async def _free_pinned(self, session: str, room: Callable[[], StoreImport | None],
+                           limit_s: float = FREE_PINNED_S) -> StoreImport | None:
+        """Let go of the pool blocks kv_share pins until `room()` (the restore's reservation) succeeds;
+        its import, or None when kv_share pinned nothing or the room did not come within limit_s.
 
         Pushes in flight are stopped (each ends refused: "preempted"; the session's next turn
-        replicates it again); store write-behinds, short disk copies, are waited for."""
+        replicates it again); store write-behinds, memory copies into the host tier (or, where it has
+        no room, disk copies), are waited for, each one freeing its blocks as it ends."""
         jobs = self._pushes_moving()
         writes = [asyncio.wrap_future(f) for f in self._writes_pending()]
         if not jobs and not writes:
-            return False
-        log.warning("restore of %s needs pool blocks that %d replica push(es) and %d store write(s) pin",
-                    session, len(jobs), len(writes))
+            return None
+        # Stopping a push is worth a warning; waiting out a write-behind's memory copy is routine.
+        log.log(logging.WARNING if jobs else logging.INFO, "restore of %s needs pool blocks that %d replica push(es) "
+                "and %d store write(s) pin", session, len(jobs), len(writes))
         for j in jobs:
             j.preempt()
-        waits = [asyncio.shield(j.done) for j in jobs] + [asyncio.shield(w) for w in writes]
-        _, pending = await asyncio.wait(waits, timeout=limit_s)
-        await asyncio.sleep(0)  # a write-behind hands its pins back through the loop
-        return not pending
+        waits: set[asyncio.Future[Any]] = {asyncio.shield(j.done) for j in jobs} | {asyncio.shield(w) for w in writes}
+        deadline = time.monotonic() + limit_s
+        while waits and (left := deadline - time.monotonic()) > 0:
+            _, waits = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.sleep(0)  # a write-behind hands its pins back through the loop
+            if (imp := room()) is not None:
+                return imp
+        return None

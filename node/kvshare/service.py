@@ -21,7 +21,8 @@ each given only what it uses:
   them, and the replicas landing now;
 - `imports.py`: before a turn, the wait for a landing replica and the store -> engine import;
 - `explain.py`: what explains a handoff's reuse, and the replica bytes no turn used;
-- `writebehind.py`: the store's copies of the pool's blocks, on the disk thread.
+- `writebehind.py`: the store's copies of the pool's blocks, through the host-memory tier (`hosttier.py`)
+  to the disk thread.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +40,7 @@ import numpy as np
 from kvmesh.node.config import KVShareConfig
 from kvmesh.node.engine.boundary import EngineAPI
 from kvmesh.node.kvshare.explain import HandoffNotes, ReuseExplained
+from kvmesh.node.kvshare.hosttier import HostTier
 from kvmesh.node.kvshare.imports import Imports
 from kvmesh.node.kvshare.landing import Landing
 from kvmesh.node.kvshare.links import Links
@@ -52,6 +55,20 @@ from kvmesh.node.tls import client_context, server_context
 
 # Without a configured mesh secret the mesh is loopback-only; kv_share still signs its frames.
 DEV_SECRET = b"kvmesh-loopback-only-dev-secret"
+
+
+HOST_TIER_RATIO = 2  # an unset host tier holds this many times the KV pool (SGLang HiCache's default ratio)
+
+
+def host_tier_blocks(cfg: KVShareConfig, engine: EngineAPI) -> int:
+    """Blocks of the host-memory tier: `host_tier_bytes`' worth, unset HOST_TIER_RATIO times the KV pool's;
+    none for a model whose cache is not cut into blocks. Twice the pool: a burst of turns ending at once
+    stages up to a pool's worth while the disk still writes the one before."""
+    if engine.inexact_reason is not None:
+        return 0
+    if cfg.host_tier_bytes is None:
+        return HOST_TIER_RATIO * engine.pool.num_blocks
+    return cfg.host_tier_bytes // engine.block_bytes
 
 
 class KVShare:
@@ -79,7 +96,8 @@ class KVShare:
         tls = cfg.tls
         next_generation = itertools.count(1).__next__  # one sequence for offers and the store's own writes
         self._notes = HandoffNotes(engine, self.store)
-        self._writes = WriteBehind(engine, self.store, next_generation=next_generation)
+        self.tier = HostTier(host_tier_blocks(cfg, engine), engine.block_bytes)
+        self._writes = WriteBehind(engine, self.store, next_generation=next_generation, tier=self.tier)
         self._landing = Landing(name, engine, self.store, inn=self.links.inn, publish=publish,
                                 on_landed=self._notes.landed, on_refused=self._notes.refused,
                                 write_behind=self._writes.write_behind)
@@ -91,7 +109,8 @@ class KVShare:
         self._sender = PushSender(name, engine, cfg, out=self.links.out, think=self._think, stream=stream,
                                   publish=publish, peer_address=peer_address, next_generation=next_generation)
         self._imports = Imports(name, engine, self.store, inbound=self._landing.inbound, notes=self._notes,
-                                publish=publish, pushes_moving=self._sender.moving, writes_pending=self._writes.pending)
+                                publish=publish, pushes_moving=self._sender.moving, writes_pending=self._writes.pending,
+                                tier=self.tier)
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -100,10 +119,13 @@ class KVShare:
         self._sender.start(loop)
         self._imports.start(loop)
         self._writes.start(loop)
+        if self.tier.n_blocks:
+            threading.Thread(target=self.tier.pretouch, name="kvshare-tier-touch", daemon=True).start()
         if self.cfg.enabled:  # off: no listener, so no peer's replica is accepted here
             self.address = self._receiver.start(loop)
 
     async def stop(self) -> None:
+        self.tier.stop()
         self._receiver.stop()
         self._sender.stop()
         self._imports.stop()
@@ -175,6 +197,7 @@ class KVShare:
             "store_bytes": self.store.usage_bytes(),
             "store_budget_bytes": self.store.budget_bytes,
             "store_evictions": self.store.evictions,
+            "host_tier": self.tier.stats(),
             "wasted_replica_bytes": self.wasted_bytes,
         }
 

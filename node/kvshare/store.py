@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from collections import OrderedDict
 
     from kvmesh.node.engine.boundary import EngineAPI
+    from kvmesh.node.kvshare.hosttier import HostTier
 
 # SegmentWriter and copy_block live in `segment` and `storeimport`; kv_share's service imports them from here.
 __all__ = ["ReplicaStore", "SegmentWriter", "copy_block"]
@@ -232,6 +233,14 @@ class ReplicaStore:
         `copy()` on any thread, then `txn.commit()` or `txn.abort()` back where it began."""
         check_session_id(session)
         return storeimport.begin_import(self._index, engine, session, upto_blocks=upto_blocks)
+
+    def begin_restore(self, engine: EngineAPI, session: str, tier: HostTier, *, tokens: np.ndarray,
+                      hashes: list[bytes]) -> StoreImport:
+        """Reserve the engine's blocks for a prompt's leading blocks (`hashes`, `tokens` theirs) that the
+        host-memory tier or the session's replica here holds, each to be copied from the tier where it holds
+        it, else from the replica; as `begin_import`, on the engine's loop, then `copy()` on any thread."""
+        check_session_id(session)
+        return storeimport.begin_restore(self._index, tier, engine, session, tokens, hashes)
 
     # ---- eviction ----------------------------------------------------------------------
 

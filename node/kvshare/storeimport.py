@@ -4,19 +4,24 @@ stored payloads into them (any thread), then commit or abort where the import be
 Only blocks the engine lacks are copied, each straight from the mapped segment into the
 engine's pool, each payload digest checked once per process; the copies go through numpy,
 which lets go of the GIL, so an event loop in another thread keeps running meanwhile.
+A restore (`begin_restore`) takes the blocks the host-memory tier holds from there instead
+(`hosttier.py`: this host's own pool's bytes, a memory copy, no digest to check), the rest
+from the store.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvmesh.node.errors import ImportRefused
+from kvmesh.node.kvshare.hosttier import HostTier
 from kvmesh.node.kvshare.index import Entry, ReplicaIndex
+from kvmesh.node.kvshare.manifest import common_prefix
 
 if TYPE_CHECKING:
     from kvmesh.node.engine.boundary import EngineAPI, ImportAPI
@@ -39,29 +44,45 @@ class StoreImport:
     """
 
     index: ReplicaIndex
-    entry: Entry
+    entry: Entry | None  # None: every block comes from the tier
     txn: ImportAPI
-
-    @property
-    def session(self) -> str:
-        return self.entry.manifest.session
+    session: str
+    tier: HostTier | None = None
+    from_tier: dict[int, int] = field(default_factory=dict)  # block index -> the tier's block, pinned
 
     def copy(self, cancel: threading.Event | None = None) -> None:
-        """Copy every block the engine lacks, checking each payload digest (once per process).
+        """Copy every block the engine lacks, checking each stored payload's digest (once per process).
         Raises ImportRefused('digest') on a corrupt block, ImportCancelled once `cancel` is set."""
         index, entry, session = self.index, self.entry, self.session
         try:
             for i in self.txn.missing:
                 if cancel is not None and cancel.is_set():
                     raise ImportCancelled(session)
+                if self.tier is not None and (t := self.from_tier.get(i)) is not None:
+                    copy_block(self.txn, i, self.tier.view(t))
+                    continue
+                if entry is None:
+                    raise ImportRefused(f"block {i} of {session!r} is neither in the tier nor stored", reason="missing")
                 with index.lock:
                     view = index.view(entry, i)
                 if not index.verify(entry, i, view):
                     raise ImportRefused(f"replica of {session!r}: block {i} on disk is corrupt (digest mismatch)", reason="digest")
                 copy_block(self.txn, i, view)
         finally:
+            self.release_tier()
             # The engine has its copy now: the mapped pages need not count in this process's RSS.
             index.trim_maps_of(session)
+
+    def abort(self) -> None:
+        """Nothing of the import becomes visible; the tier's blocks are unpinned (where it began, once no copy runs)."""
+        self.release_tier()
+        self.txn.abort()
+
+    def release_tier(self) -> None:
+        """Unpin the tier's blocks this import reads (idempotent; any thread)."""
+        pinned, self.from_tier = list(self.from_tier.values()), {}
+        if self.tier is not None and pinned:
+            self.tier.unpin(pinned)
 
 
 def begin_import(index: ReplicaIndex, engine: EngineAPI, session: str, *, upto_blocks: int | None = None) -> StoreImport | None:
@@ -73,7 +94,43 @@ def begin_import(index: ReplicaIndex, engine: EngineAPI, session: str, *, upto_b
     if n == 0:
         return None
     txn = engine.begin_import(session, m.fingerprint, m.tokens[: n * m.block_size], m.hashes[:n])
-    return StoreImport(index, entry, txn)
+    return StoreImport(index, entry, txn, session)
+
+
+def begin_restore(index: ReplicaIndex, tier: HostTier, engine: EngineAPI, session: str, tokens: np.ndarray,
+                  hashes: list[bytes]) -> StoreImport:
+    """`ReplicaStore.begin_restore`: the engine's blocks reserved for the prompt's leading blocks (`hashes`,
+    `tokens` theirs) that the tier or the session's stored replica holds, as far as one of them holds the
+    next; each block the engine lacks comes from the tier where it holds it (pinned here), else from the
+    store. Call it on the engine's loop: what the tier and the store hold is read here, not earlier."""
+    bs = engine.block_size
+    entry = index.get(session)
+    stored = 0
+    if entry is not None and (m := entry.manifest).fingerprint == engine.fingerprint and m.block_bytes == engine.block_bytes:
+        stored = common_prefix(m.hashes, hashes)
+    pins: dict[int, int] = {}
+    n = len(hashes)
+    for i in range(n):
+        t = tier.pin(hashes[i], tokens[i * bs : (i + 1) * bs])
+        if t is not None:
+            pins[i] = t
+        elif i >= stored:
+            n = i
+            break
+    try:
+        if n == 0:
+            raise ImportRefused(f"neither the tier nor the store holds the first block of {session!r}", reason="missing")
+        txn = engine.begin_import(session, engine.fingerprint, tokens[: n * bs], hashes[:n])
+    except BaseException:
+        tier.unpin(list(pins.values()))
+        raise
+    if stored:
+        index.use(session)  # the most recently used
+    missing = set(txn.missing)
+    tier.unpin([t for i, t in pins.items() if i not in missing])  # the engine holds those already
+    from_tier = {i: t for i, t in pins.items() if i in missing}
+    tier.hits += len(from_tier)
+    return StoreImport(index, entry if stored else None, txn, session, tier, from_tier)
 
 
 def import_into(index: ReplicaIndex, engine: EngineAPI, session: str, *, upto_blocks: int | None = None) -> int:
@@ -95,7 +152,7 @@ def copy_bytes(dst: memoryview, src: memoryview | bytes | np.ndarray) -> None:
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))  # type: ignore[arg-type]  # buffers
 
 
-def copy_block(txn: ImportAPI, i: int, view: memoryview) -> None:
+def copy_block(txn: ImportAPI, i: int, view: memoryview | np.ndarray) -> None:
     """One memcpy from the page cache into the engine's pool block."""
     try:
         dst = txn.buffer(i)
