@@ -47,6 +47,7 @@ async def _run(
     seconds: float, sessions: int, events_per_s: float, size: tuple[int, int], warmup: float, ended: int, hosts: int,
     threads: int = 0,
 ) -> dict[str, Any]:
+    # Long: one measured run, from the synthetic mesh to its report, with every clock reading in one place.
     mesh = SyntheticMesh(sessions=sessions, hosts=hosts, ended=ended, threads=threads)
     state = ConsoleState()
     # What the nodes would send is made before the clock starts: the console's cost is parsing it, not this.

@@ -9,11 +9,19 @@ import random
 import sys
 from pathlib import Path
 
+from kvmesh.node.benchargs import (
+    GGUF_HELP,
+    Subparsers,
+    add_bench_control,
+    add_bench_llamacpp_suite,
+    add_bench_policies,
+    add_bench_subagents,
+    add_bench_tools,
+    add_bench_transfer,
+    add_side_by_side,
+)
 from kvmesh.node.engine.models import is_gguf
 from kvmesh.node.errors import ConfigError
-
-Subparsers = argparse._SubParsersAction  # the type argparse gives `add_subparsers`
-GGUF_HELP = "a GGUF file or a packaged model's alias (smollm2, gemma3-270m); implies --engine llamacpp"
 
 
 def _positive(text: str) -> float:
@@ -223,161 +231,10 @@ def _add_bench(sub: Subparsers) -> None:
     ag.add_argument("--max-tokens", type=int, default=64)
     ag.add_argument("--seed", type=int, default=1)
     ag.add_argument("--model", type=Path, help=GGUF_HELP + " (default: the sim engine, scripted tool calls)")
-    x = bsub.add_parser("transfer", help="kv_share delta vs raw TCP between two node processes")
-    x.add_argument("--json", action="store_true")
-    x.add_argument("--mib", type=float, default=247.0, help="delta size")
-    x.add_argument("--link", choices=["loopback", "1gbit", "10gbit"], default="loopback")
-    x.add_argument("--repeat", type=int, default=3)
-    x.add_argument("--engine", choices=["sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else sim; "
-                   "llamacpp: block export/import rates of the llama.cpp engine for a --tokens session, beside memcpy")
-    x.add_argument("--model", type=Path, help=GGUF_HELP + " (default: a generated one)")
-    x.add_argument("--block-size", type=int, help="with --engine llamacpp: tokens per KV block (default: from the model's context)")
-    x.set_defaults(engine_default="sim")
-    x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
-    for more in (_add_side_by_side, _add_bench_control, _add_bench_policies, _add_bench_tools, _add_bench_subagents,
-                 _add_bench_llamacpp_suite):
+    for more in (add_bench_transfer, add_side_by_side, add_bench_control, add_bench_policies, add_bench_tools,
+                 add_bench_subagents, add_bench_llamacpp_suite):
         more(bsub)
     b.set_defaults(func=cmd_bench)
-
-
-def _add_bench_control(bsub: Subparsers) -> None:
-    c = bsub.add_parser("control", help="control-plane bytes per host on a sim mesh: peers' state polled vs pushed")
-    c.add_argument("--json", action="store_true")
-    c.add_argument("--hosts", type=int, default=3)
-    c.add_argument("--sessions", type=int, default=12)
-    c.add_argument("--slots", type=int, default=4)
-    c.add_argument("--duration", type=float, default=60.0, help="seconds of agent load per mode")
-    c.add_argument("--seed", type=int, default=1)
-    g = bsub.add_parser("exactness", help="the exactness gate per model kind: a moved turn against the home's")
-    g.add_argument("--json", action="store_true")
-    g.add_argument("--kinds", help="comma-separated: dense, dense-q8_0, swa-full, swa-window, moe, hybrid, "
-                   "recurrent (default: all)")
-    g.add_argument("--steps", type=int, default=64, help="greedy tokens compared")
-
-
-def _add_side_by_side(bsub: Subparsers) -> None:
-    """`bench engine` and `bench versus`: kvmesh against llama.cpp's llama-server."""
-    e = bsub.add_parser("engine", help="one host's engine against llama.cpp's llama-server: prefill and decode tok/s")
-    e.add_argument("--json", action="store_true")
-    e.add_argument("--against", choices=["llama-server", "none"], default="llama-server",
-                   help="llama-server: built by `make llama-server`; none: kvmesh's figures alone")
-    e.add_argument("--model", type=Path, help=GGUF_HELP + " (default: smollm2)")
-    e.add_argument("--threads", type=int, default=0, help="compute threads of each server, on as many cores (0: all)")
-    e.add_argument("--slots", type=int, default=4)
-    e.add_argument("--streams", type=_int_list, default=[1, 4], help="concurrent streams per point (comma-separated)")
-    e.add_argument("--prompts", type=_int_list, default=[1000, 4000, 7000], help="prompt tokens per point (comma-separated)")
-    e.add_argument("--max-tokens", type=int, default=128, help="tokens decoded per stream (ignore_eos)")
-    e.add_argument("--extra-bufts", choices=["auto", "on", "off"], default="auto",
-                   help="llama.cpp's repacked weight buffers on both sides (engine.llamacpp.extra_bufts; "
-                   "llama-server's --repack/--no-repack): compare on and off on one host")
-    v = bsub.add_parser("versus", help="two hosts: kvmesh against llama-servers behind nginx (sticky, round robin)")
-    v.add_argument("--json", action="store_true")
-    v.add_argument("--duration", type=float, default=300.0, help="seconds per arm")
-    v.add_argument("--sessions", type=int, default=16)
-    v.add_argument("--slots", type=int, default=4, help="slots per host")
-    v.add_argument("--max-tokens", type=int, default=64)
-    v.add_argument("--time-scale", type=float, default=1.0, help="multiplies think times")
-    v.add_argument("--seed", type=int, default=1)
-    v.add_argument("--cache-mib", type=int, default=4096, help="prompt cache per host: kvmesh's pool, llama-server's --cache-ram")
-    v.add_argument("--model", type=Path, help=GGUF_HELP + " (default: smollm2)")
-    v.add_argument("--link", choices=["loopback", "1gbit", "10gbit"], default="loopback",
-                   help="1gbit|10gbit: the hosts in network namespaces joined by a tbf-shaped veth (root)")
-    v.add_argument("--arms", nargs="+", choices=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"],
-                   default=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"])
-
-
-def _add_bench_tools(bsub: Subparsers) -> None:
-    """`bench tools`'s parser: here, not in node.lab.bench.tools, so `kvmesh --help` imports nothing heavy."""
-    t = bsub.add_parser("tools", help="tool_choice=required on real models: valid calls and decode tok/s, "
-                        "constrained vs unconstrained")
-    t.add_argument("--json", action="store_true")
-    t.add_argument("--models", default="smollm2,gemma3-270m", help="comma-separated GGUF aliases or paths")
-    t.add_argument("--requests", type=int, default=20, help="requests per model and arm")
-    t.add_argument("--max-tokens", type=int, default=128, help="reply tokens at most")
-    t.add_argument("--threads", type=int, default=0, help="llama.cpp compute threads (0: all cores)")
-
-
-def cmd_bench_subagents(args: argparse.Namespace) -> int:
-    from kvmesh.node.lab.bench.subagents import run_subagents
-
-    return run_subagents(args)
-
-
-def _add_bench_subagents(bsub: Subparsers) -> None:
-    """`bench subagents`'s parser; its own func (a subcommand's default wins over `bench`'s)."""
-    s = bsub.add_parser("subagents", help="Claude Code's subagents under the main's session id: parallel, main's reuse")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--engine", choices=["sim", "llamacpp", "smollm2"], help="default: llamacpp for a GGUF --model, "
-                   "else sim; llamacpp and smollm2: llama.cpp on --model (default: smollm2)")
-    s.add_argument("--model", type=Path, help=GGUF_HELP + " (the same on both nodes)")
-    s.add_argument("--main-tokens", type=int, help="the main's first prompt (default: 22000 sim, 2000 llama.cpp)")
-    s.add_argument("--subagent-tokens", type=int, help="each subagent's first prompt (default: 14000 sim, 1500 llama.cpp)")
-    s.add_argument("--subagents", type=int, default=3)
-    s.add_argument("--max-tokens", type=int, default=16, help="reply tokens at most")
-    s.add_argument("--cache-tokens", type=int, default=0, help="KV pool per node in tokens (0: 1.3 times one "
-                   "variant's prompts, a full node's pool)")
-    s.add_argument("--meshes", nargs="+", choices=["one_node", "two_nodes"], default=["one_node", "two_nodes"])
-    s.add_argument("--seed", type=int, default=1)
-    s.set_defaults(func=cmd_bench_subagents, engine_default="sim")
-
-
-def cmd_bench_llamacpp_suite(args: argparse.Namespace) -> int:
-    from kvmesh.node.lab.llamacpp_suite import run_suite
-
-    return run_suite(args)
-
-
-def _add_bench_llamacpp_suite(bsub: Subparsers) -> None:
-    """`bench llamacpp-suite`: llama.cpp's own server tests against a kvmesh node (node.lab.llamacpp_suite)."""
-    from kvmesh.node.lab.llamacpp_suite import add_arguments
-
-    s = bsub.add_parser("llamacpp-suite", help="llama.cpp's server tests (response_format, logprobs, n) "
-                        "against a kvmesh node on SmolLM2: passed/failed and why")
-    add_arguments(s)
-    s.set_defaults(func=cmd_bench_llamacpp_suite)
-
-
-def _add_bench_policies(bsub: Subparsers) -> None:
-    from kvmesh.node.lab.sim.params import POLICIES
-
-    b = bsub.add_parser("policies", help="real sim nodes replaying a trace: kvmesh against mesh.policy baselines")
-    b.add_argument("--json", action="store_true")
-    b.add_argument("--trace", default="mooncake", help="as `kvmesh load --trace` takes it (Claude Code traces: a directory)")
-    b.add_argument("--hosts", type=int, default=4)
-    b.add_argument("--slots", type=int, default=2, help="slots per host")
-    b.add_argument("--loads", type=_float_list, default=[0.5, 1.2], help="offered load per host, e.g. 0.5,1.2")
-    b.add_argument("--policies", type=lambda v: [p for p in v.split(",") if p], default=["kvmesh", "session_hash"],
-                   help=f"comma-separated, of {', '.join(POLICIES)}")
-    b.add_argument("--span", type=float, default=600.0, help="the trace's first SPAN seconds")
-    b.add_argument("--duration", type=float, default=120.0, help="seconds each run sends requests")
-    b.add_argument("--block-chars", type=int, default=64, help="prompt characters (sim tokens) per 512-token block")
-    b.add_argument("--max-tokens", type=int, default=64, help="reply tokens at most")
-    b.add_argument("--prefill-tps", type=float, default=20000.0, help="the sim engine's prefill rate")
-    b.add_argument("--decode-tps", type=float, default=60.0, help="the sim engine's decode rate per slot")
-    b.add_argument("--kv-scale", type=float, default=0.05)
-    b.add_argument("--cache-bytes", type=int, default=512 << 20)
-    b.add_argument("--slo", type=float, default=2.0, help="goodput's TTFT bound, seconds")
-    b.add_argument("--seed", type=int, default=1)
-
-
-def _float_list(v: str) -> list[float]:
-    try:
-        xs = [float(x) for x in v.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not a comma-separated list of numbers") from None
-    if not xs or min(xs) <= 0:
-        raise argparse.ArgumentTypeError(f"{v!r}: give numbers above 0, e.g. 0.5,1.2")
-    return xs
-
-
-def _int_list(v: str) -> list[int]:
-    try:
-        xs = [int(x) for x in v.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not a comma-separated list of integers") from None
-    if not xs or min(xs) < 1:
-        raise argparse.ArgumentTypeError(f"{v!r}: give positive integers, e.g. 1,4")
-    return xs
 
 
 def _add_netlab(sub: Subparsers) -> None:

@@ -267,7 +267,7 @@ class KVShareConfig(_Strict):
     host_tier_bytes: int | None = Field(None, ge=0, description="host memory between the KV pool and the store (as "
                                         "llama-server's --cache-ram): the store's write-behinds copy pool blocks here and "
                                         "write the disk copy from here; a restore takes the blocks held here with a memory "
-                                        "copy. Unset: twice the KV pool (SGLang HiCache's ratio); 0: none")
+                                        "copy. Unset: twice the KV pool (SGLang HiCache's ratio), at most an eighth of the host's memory; 0: none")
     concurrency: int = Field(4, ge=1, le=64, description="replica pushes in flight at once (all targets together)")
     socket_buffer_bytes: int = Field(4 << 20, ge=65536)
     tls: TLSConfig | None = None

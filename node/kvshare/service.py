@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from kvmesh.node.config import KVShareConfig
 from kvmesh.node.engine.boundary import EngineAPI
@@ -57,7 +58,8 @@ from kvmesh.node.tls import client_context, server_context
 DEV_SECRET = b"kvmesh-loopback-only-dev-secret"
 
 
-HOST_TIER_RATIO = 2  # an unset host tier holds this many times the KV pool (SGLang HiCache's default ratio)
+HOST_TIER_RATIO = 2  # an unset host tier holds this many times the KV pool (SGLang HiCache's default ratio)...
+HOST_TIER_MAX_SHARE = 8  # ...and at most 1/8 of the host's memory: several nodes may share a host, and it is real RAM
 
 
 def host_tier_blocks(cfg: KVShareConfig, engine: EngineAPI) -> int:
@@ -67,7 +69,8 @@ def host_tier_blocks(cfg: KVShareConfig, engine: EngineAPI) -> int:
     if engine.inexact_reason is not None:
         return 0
     if cfg.host_tier_bytes is None:
-        return HOST_TIER_RATIO * engine.pool.num_blocks
+        cap = psutil.virtual_memory().total // HOST_TIER_MAX_SHARE // engine.block_bytes
+        return min(HOST_TIER_RATIO * engine.pool.num_blocks, cap)
     return cfg.host_tier_bytes // engine.block_bytes
 
 

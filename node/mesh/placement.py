@@ -202,15 +202,16 @@ def choose(
     best = min(ok, key=lambda h: (round(est[h.name][0], 4), h.name != home, -est[h.name][1], h.busy,
                                   spread(session, h.name), h.name))
     ttft, reuse, _ = est[best.name]
+    return Decision(best.name, home, prev, reuse, ttft, _reason(best, home, reuse, holdings))
+
+
+def _reason(best: HostLoad, home: str | None, reuse: int, holdings: dict[str, Holding]) -> str:
+    """Why `choose` picked `best` (beyond staying home or beside the group's home)."""
     if best.name == home:
-        reason = "home" if best.free else "wait-for-home"
-    elif reuse and holdings.get(best.name) is not None:
-        reason = "replica"
-    elif home is None:
-        reason = "new-session"
-    else:
-        reason = "least-loaded"
-    return Decision(best.name, home, prev, reuse, ttft, reason)
+        return "home" if best.free else "wait-for-home"
+    if reuse and holdings.get(best.name) is not None:
+        return "replica"
+    return "new-session" if home is None else "least-loaded"
 
 
 def predict_next(hosts: dict[str, HostLoad], holdings: dict[str, Holding], policy: Policy, *,

@@ -76,7 +76,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         tmp_path_factory.mktemp("shortfall"), names, ports=ports, routes={("a", "b"): proxy.address}, engine=engine,
         extra={"admin_token": admin_token, "kvshare": {"replicate_min_tokens": 1024, "fsync": "never"},
                "mesh": {"secret": secret, "poll_interval_s": POLL_S, "stale_after_s": STALE_S}},
-        overrides={"b": {"engine": {**engine, "cache_bytes": B_CACHE}, "kvshare": {"store_budget_bytes": B_STORE}}})
+        # b evicts what the test makes it evict: no host-memory tier keeps a copy there
+        overrides={"b": {"engine": {**engine, "cache_bytes": B_CACHE},
+                         "kvshare": {"store_budget_bytes": B_STORE, "host_tier_bytes": 0}}})
     m = Pair(base.workdir, base.nodes, base.configs, admin_token, secret)
     m.proxy = proxy
     try:

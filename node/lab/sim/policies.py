@@ -21,7 +21,7 @@ from kvmesh.node.lab.sim.params import POLICIES
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
 from kvmesh.node.mesh.admission import Admission, Refusal, admit
 from kvmesh.node.mesh.directory import directory_host
-from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, predict_next
+from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, home_of, predict_next
 
 NO_ADMISSION = Admission(enabled=False)
 
@@ -63,7 +63,11 @@ class KvmeshRouter(Router):
         lookups = int(self.directory and directory_host(req.session, c.names) != entry)
         held = c.holdings(req.thread, now)  # a thread's cache is its own (subagents share the session id)
         cands = self._candidates(held, req.thread, req.input_length)
-        d = choose(cands, held, req.input_length, self.placement, session=req.thread)
+        # A subagent's conversation starts beside its session's main one while that host has room (node.mesh.threads).
+        group_home = home_of(c.holdings(req.session, now)) if req.thread != req.session and not held else None
+        if group_home is not None:
+            cands[group_home] = c.loads()[group_home]
+        d = choose(cands, held, req.input_length, self.placement, session=req.thread, group_home=group_home)
         assert d is not None, "every simulated host is available"
         # A subagent's first turn belongs to a running session: only a session's first turn is new.
         a = admit(d, cands, held, req.input_length, self.placement, self.admission, session=req.thread,
