@@ -269,7 +269,7 @@ class Mesh:
         # Wall time includes waiting for a core or the GIL; this thread's CPU time is the decision's own cost.
         t0, c0 = time.perf_counter(), time.thread_time()
         hosts, holdings = self.hosts(), self.holdings(session)
-        group_home = self.home(group) if group and group != session and not holdings else None
+        group_home = self.home(group) if group and group != session and home_of(holdings) is None else None
         d = choose_by(self.policy_name, hosts, holdings, prompt_tokens, self.policy,
                       unavailable=unavailable, session=session, turn=self._turns_placed, group_home=group_home)
         self._turns_placed += 1

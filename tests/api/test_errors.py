@@ -60,7 +60,8 @@ BAD_PARAMS = [
     ("max_tokens", "lots"),
     ("max_tokens", 1.5),
     ("max_completion_tokens", 0),
-    ("n", 2),
+    ("n", 17),  # up to 16 choices (node.api.choices)
+    ("n", 0),
     ("seed", 2**64),
     ("stop", ""),
     ("stop", [f"s{i}" for i in range(17)]),  # kvmesh takes 16 (OpenAI 4, Anthropic clients more)

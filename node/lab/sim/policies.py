@@ -64,7 +64,7 @@ class KvmeshRouter(Router):
         held = c.holdings(req.thread, now)  # a thread's cache is its own (subagents share the session id)
         cands = self._candidates(held, req.thread, req.input_length)
         # A subagent's conversation starts beside its session's main one while that host has room (node.mesh.threads).
-        group_home = home_of(c.holdings(req.session, now)) if req.thread != req.session and not held else None
+        group_home = home_of(c.holdings(req.session, now)) if req.thread != req.session and home_of(held) is None else None
         if group_home is not None:
             cands[group_home] = c.loads()[group_home]
         d = choose(cands, held, req.input_length, self.placement, session=req.thread, group_home=group_home)
