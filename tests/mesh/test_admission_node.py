@@ -129,9 +129,10 @@ def test_a_running_session_is_queued_while_a_new_one_is_refused(node: ThreadedSe
 def test_a_subagents_first_turn_is_queued_as_its_running_sessions(node: ThreadedServer) -> None:
     """A new conversation under a session already served (a subagent's) waits like the session's own turns."""
     client = _anthropic(node)
-    first = client.messages.create(model="claude-sonnet-4-5", max_tokens=400, system="main", messages=HOLD,  # type: ignore[arg-type]
-                                   extra_headers={"X-Claude-Code-Session-Id": "cc-parent"})
-    assert first.content
+    # A turn as long as the holder's, so the node's recent turn time predicts a wait past 0.5 s.
+    first = client.messages.create(model="claude-sonnet-4-5", max_tokens=400, messages=HOLD,  # type: ignore[arg-type]
+                                   extra_body={"temperature": 0}, extra_headers={"X-Claude-Code-Session-Id": "cc-parent"})
+    assert first.usage.output_tokens >= 40, first.usage
     with holding(node) as lines, concurrent.futures.ThreadPoolExecutor(1) as ex:
         sub = ex.submit(client.messages.with_raw_response.create, model="claude-sonnet-4-5", max_tokens=2,
                         system="You are the Explore subagent.", messages=[{"role": "user", "content": "find it"}],
