@@ -69,13 +69,16 @@ class AnswerError(KVMeshError):
 
 
 async def collect(events: AsyncIterator[AnswerEvent]) -> tuple[list[ToolEvent], Finish]:
-    """A whole answer: its events and its end (a failure raised as the error it was)."""
+    """A whole answer: its events and its end (a failure raised as the error it was). The events are read to
+    their end, so a turn run here lets go of its slot and session now, not when its generator is collected."""
     out: list[ToolEvent] = []
     logprobs: list[TokenLogprob] = []
     async for ev in events:
         if isinstance(ev, Failed):
             raise AnswerError(ev.status, ev.message, ev.type, ev.code)
         if isinstance(ev, Finish):
+            async for _ in events:
+                pass
             return out, dataclasses.replace(ev, logprobs=tuple(logprobs)) if logprobs else ev
         if isinstance(ev, Logprobs):
             logprobs.extend(ev.entries)

@@ -36,6 +36,7 @@ def total(fins: list[Finish]) -> Finish:
 
 
 def _choice_request(greq: GenerateRequest, index: int) -> GenerateRequest:
+    """The choice's own copy: the turn path names its conversation in the request it runs."""
     seed = None if greq.seed is None else (greq.seed + index) % 2**63
     return dataclasses.replace(greq, seed=seed)
 
@@ -49,7 +50,6 @@ async def _open(node: Node, body: ChatCompletionRequest, greq: GenerateRequest, 
 async def several(node: Node, body: ChatCompletionRequest, greq: GenerateRequest, session: SessionName,
                   headers: Mapping[str, str], ident: Ident) -> Response:
     """The answer to a chat request with n > 1, whole or streamed."""
-    greq = dataclasses.replace(greq)  # each choice runs a copy: the turn path names its conversation in it
     first = await _open(node, body, greq, session, headers, 0, body.stream)  # errors before any byte are raised
     out_headers = dict(first.headers)
     if body.stream:
@@ -62,8 +62,6 @@ async def several(node: Node, body: ChatCompletionRequest, greq: GenerateRequest
         if i:
             opened = await _open(node, body, greq, session, headers, i, False)
         events, fin = await collect(opened.events)
-        async for _ in opened.events:  # to its end: the turn lets go of its slot and session before the next
-            pass
         choices.append(chat_choice(events, fin, i))
         fins.append(fin)
     cid, created, model = ident

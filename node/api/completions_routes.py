@@ -12,6 +12,7 @@ Refused with a 400 naming the field: `echo`, `suffix`, `best_of` > 1, `n` > 1.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -112,7 +113,7 @@ def _request(node: Node, body: CompletionRequest, request: Request) -> tuple[Gen
 def legacy_logprobs(entries: tuple[TokenLogprob, ...] | list[TokenLogprob], offset: int) -> dict[str, Any]:
     """The legacy shape of these tokens' log probabilities; `offset`: where the first one's text starts."""
     tokens = [e.token.decode("utf-8", "replace") for e in entries]
-    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    offsets = list(itertools.accumulate((len(t) for t in tokens), initial=offset))[:-1]
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{t.decode("utf-8", "replace"): v for t, v in e.top} for e in entries],
             "text_offset": offsets}

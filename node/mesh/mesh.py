@@ -269,13 +269,13 @@ class Mesh:
         # Wall time includes waiting for a core or the GIL; this thread's CPU time is the decision's own cost.
         t0, c0 = time.perf_counter(), time.thread_time()
         hosts, holdings = self.hosts(), self.holdings(session)
-        group_home = self.home(group) if group and group != session and home_of(holdings) is None else None
+        thread = bool(group) and group != session  # a conversation of `group` other than its main one
+        group_home = self.home(group) if thread and home_of(holdings) is None else None
         d = choose_by(self.policy_name, hosts, holdings, prompt_tokens, self.policy,
                       unavailable=unavailable, session=session, turn=self._turns_placed, group_home=group_home)
         self._turns_placed += 1
         # A subagent's first turn belongs to a running session (as in kvmesh sim): only a session's first turn is new.
-        out = (self._admit(session, d, hosts, holdings, prompt_tokens, unavailable, thread=bool(group) and group != session)
-               if d is not None and admit_turn else d)
+        out = self._admit(session, d, hosts, holdings, prompt_tokens, unavailable, thread=thread) if d is not None and admit_turn else d
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         self.decision_s.append(dt)
         self.decision_cpu_s.append(dc)
