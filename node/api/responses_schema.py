@@ -123,6 +123,12 @@ class ResponsesRequest(BaseModel):
     def _refused(cls, v: Any) -> Any:
         return refuse_unhonoured(v, _REFUSED)
 
+    @model_validator(mode="after")
+    def _top_logprobs_needs_include(self) -> ResponsesRequest:
+        if self.top_logprobs and not self.logprobs:  # as chat's top_logprobs without logprobs: never ignored
+            raise InvalidRequest(f"top_logprobs needs include {[LOGPROBS_INCLUDE]}", param="top_logprobs")
+        return self
+
     @property
     def logprobs(self) -> bool:
         """Whether the client asked for the output text's log probabilities."""

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import math
 
+import openai
+import pytest
+
 from kvmesh.node.api.answer import ChatChunks, Logprobs, completion_events
 
 INCLUDE = ["message.output_text.logprobs"]
@@ -62,3 +65,10 @@ def test_a_peers_chat_answer_brings_its_logprobs_back() -> None:
     assert isinstance(whole[1], Logprobs) and whole[1].entries[0].top == ((b"Hi", -0.25),)
     broken = completion_events({"choices": [{"message": {"content": "Hi"}, "logprobs": {"content": [{"x": 1}]}}]})
     assert not any(isinstance(e, Logprobs) for e in broken)  # a malformed peer answer loses them, never the turn
+
+
+def test_top_logprobs_without_the_include_is_a_400(sim, sim_client):
+    """top_logprobs without include's logprobs item is refused naming top_logprobs, never silently ignored."""
+    with pytest.raises(openai.BadRequestError) as ei:
+        sim_client.responses.create(model=sim.model, input="hi", max_output_tokens=4, top_logprobs=2, store=False)
+    assert ei.value.body["param"] == "top_logprobs"
