@@ -475,10 +475,6 @@ class MigrateCommand(_Model):
     target: str = Field(min_length=1, max_length=64)
 
 
-class SessionCommand(_Model):
-    session: SessionId
-
-
 class ActionResult(_Model):
     ok: bool
     message: str

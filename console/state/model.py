@@ -151,9 +151,6 @@ class ConsoleState:
             )
         self._hosts.touch(conn.name)
 
-    def conn_for_host(self, name: str) -> NodeConn | None:
-        return self._nodes.for_host(name)
-
     def connected_count(self) -> tuple[int, int]:
         return self._nodes.connected_count()
 

@@ -89,10 +89,6 @@ class Layout:
             return _SEQ_HEAD + self.section_size(cells) + len(self.tail)
         return _SEQ_HEAD + sum(sec.section_size(cells) for sec in self.sections)
 
-    @property
-    def bytes_per_cell(self) -> int:
-        return self.size(1) - self.size(0)
-
 
 def learn(blob: bytes | memoryview, n_layer: int, *, recurrent: bool = False) -> Layout:
     """Read a layout from a real blob of a one-position sequence (tries both cell-meta sizes); its

@@ -66,12 +66,6 @@ def install(path: str) -> None:
     time.time_ns = shifted_time_ns
 
 
-def uninstall() -> None:
-    """The real clocks back (tests install the shim in-process)."""
-    time.time = _real_time
-    time.time_ns = _real_time_ns
-
-
 def _chain_site_customize() -> None:
     """Run the sitecustomize this copy shadows, if the interpreter has one further down the path."""
     here = os.path.dirname(os.path.abspath(__file__))

@@ -134,16 +134,6 @@ class LinkProxy:
             self._faults.append(fault)
         return fault
 
-    def disarm(self, fault: Fault) -> None:
-        with self._lock:
-            if fault in self._faults:
-                self._faults.remove(fault)
-
-    def disarm_all(self) -> None:
-        """Forget every armed fault that has not fired (a test's leftovers must not hit the next test)."""
-        with self._lock:
-            self._faults.clear()
-
     def pause(self) -> None:
         """Hold every sender's bytes in the proxy (the connections stay open) until resume()."""
         self._gate.clear()
