@@ -20,8 +20,8 @@ from kvmesh.node.benchargs import (
     add_bench_transfer,
     add_side_by_side,
 )
-from kvmesh.node.engine.models import is_gguf
 from kvmesh.node.errors import ConfigError
+from kvmesh.node.modelnames import is_gguf
 
 
 def _positive(text: str) -> float:

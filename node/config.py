@@ -15,8 +15,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from kvmesh.node.engine.models import gguf_name, is_gguf
 from kvmesh.node.errors import ConfigError
+from kvmesh.node.modelnames import gguf_name, is_gguf
 
 HOST_NAME_PATTERN = r"^[A-Za-z0-9._-]+$"  # a host's name (1-64 of these): in file names, URLs and the console
 

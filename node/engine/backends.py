@@ -20,10 +20,10 @@ from kvmesh.node.engine.llamacpp import LlamaRunner
 from kvmesh.node.engine.llamamodel import LlamaModel
 from kvmesh.node.engine.llamamodel import fingerprint as llama_fingerprint
 from kvmesh.node.engine.model import ModelConfig, fingerprint, preset
-from kvmesh.node.engine.models import gguf_name
 from kvmesh.node.engine.repack import WeightBuffers
 from kvmesh.node.engine.runner import Runner, SimCost, SimRunner, TorchRunner
 from kvmesh.node.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvmesh.node.modelnames import gguf_name
 
 log = logging.getLogger("kvmesh.engine")
 

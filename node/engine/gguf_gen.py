@@ -1,88 +1,43 @@
-"""Random-weight GGUF models for tests, benches and the demo: no download, same bytes on every host.
+"""Random-weight GGUF models: the generated aliases' files (`--model moe-tiny`), no download, same bytes on every host.
 
-llama.cpp needs a real GGUF file to run; kvmesh's tests and benches need a small one that
-every node of a test mesh holds byte for byte (the fingerprint covers the file's digest).
-`write_gguf` writes one from a `GGUFSpec` with the `gguf` package: architecture `llama` (or
-`qwen2`, which adds q/k/v biases), the metadata keys llama.cpp requires, and weights drawn
-from a seeded generator, so two hosts that generate the same spec get identical files.
+The runtime keeps this writer because those aliases (node.modelnames.GENERATED: `moe-tiny`,
+`hybrid-tiny`, `mamba-tiny`, for model kinds no package ships) are written on first use by the
+node that serves them; the presets only tests and benches use, real vocabularies and the
+command line are node.lab.testmodels'.
 
-Vocabularies:
-- `byte`: a byte-level SentencePiece-style vocabulary (`<unk>`, `<s>`, `</s>`, `<0x00>`..`<0xFF>`,
-  and `▁` so a space decodes back to a space); every printable ASCII string tokenizes to one
-  id per byte, so generated text round-trips through a client exactly. The file also names the
-  ids a random model may emit (`kvmesh.allowed_tokens`), as the byte tokenizer's mask does.
-- `llama-spm`, `llama-bpe`, `qwen2`, ...: every `tokenizer.*` key of one of llama.cpp's
-  vocabulary-only GGUFs (`node.engine.vocab`), so the engine runs a real Llama or Qwen tokenizer
-  and chat template; the model takes the vocabulary file's architecture.
+llama.cpp needs a real GGUF file to run, and every node of a mesh must hold it byte for byte
+(the fingerprint covers the file's digest). `write_gguf` writes one from a `GGUFSpec` with the
+`gguf` package: architecture `llama` (or `qwen2`, which adds q/k/v biases), `lfm2` for a spec
+with short-convolution layers (recurrent state between attention layers, as LFM2, Granite
+4.0-H and Qwen3-Next mix them), `mamba` for a recurrent-only one; the metadata keys llama.cpp
+requires, and weights drawn from a seeded generator, so two hosts that generate the same spec
+get identical files. `ensure_model` writes a spec once into the cache folder and returns its path.
 
-Presets: `tiny` (2 layers, for tests), `bench` (a real model's proportions scaled down: GQA
-with 4 query heads per KV head, head_dim 64, an FFN 3.5x wide), `moe-tiny` (tiny's attention, 4
-experts), `hybrid-tiny` (architecture `lfm2`: short-convolution layers, whose state is recurrent,
-between attention layers, as LFM2, Granite 4.0-H and Qwen3-Next mix them) and `mamba-tiny`
-(architecture `mamba`: recurrent layers only). `ensure_model` writes a preset
-once into a cache folder and returns its path.
-
-    python -m kvmesh.node.engine.gguf_gen tiny /tmp/tiny.gguf
+The vocabulary is byte-level, SentencePiece-style (`<unk>`, `<s>`, `</s>`, `<0x00>`..`<0xFF>`,
+and `▁` so a space decodes back to a space): every printable ASCII string tokenizes to one id per
+byte, so generated text round-trips through a client exactly. The file also names the ids a
+random model may emit (`kvmesh.allowed_tokens`), as the byte tokenizer's mask does. A caller may
+bring another vocabulary (`write_vocab`: node.lab.testmodels copies a real one).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import os
-import sys
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from kvmesh.node.modelnames import GGUFSpec, generated_path
 
 ALLOWED_TOKENS_KEY = "kvmesh.allowed_tokens"  # ids a random-weight model may emit (see module docstring)
 SPACE_PIECE = "\u2581"
 # llama.cpp token types (llama_token_type in llama.h)
 _NORMAL, _UNKNOWN, _CONTROL, _BYTE = 1, 2, 3, 6
 
-
-@dataclass(frozen=True)
-class GGUFSpec:
-    """Shape, vocabulary and seed of a generated model."""
-
-    n_layers: int = 2
-    n_embd: int = 128
-    n_head: int = 4
-    n_head_kv: int = 2
-    n_ff: int = 128
-    context_length: int = 65536
-    vocab: str = "byte"  # "byte", or a vocabulary name of node.engine.vocab ("llama-spm", "qwen2", ...)
-    seed: int = 0
-    logit_scale: float = 4.0  # spread of the output logits: greedy choices are far from ties
-    name: str = "kvmesh-tiny"
-    n_expert: int = 0  # > 0: a mixture of experts (Mixtral's layout under arch llama), n_expert_used routed a token
-    n_expert_used: int = 0
-    # Arch lfm2 (LFM2's hybrid layout): these layers are short convolutions with a recurrent state of
-    # `conv_cache` positions, not attention; the others are attention with q/k norms.
-    conv_layers: tuple[int, ...] = ()
-    conv_cache: int = 3
-    ssm_state: int = 0  # > 0: arch mamba (recurrent only, no attention, no FFN), this state size per channel
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-
-PRESETS: dict[str, GGUFSpec] = {
-    "tiny": GGUFSpec(),
-    # Llama-3-8B's proportions, scaled down: 32 query heads over 8 KV heads becomes 8 over 2,
-    # head_dim 128 becomes 64, FFN 3.5x n_embd; 4 layers. ~2 KiB of f16 KV per token.
-    "bench": GGUFSpec(n_layers=4, n_embd=512, n_head=8, n_head_kv=2, n_ff=1792, name="kvmesh-bench"),
-    # tiny's attention (so the same KV per token) with 4 experts, 2 routed per token.
-    "moe-tiny": GGUFSpec(n_expert=4, n_expert_used=2, name="kvmesh-moe-tiny"),
-    # A hybrid model (LFM2's layout): 4 layers, short-conv layers 0 and 2 with recurrent state, attention 1 and 3.
-    "hybrid-tiny": GGUFSpec(n_layers=4, conv_layers=(0, 2), name="kvmesh-hybrid-tiny"),
-    # A recurrent model (Mamba's layout): 2 selective-state-space layers, no attention at all.
-    "mamba-tiny": GGUFSpec(ssm_state=16, name="kvmesh-mamba-tiny"),
-}
+VocabWriter = Callable[[Any], int]  # writes a vocabulary's tokenizer.* keys into a GGUFWriter; returns its size
 
 
 def _byte_vocab() -> tuple[list[str], list[int], list[int]]:
@@ -111,34 +66,6 @@ def _write_byte_vocab(w: Any) -> None:
     w.add_add_eos_token(False)
     w.add_add_space_prefix(False)  # a prompt's first space is the client's, not the tokenizer's
     w.add_key_value(ALLOWED_TOKENS_KEY, allowed, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
-
-
-def _vocab_arch(name: str) -> str:
-    import gguf
-
-    from kvmesh.node.engine.vocab import vocab_path
-
-    return str(gguf.GGUFReader(vocab_path(name)).fields["general.architecture"].contents())
-
-
-def _copy_vocab(w: Any, name: str) -> int:
-    """Copy every tokenizer.* key of a vocabulary GGUF; returns its vocabulary size."""
-    import gguf
-
-    from kvmesh.node.engine.vocab import vocab_path
-
-    r = gguf.GGUFReader(vocab_path(name))
-    n_vocab = 0
-    for key, f in r.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = f.types[0]
-        sub = f.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
-        val = f.contents()
-        if key == "tokenizer.ggml.tokens":
-            n_vocab = len(val)
-        w.add_key_value(key, val, vtype, sub)
-    return n_vocab
 
 
 def _weights(spec: GGUFSpec, arch: str, n_vocab: int) -> dict[str, np.ndarray]:
@@ -218,26 +145,27 @@ def _experts(p: str, spec: GGUFSpec, mat: Any) -> dict[str, np.ndarray]:
             p + "ffn_down_exps.weight": np.stack([mat(d, ff) for _ in range(n)])}
 
 
-def write_gguf(path: str | Path, spec: GGUFSpec) -> Path:
-    """Write the model `spec` describes to `path` (through a temp name, renamed when complete)."""
+def write_gguf(path: str | Path, spec: GGUFSpec, *, arch: str = "llama", write_vocab: VocabWriter | None = None) -> Path:
+    """Write the model `spec` describes to `path` (through a temp name, renamed when complete).
+
+    The byte vocabulary unless `write_vocab` brings `spec.vocab` (then the model is `arch`: llama or qwen2)."""
     import gguf
 
     path = Path(path)
+    if write_vocab is None and spec.vocab != "byte":
+        raise ValueError(f"vocabulary {spec.vocab!r} needs its writer (node.lab.testmodels.write_gguf copies it)")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
-        if spec.vocab == "byte":
+        if write_vocab is None:
             arch = "mamba" if spec.ssm_state else "lfm2" if spec.conv_layers else "llama"
             n_vocab = len(_byte_vocab()[0])
             w = gguf.GGUFWriter(tmp, arch)
             _write_byte_vocab(w)
         else:
-            arch = _vocab_arch(spec.vocab)  # the model takes its vocabulary's architecture
-            if arch not in ("llama", "qwen2"):
-                raise ValueError(f"vocabulary {spec.vocab!r} is for architecture {arch!r}; the generator writes llama and qwen2")
             w = gguf.GGUFWriter(tmp, arch)
-            n_vocab = _copy_vocab(w, spec.vocab)
+            n_vocab = write_vocab(w)
         _write_hparams(w, spec, n_vocab)
         for name, arr in _weights(spec, arch, n_vocab).items():
             w.add_tensor(name, arr)
@@ -281,36 +209,12 @@ def _write_hparams(w: Any, spec: GGUFSpec, n_vocab: int) -> None:
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
 
 
-def spec_for(preset: str, **overrides: Any) -> GGUFSpec:
-    if preset not in PRESETS:
-        raise ValueError(f"unknown GGUF preset {preset!r}; presets: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[preset], **overrides)
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("KVMESH_GGUF_CACHE")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvmesh" / "gguf"
-    return base
-
-
-def model_path(spec: GGUFSpec, folder: str | Path | None = None) -> Path:
-    """Where `ensure_model` keeps the model for `spec`: the name carries a digest of the spec."""
-    key = hashlib.blake2b(repr(dataclasses.astuple(spec)).encode(), digest_size=6).hexdigest()
-    return Path(folder or cache_dir()) / f"{spec.name}-{spec.vocab}-{key}.gguf"
-
-
 def ensure_model(spec: GGUFSpec, folder: str | Path | None = None) -> Path:
-    """The generated model for `spec` in `folder` (default `cache_dir()`), written once.
+    """The generated model for `spec` in `folder` (default node.modelnames.gguf_cache_dir()), written once.
 
     The file name carries a digest of the spec, so a changed spec never reuses a stale file."""
-    path = model_path(spec, folder)
+    path = generated_path(spec, folder)
     if not path.is_file():
         write_gguf(path, spec)
     return path
 
-
-if __name__ == "__main__":
-    if len(sys.argv) not in (3, 4):
-        sys.exit("usage: python -m kvmesh.node.engine.gguf_gen PRESET OUT.gguf [VOCAB]")
-    extra = {"vocab": sys.argv[3]} if len(sys.argv) == 4 else {}
-    print(write_gguf(sys.argv[2], spec_for(sys.argv[1], **extra)))

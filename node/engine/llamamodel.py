@@ -25,9 +25,9 @@ import xxhash
 from kvmesh.node.config import LlamaCppConfig
 from kvmesh.node.engine import llamastate, repack
 from kvmesh.node.engine.llamatok import LlamaTokenizer
-from kvmesh.node.engine.models import GENERATED, PACKAGED
 from kvmesh.node.engine.models import resolve as resolve_model
 from kvmesh.node.errors import CheckpointError, ConfigError
+from kvmesh.node.modelnames import GENERATED, PACKAGED
 
 log = logging.getLogger("kvmesh.engine.llamacpp")
 
@@ -47,9 +47,9 @@ def _lib() -> ModuleType:
 # ---- the GGUF file's digest, cached ---------------------------------------------------
 
 def _digest_cache() -> Path:
-    from kvmesh.node.engine.gguf_gen import cache_dir
+    from kvmesh.node.modelnames import gguf_cache_dir
 
-    return cache_dir().parent / "gguf-digests.json"
+    return gguf_cache_dir().parent / "gguf-digests.json"
 
 
 def gguf_digest(path: str | Path) -> str:

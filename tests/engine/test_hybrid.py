@@ -15,14 +15,15 @@ import pytest
 from test_llamacpp import Capture, prompt
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
-from kvmesh.node.engine import gguf_gen, llamastate
+from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnBegin
 from kvmesh.node.errors import ImportRefused
+from kvmesh.node.lab import testmodels
 
 
 @pytest.fixture(scope="module", params=["mamba-tiny"])
 def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_gen.write_gguf(tmp_path_factory.mktemp("live") / f"{request.param}.gguf", gguf_gen.spec_for(request.param))
+    return testmodels.write_gguf(tmp_path_factory.mktemp("live") / f"{request.param}.gguf", testmodels.spec_for(request.param))
 
 
 def _engine(path: Path, slots: int = 1, *, readable: bool = False) -> Engine:
@@ -38,11 +39,11 @@ def _engine(path: Path, slots: int = 1, *, readable: bool = False) -> Engine:
 def test_the_generated_models_are_hybrid_and_recurrent(tmp_path: Path) -> None:
     """hybrid-tiny is arch lfm2 with KV heads only on its attention layers, mamba-tiny arch mamba: both load with blocks
     (mamba's hold no attention cell) and snapshots; an unreadable state is served with live caches and says why."""
-    hy = gguf_gen.write_gguf(tmp_path / "h.gguf", gguf_gen.spec_for("hybrid-tiny"))
+    hy = testmodels.write_gguf(tmp_path / "h.gguf", testmodels.spec_for("hybrid-tiny"))
     fields = gguf.GGUFReader(hy).fields
     assert fields["general.architecture"].contents() == "lfm2"
     assert list(fields["lfm2.attention.head_count_kv"].contents()) == [0, 2, 0, 2]
-    ma = gguf_gen.write_gguf(tmp_path / "m.gguf", gguf_gen.spec_for("mamba-tiny"))
+    ma = testmodels.write_gguf(tmp_path / "m.gguf", testmodels.spec_for("mamba-tiny"))
     assert gguf.GGUFReader(ma).fields["general.architecture"].contents() == "mamba"
     h, m, unknown = _engine(hy, readable=True), _engine(ma, readable=True), _engine(ma)
     try:

@@ -15,15 +15,16 @@ from test_exactness import MAX_LOGIT_DIFF, STEPS, _turn
 from test_llamacpp import prompt
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
-from kvmesh.node.engine import gguf_gen, llamastate
+from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.llamacpp import LlamaRunner
+from kvmesh.node.lab import testmodels
 from kvmesh.node.lab.bench.exactness import move_replica
 
 
 @pytest.fixture(scope="module", params=["hybrid-tiny", "mamba-tiny"])
 def gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_gen.write_gguf(tmp_path_factory.mktemp("rec") / f"{request.param}.gguf", gguf_gen.spec_for(request.param))
+    return testmodels.write_gguf(tmp_path_factory.mktemp("rec") / f"{request.param}.gguf", testmodels.spec_for(request.param))
 
 
 def _engine(path: Path) -> Engine:

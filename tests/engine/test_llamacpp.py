@@ -1,7 +1,7 @@
 """The llama.cpp engine: exact prefix reuse and imports, failed restores, fingerprints, tokenizers.
 
 Every test runs llama.cpp (llama-cpp-python, installed by `make test`) on a random-weight GGUF
-written at test time (node.engine.gguf_gen), 2 layers, with blocks of 64 tokens so a few
+written at test time (node.lab.testmodels), 2 layers, with blocks of 64 tokens so a few
 hundred tokens span several blocks.
 
 Tolerances: a restored or imported prefix gives logits bit-identical (0.0) to the home engine's
@@ -24,12 +24,13 @@ import pytest
 import torch
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
-from kvmesh.node.engine import gguf_gen, llamastate
+from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnDone
 from kvmesh.node.engine.llamacpp import LlamaRunner, RestoreFailed
 from kvmesh.node.engine.llamamodel import gguf_digest, has_recurrent_state
 from kvmesh.node.engine.vocab import vocab_dir
 from kvmesh.node.errors import ImportRefused
+from kvmesh.node.lab import testmodels
 
 TOL = 2e-2
 BS = 64
@@ -37,7 +38,7 @@ BS = 64
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_gen.write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", gguf_gen.spec_for("tiny"))
+    return testmodels.write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", testmodels.spec_for("tiny"))
 
 
 @pytest.fixture
@@ -228,7 +229,7 @@ def test_fingerprint_names_gguf_kv_types_and_v_layout(llama, tmp_path: Path) -> 
     toks, hashes, data = _export(a, "s")
     q8 = llama(llamacpp=LlamaCppConfig(threads=2, n_batch=256, type_k="q8_0"))
     vt = llama(llamacpp=LlamaCppConfig(threads=2, n_batch=256, flash_attn=False))
-    other = gguf_gen.write_gguf(tmp_path / "seed1.gguf", gguf_gen.spec_for("tiny", seed=1))
+    other = testmodels.write_gguf(tmp_path / "seed1.gguf", testmodels.spec_for("tiny", seed=1))
     og = llama(model=str(other))
     assert len({a.fingerprint, q8.fingerprint, vt.fingerprint, og.fingerprint}) == 4
     assert vt.runner.layout.v_trans and not a.runner.layout.v_trans  # type: ignore[attr-defined]
@@ -300,7 +301,7 @@ def test_scratch_cut_equals_parse_cut_of_whole_sequence(llama) -> None:  # type:
 def test_real_vocab_tokenizer_and_chat_template(vocab: str, tmp_path: Path, llama) -> None:  # type: ignore[no-untyped-def]
     """A generated model with a real vocabulary: llama.cpp's tokenizer matches its test pairs and the
     GGUF's chat template renders, with its special tokens as single ids."""
-    path = gguf_gen.write_gguf(tmp_path / f"{vocab}.gguf", gguf_gen.spec_for("tiny", vocab=vocab))
+    path = testmodels.write_gguf(tmp_path / f"{vocab}.gguf", testmodels.spec_for("tiny", vocab=vocab))
     e = llama(model=str(path))
     tok = e.tokenizer
     inp = (vocab_dir() / f"ggml-vocab-{vocab}.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.node import modelnames
 from kvmesh.node.cli import _infer_engine, build_parser
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine import models
@@ -139,7 +140,7 @@ def test_llama_block_size_follows_the_trained_context(trained: int, size: int) -
 def test_a_generated_alias_names_its_preset_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`moe-tiny` is llama.cpp's, served as its generated file's name, written once into the GGUF cache."""
     monkeypatch.setenv("KVMESH_GGUF_CACHE", str(tmp_path))
-    assert models.is_gguf("moe-tiny") and EngineConfig(model="moe-tiny").kind == "llamacpp"
+    assert modelnames.is_gguf("moe-tiny") and EngineConfig(model="moe-tiny").kind == "llamacpp"
     path = models.resolve("moe-tiny")
     assert path.parent == tmp_path and path.is_file()
-    assert EngineConfig(model="moe-tiny").served_model == path.stem == models.gguf_name("moe-tiny")
+    assert EngineConfig(model="moe-tiny").served_model == path.stem == modelnames.gguf_name("moe-tiny")

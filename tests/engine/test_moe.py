@@ -10,15 +10,15 @@ import torch
 from test_llamacpp import BS, Capture, _export, prompt
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
-from kvmesh.node.engine import gguf_gen
 from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.llamacpp import LlamaRunner
+from kvmesh.node.lab import testmodels
 
 
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("moe")
-    return {name: gguf_gen.write_gguf(d / f"{name}.gguf", gguf_gen.spec_for(name)) for name in ("tiny", "moe-tiny")}
+    return {name: testmodels.write_gguf(d / f"{name}.gguf", testmodels.spec_for(name)) for name in ("tiny", "moe-tiny")}
 
 
 def _engine(path: Path) -> Engine:

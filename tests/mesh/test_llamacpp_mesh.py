@@ -1,7 +1,7 @@
 """Two real `kvmesh node` processes serving a generated GGUF through llama.cpp: replicas are exact and reused.
 
 The mesh is the sim tests' (helpers.Mesh over `launcher.write_mesh`), with `engine.kind = "llamacpp"` and
-the same random-weight GGUF (node.engine.gguf_gen, byte vocabulary) on both nodes. Turns are pinned to a
+the same random-weight GGUF (node.lab.testmodels, byte vocabulary) on both nodes. Turns are pinned to a
 node (peer-forwarded headers), so which node computes each reply is the test's choice, not placement's.
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from kvmesh.node.config import LlamaCppConfig
-from kvmesh.node.engine import gguf_gen
 from kvmesh.node.engine.llamamodel import weight_buffers
+from kvmesh.node.lab import testmodels
 from kvmesh.node.lab.launcher import wait_for, write_mesh
 from kvmesh.node.lab.workload import text
 
@@ -47,7 +47,7 @@ def _serve(m: Mesh, request: pytest.FixtureRequest):  # type: ignore[no-untyped-
 
 @pytest.fixture
 def llama_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    gguf = gguf_gen.write_gguf(tmp_path / "tiny.gguf", gguf_gen.spec_for("tiny"))
+    gguf = testmodels.write_gguf(tmp_path / "tiny.gguf", testmodels.spec_for("tiny"))
     engine = {"kind": "llamacpp", "model": str(gguf), "slots": 2, "cache_bytes": 64 << 20, "max_context": 8192,
               "block_size": BLOCK, "llamacpp": {"threads": 1}}
     yield from _serve(_start(tmp_path / "mesh", engine, {"replicate_min_tokens": 512}), request)

@@ -64,10 +64,10 @@ def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cac
 
 def llamacpp_engine(args: argparse.Namespace, max_context: int | None) -> dict[str, Any] | None:
     """`--engine llamacpp`: the engine config every node of a local mesh runs, serving --model or the
-    generated tiny GGUF (node.engine.gguf_gen); None for the sim. max_context None: the model's own."""
+    generated tiny GGUF (node.lab.testmodels); None for the sim. max_context None: the model's own."""
     if getattr(args, "engine", "sim") != "llamacpp":
         return None
-    from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
+    from kvmesh.node.lab.testmodels import ensure_model, spec_for
 
     model = getattr(args, "model", None) or ensure_model(spec_for("tiny"))
     # The nodes share the box's cores: one thread each.

@@ -23,9 +23,9 @@ import numpy as np
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest
-from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
 from kvmesh.node.engine.llamacpp import LlamaRunner
 from kvmesh.node.lab.bench.common import emit
+from kvmesh.node.lab.testmodels import ensure_model, spec_for
 
 SESSION = "bench-transfer"
 

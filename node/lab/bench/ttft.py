@@ -7,7 +7,7 @@ TTFT is from request to first token; the warm figure includes the import.
 With `--model DIR` both engines run a local Hugging Face checkpoint (kind "torch"),
 and the conversation is grown until the checkpoint's tokenizer counts ~--tokens.
 With `--engine llamacpp` both run llama.cpp on `--model X.gguf`, or without it on the
-generated GGUF with a real model's proportions (node.engine.gguf_gen preset "bench").
+generated GGUF with a real model's proportions (node.lab.testmodels preset "bench").
 Exit status non-zero when the warm turn reused none of the imported replica.
 """
 
@@ -24,7 +24,6 @@ import numpy as np
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig, SimConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
-from kvmesh.node.engine.gguf_gen import ensure_model, spec_for
 from kvmesh.node.engine.ggufmeta import read_facts
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.engine.hf import open_checkpoint
@@ -35,6 +34,7 @@ from kvmesh.node.engine.snapshots import Snapshot
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.lab.bench.common import emit
+from kvmesh.node.lab.testmodels import ensure_model, spec_for
 from kvmesh.node.lab.workload import grow_conversation, text
 
 SESSION = "bench-ttft"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.node.engine import gguf_gen
+from kvmesh.node.lab import testmodels
 from kvmesh.node.lab.bench.enginebench import _decode_tps, _points
 from kvmesh.node.lab.bench.versus import summarize
 from kvmesh.node.lab.streamclient import StreamedTurn
@@ -62,7 +62,7 @@ def _bench(*args: str, timeout: float = 600) -> tuple[int, dict[str, object], st
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_gen.write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", gguf_gen.spec_for("tiny"))
+    return testmodels.write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", testmodels.spec_for("tiny"))
 
 
 def test_bench_engine_kvmesh_side_end_to_end(tiny: Path) -> None:
