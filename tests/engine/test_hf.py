@@ -29,6 +29,7 @@ from kvmesh.node.engine.hf import open_checkpoint
 from kvmesh.node.engine.model import fingerprint, preset
 from kvmesh.node.engine.tokenizer import HFTokenizer
 from kvmesh.node.errors import CheckpointError, ConfigError, ImportRefused
+from kvmesh.node.lab.checkpoints import write_random_checkpoint
 
 CPU = torch.device("cpu")
 # fp32 on the CPU: reuse/import only reorder float sums.
@@ -109,7 +110,7 @@ def write_checkpoint(d: Path, variant: str, *, seed: int = 0, shards: int = 1, t
     cfg = {**BASE, **VARIANTS[variant], "vocab_size": n_vocab + vocab_pad,  # padded, like real checkpoints
            "bos_token_id": ids["<|begin_of_text|>"] if llama else None,
            "eos_token_id": [ids["<|eot_id|>"], ids["<|endoftext|>"]] if llama else ids["<|im_end|>"]}
-    hf.write_random_checkpoint(d, cfg, seed=seed, shards=shards)
+    write_random_checkpoint(d, cfg, seed=seed, shards=shards)
     return d
 
 
