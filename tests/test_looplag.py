@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from kvmesh.node.config import EngineConfig, NodeConfig, SimConfig
+from kvmesh.node.lab.inprocess import serve_in_thread
 from kvmesh.node.looplag import LoopLagMonitor
 from kvmesh.node.metrics import Metrics
-from kvmesh.node.server import serve_in_thread
 
 
 def test_quantiles_over_the_window() -> None:

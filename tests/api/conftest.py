@@ -27,9 +27,8 @@ import httpx
 import openai
 import pytest
 
-from kvmesh.node.server import ThreadedServer, serve_in_thread
-
 from kvmesh.node.config import ApiConfig, EngineConfig, NodeConfig, SimConfig
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 
 # Sim engine rates for the "fast" server: fast enough that max_tokens=64 takes ~30 ms.
 FAST_SIM = SimConfig(kv_scale=0.01, decode_tps=2000, prefill_tps=1e6)

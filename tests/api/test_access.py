@@ -9,11 +9,10 @@ import anthropic
 import httpx
 import openai
 import pytest
-
 from pydantic import ValidationError
 
 from kvmesh.node.config import ApiConfig, EngineConfig, NodeConfig, SimConfig, describe
-from kvmesh.node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 
 KEY, ENV_KEY = "sk-kvmesh-test-0123456789", "sk-kvmesh-env-9876543210"
 SIM = SimConfig(kv_scale=0.01, decode_tps=2000, prefill_tps=1e6)

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvmesh.node.config import EngineConfig, NodeConfig, SimConfig
-from kvmesh.node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 
 MODEL = "claude-sonnet-4-5"
 TEXT = "Let me check. "

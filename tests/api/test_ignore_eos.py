@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from kvmesh.node.config import EngineConfig, NodeConfig, SimConfig
-from kvmesh.node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel
 
 from kvmesh.node.config import EngineConfig, NodeConfig, SimConfig
-from kvmesh.node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 
 HI = [{"role": "user", "content": "Describe a person as JSON."}]
 CHAT = "/v1/chat/completions"

@@ -15,7 +15,7 @@ import pytest
 from pydantic import BaseModel
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig, NodeConfig
-from kvmesh.node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 
 
 class Person(BaseModel):

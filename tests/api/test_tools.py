@@ -18,7 +18,7 @@ import pytest
 
 from kvmesh.node.config import EngineConfig, NodeConfig, SimConfig
 from kvmesh.node.engine.tokenizer import ByteTokenizer
-from kvmesh.node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 
 CHAT = "/v1/chat/completions"
 WEATHER = {"type": "function", "function": {

@@ -27,7 +27,7 @@ from kvmesh.node.engine.hashing import block_hashes, chain_seed, payload_digest
 from kvmesh.node.engine.simkv import fill_block
 from kvmesh.node.kvshare import common, service, wire
 from kvmesh.node.kvshare.store import ReplicaStore
-from kvmesh.node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 
 from .service_helpers import BLOCK, EngineFacts, engine_facts, hand_offer, hand_send
 

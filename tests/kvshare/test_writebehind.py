@@ -20,8 +20,8 @@ import pytest
 from kvmesh.node.config import NodeConfig
 from kvmesh.node.kvshare.segment import SegmentWriter
 from kvmesh.node.kvshare.store import ReplicaStore
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 from kvmesh.node.lab.launcher import wait_for
-from kvmesh.node.server import ThreadedServer, serve_in_thread
 
 MAIN, OTHER, MORE = 22_000, 14_000, 1_500  # the main's first prompt, each other conversation's, the main's growth
 SIM = {"kv_scale": 0.02, "prefill_tps": 1e6, "decode_tps": 2000.0}

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from kvmesh.node.config import EngineConfig, MeshConfig, NodeConfig, SimConfig
-from kvmesh.node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 
 SLOW = SimConfig(kv_scale=0.01, decode_tps=40, prefill_tps=1e6)  # the holder's ~110 tokens take seconds
 HOLD = [{"role": "user", "content": "hold"}]

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmesh.node.server import ThreadedServer, serve_in_thread
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 
 from .helpers import Mesh, sim_config, start_mesh
 

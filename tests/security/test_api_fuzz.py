@@ -20,7 +20,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.core.result import Ok
 
-from kvmesh.node.server import ThreadedServer
+from kvmesh.node.lab.inprocess import ThreadedServer
 
 from .conftest import FUZZ_ADMIN_TOKEN
 from .helpers import MODEL, anthropic_error, openai_error

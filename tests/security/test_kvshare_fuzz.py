@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
 from kvmesh.node.engine.simkv import block_bytes
 from kvmesh.node.kvshare import wire
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.protocol import session_key
-from kvmesh.node.server import ThreadedServer, serve_in_thread
 
 from .helpers import sim_config, tree
 

@@ -21,9 +21,9 @@ import openai
 import pytest
 from websockets.sync.client import connect
 
+from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.protocol import session_key
-from kvmesh.node.server import ThreadedServer, serve_in_thread
 
 from .helpers import MODEL, Mesh, chat, openai_error, sim_config, start_mesh, tree
 
