@@ -36,9 +36,7 @@ from kvmesh.node.protocol import (
     HostStatus,
     PeerUp,
     ReplicaEvicted,
-    ReplicaSent,
 )
-from kvmesh.node.snapshotship import SnapshotShipper
 from kvmesh.node.tls import client_context
 
 log = logging.getLogger("kvmesh.node")
@@ -64,8 +62,10 @@ class Node:
         self.kv_cfg = kv_cfg = cfg.kvshare.for_context(self.engine.max_context)
         if (never := kv_cfg.never_replicates(self.engine.max_context)) is not None:
             log.warning("node %s: %s", cfg.name, never)
+        # A window-mode or recurrent model's snapshots travel in its replicas, as frames of the same push.
         self.kvshare = KVShare(cfg.name, self.engine, kv_cfg, secrets=cfg.mesh.secrets(),
-                               publish=self.hub.publish, peer_address=self._peer_kvshare)
+                               publish=self.hub.publish, peer_address=self._peer_kvshare,
+                               snapshots=self.engine.snapshots)
         self.mesh = Mesh(cfg.name, cfg.mesh, self.engine, self.kvshare, publish=self.hub.publish,
                          host_info=self.host_info, on_decision=self.metrics.decision.observe,
                          on_refused=self.metrics.on_refused,
@@ -75,10 +75,6 @@ class Node:
         self.turns = TurnPath(cfg.name, self.engine, self.mesh, self.kvshare, threads, publish=self.hub.publish,
                               forward_timeout_s=cfg.mesh.forward_timeout_s, on_resumed=self.metrics.resumed.inc)
         peers = self.mesh.peers
-        # The half of a replica that is not blocks, for window-mode and recurrent models (node.snapshotship).
-        self.snapshot_ship = (SnapshotShipper(self.engine.snapshots, self.engine.fingerprint, client=lambda: peers.client,
-                                              api_of=self._peer_api, tokens_of=self.engine.session_tokens)
-                              if self.engine.snapshots is not None else None)
         self.operator = Operator(cfg.name, self.engine, self.mesh, push=self.kvshare.push, publish=self.hub.publish)
         self.discovery: Discovery | None = None
         if cfg.mesh.discovery != "static":
@@ -102,10 +98,6 @@ class Node:
     def _on_event(self, ev: Event) -> None:
         if isinstance(ev, PeerUp):
             self.reoffer_replicas()
-        elif isinstance(ev, ReplicaSent) and ev.src == self.name and self.snapshot_ship is not None:
-            task = self.snapshot_ship.submit(ev.session, ev.dst, ev.tokens)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
     def reoffer_replicas(self) -> int:
         """A peer came (back) up: push each session homed here whose predicted next host lacks its
@@ -137,10 +129,6 @@ class Node:
         """A peer's kv_share address: from the peer table, which DNS discovery may change at run time."""
         p = self.mesh.peers.peers.get(name)
         return p.cfg.kvshare if p is not None else None
-
-    def _peer_api(self, name: str) -> str | None:
-        p = self.mesh.peers.peers.get(name)
-        return p.cfg.api if p is not None else None
 
     def api_port(self) -> int:
         """The port the API listens on (known once bound; the configured one before)."""
@@ -190,8 +178,7 @@ class Node:
         s, task = self.engine.slots, self.operator.drain_task
         waits = [f"{s.busy} running and {s.queued} queued turns" if s.busy or s.queued else "",
                  "the drain's pushes" if task is not None and not task.done() else "",
-                 f"{n} replica pushes" if (n := self.kvshare.pushes_pending()) else "",
-                 f"{n} snapshot sends" if self.snapshot_ship is not None and (n := self.snapshot_ship.in_flight) else ""]
+                 f"{n} replica pushes" if (n := self.kvshare.pushes_pending()) else ""]
         return ", ".join(w for w in waits if w) or None
 
     def ready(self) -> bool:
@@ -250,7 +237,7 @@ class Node:
                        "prefill_tps": round(self.engine.prefill_rate(), 1),
                        "weights": self.engine.weights.as_dict() if self.engine.weights is not None else None},
             "kvshare": self.kvshare.stats(),
-            "snapshots": self.snapshot_ship.stats() if self.snapshot_ship is not None else None,
+            "snapshots": self.kvshare.snapshot_stats(),
             "replicate_min_tokens": self.kv_cfg.replicate_min_tokens, "max_context": self.engine.max_context,
             "block_size": self.engine.block_size, "fingerprint": self.engine.fingerprint,
             "peer_wire": m.peers.wire_by_peer(),

@@ -353,6 +353,7 @@ class ReplicaSent(_Event):
     bytes: int
     seconds: float
     tokens: int
+    snapshot_bytes: int = 0  # of `bytes`: the state snapshot that went with the blocks (node.engine.snapshots)
 
 
 class ReplicaReady(_Event):
@@ -366,6 +367,7 @@ class ReplicaReady(_Event):
     imported: bool  # landed in the engine (else: store only)
     recv_s: float = 0.0  # from the answer to the last byte: the transfer as the receiver saw it
     blocks: int = 0  # blocks that crossed the wire (the delta)
+    snapshot_bytes: int = 0  # of `bytes`: the state snapshot that came with the blocks
 
 
 class ReplicaImported(_Event):

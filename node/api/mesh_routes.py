@@ -40,7 +40,6 @@ from kvmesh.node.protocol import (
     SnapshotEvent,
     session_id_problem,
 )
-from kvmesh.node.snapshotship import DIGEST_HEADER, FINGERPRINT_HEADER, MAX_BODY_BYTES
 
 # A host action answers at once (a drain runs on after it), so a relay of one waits briefly.
 HOST_RELAY_TIMEOUT_S = 10.0
@@ -195,20 +194,6 @@ async def peer_hello(body: HelloRequest, node: PeerNode) -> PeerHello:
     kvshare_port = int(node.kvshare.address.rsplit(":", 1)[1])
     return hello(node.name, node.api_port(), kvshare_port, "https" if node.cfg.api.tls else "http", secrets[0],
                  body.nonce)
-
-
-@router.post("/v1/peer/snapshots")
-async def peer_snapshots(request: Request, node: PeerNode) -> dict[str, Any]:
-    """A snapshot (window or recurrent state) of a session a peer replicated here (node.snapshotship)."""
-    if node.snapshot_ship is None:
-        raise Conflict(f"{node.name} keeps no snapshots: its model is neither hybrid nor served with llamacpp.swa = \"window\"")
-    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise InvalidRequest(f"a snapshot over {MAX_BODY_BYTES} bytes")
-    body = await request.body()
-    if len(body) > MAX_BODY_BYTES:  # a body sent without a length says so only once read
-        raise InvalidRequest(f"a snapshot over {MAX_BODY_BYTES} bytes")
-    pos = await node.snapshot_ship.accept(body, request.headers.get(FINGERPRINT_HEADER), request.headers.get(DIGEST_HEADER))
-    return {"accepted": True, "pos": pos}
 
 
 @router.get("/v1/peer/sessions/{session:path}")

@@ -9,11 +9,13 @@
 
 Either way the snapshot is taken when the sequence stood at P: the runner takes one at the last
 block boundary of each prompt and at each block boundary decoding crosses (llama-server's
-checkpoints); a peer sends the newest one after each replica push (`node.snapshotship`, route
-`/v1/peer/snapshots`). A snapshot is usable only by a prompt that extends its tokens exactly, so it is
-keyed by a digest of them (`snapshot_key`): equal on every host for the same tokens, whoever
-computed them. Its bytes are checked (`llamastate.check_snapshot`) before they are kept, so a restore
-never reads a wrong state.
+checkpoints). The newest one the replica's blocks reach travels with them, a frame of the same
+kv_share push after the last block (`node.kvshare.wire`), and is kept in the replica store beside
+them (`node.kvshare.store`), so a peer or a restarted host resumes from the pair. A snapshot is usable
+only by a prompt that extends its tokens exactly, so it is keyed by a digest of them (`snapshot_key`):
+equal on every host for the same tokens, whoever computed them. Its bytes are checked
+(`llamastate.check_snapshot`, `Snapshots.check`) before they are kept, so a restore never reads a
+wrong state.
 """
 
 from __future__ import annotations
@@ -70,23 +72,29 @@ class Snapshots:
         self._by_key: collections.OrderedDict[bytes, Snapshot] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.bytes = 0
+        self.last_bytes = 0  # the size of the last one kept: a model's snapshots are all about this size
         self.taken = self.received = self.refused = self.restored = 0
 
     def __len__(self) -> int:
         return len(self._by_key)
 
+    def check(self, pos: int, blob: np.ndarray) -> str | None:
+        """Why `blob` must not be kept as the snapshot at `pos` (None: it may); counts nothing, keeps nothing."""
+        if pos % self.block_size:
+            return f"position {pos} is not a multiple of the block size {self.block_size}"
+        if blob.nbytes > self.budget_bytes:
+            return f"a {blob.nbytes}-byte snapshot exceeds the {self.budget_bytes}-byte budget"
+        return self._check(blob, pos)
+
     def put(self, tokens: np.ndarray, blob: np.ndarray, *, received: bool = False) -> str | None:
         """Keep `blob` as the snapshot after exactly `tokens`; returns why it was refused, or None. Snapshots
         stand at block boundaries (where the runner takes them), so a lookup tries only those."""
-        why = (f"position {len(tokens)} is not a multiple of the block size {self.block_size}"
-               if len(tokens) % self.block_size else self._check(blob, len(tokens)))
+        why = self.check(len(tokens), blob)
         if why is not None:
             self.refused += 1
             return why
-        if blob.nbytes > self.budget_bytes:
-            self.refused += 1
-            return f"a {blob.nbytes}-byte snapshot exceeds the {self.budget_bytes}-byte budget"
         w = Snapshot(len(tokens), snapshot_key(tokens), np.ascontiguousarray(blob, dtype=np.uint8))
+        self.last_bytes = w.nbytes
         with self._lock:
             old = self._by_key.pop(w.key, None)
             self.bytes += w.nbytes - (old.nbytes if old is not None else 0)
@@ -125,27 +133,3 @@ class Snapshots:
     def stats(self) -> dict[str, int]:
         return {"snapshots": len(self), "bytes": self.bytes, "taken": self.taken, "received": self.received,
                 "refused": self.refused, "restored": self.restored}
-
-
-# ---- on the wire: a peer's snapshot, as the body of POST /v1/peer/snapshots -------------------------
-
-WIRE_MAGIC = b"KVWN"
-_WIRE_HEAD = 8  # magic, u32 position
-
-
-def encode_snapshot(tokens: np.ndarray, blob: np.ndarray) -> bytes:
-    """A snapshot and the tokens it follows: magic, u32 position, the tokens (int32), llama.cpp's blob."""
-    t = np.ascontiguousarray(tokens, dtype="<i4")
-    return WIRE_MAGIC + len(t).to_bytes(4, "little") + t.tobytes() + np.ascontiguousarray(blob, dtype=np.uint8).tobytes()
-
-
-def decode_snapshot(body: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, blob) of an encoded snapshot; ValueError says what is malformed."""
-    if len(body) < _WIRE_HEAD or body[:4] != WIRE_MAGIC:
-        raise ValueError("not a kvmesh window snapshot (magic KVWN)")
-    pos = int.from_bytes(body[4:8], "little")
-    end = _WIRE_HEAD + 4 * pos
-    if pos < 1 or len(body) <= end:
-        raise ValueError(f"a snapshot at position {pos} needs {pos} tokens and a state after them: {len(body)} bytes")
-    tokens = np.frombuffer(body, dtype="<i4", count=pos, offset=_WIRE_HEAD).astype(np.int32)
-    return tokens, np.frombuffer(body, dtype=np.uint8, offset=end).copy()

@@ -2,7 +2,10 @@
 a replica still landing while that beats recomputing what it brings (`keep_waiting`), then restores the
 prompt's blocks from the host-memory tier and the store's replica: blocks reserved on the loop, copied
 (and the stored ones digested) on worker threads, committed on the loop, so a node importing 1 GB still
-answers every other turn and event. A pool too full for the whole restore restores what fits."""
+answers every other turn and event. A pool too full for the whole restore restores what fits. Where the
+model resumes only at a state snapshot (window mode, recurrent state: `node.engine.snapshots`), the stored
+replica's snapshot goes into the engine's snapshots first (read and checked on a worker thread), so the
+blocks it makes usable count in what the engine holds."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import numpy as np
 
 from kvmesh.node.engine.boundary import EngineAPI
 from kvmesh.node.engine.hashing import block_hashes, chain_seed
+from kvmesh.node.engine.snapshots import Snapshots
 from kvmesh.node.errors import ImportRefused, KVMeshError
 from kvmesh.node.kvshare.common import _await_worker
 from kvmesh.node.kvshare.explain import HandoffNotes, store_match_blocks
@@ -51,13 +55,16 @@ class Imports:
     landing now (the receiver's map, read here), the handoff notes it records each turn's start in, a
     publish function, what pins pool blocks a restore may need: the pushes under way
     (`pushes_moving`) and the store's write-behinds (`writes_pending`), and the host-memory tier
-    (`hosttier.py`) a restore takes blocks from before the store."""
+    (`hosttier.py`) a restore takes blocks from before the store, and the engine's snapshots (None: its model
+    keeps none)."""
 
     def __init__(self, name: str, engine: EngineAPI, store: ReplicaStore, *, inbound: Mapping[str, _Inbound],
                  notes: HandoffNotes, publish: Callable[[Event], object], pushes_moving: Callable[[], list[_Job]],
-                 writes_pending: Callable[[], list[concurrent.futures.Future[None]]], tier: HostTier):
+                 writes_pending: Callable[[], list[concurrent.futures.Future[None]]], tier: HostTier,
+                 snapshots: Snapshots | None = None):
         self.name = name
         self.engine = engine
+        self.snapshots = snapshots
         self.store = store
         self.tier = tier
         self._seed = chain_seed(engine.fingerprint)
@@ -87,6 +94,8 @@ class Imports:
         ib = self._inbound.get(session)
         if ib is not None:
             await self._wait_inbound(session, ib)
+        if self.snapshots is not None:
+            await self._restore_snapshot(session, prompt, self.snapshots)
         e = self.engine
         held = e.cached_prefix(session, prompt)
         stored_blocks = store_match_blocks(self.store, e, session, prompt)
@@ -107,6 +116,32 @@ class Imports:
             self._import_rates.append((tokens // e.block_size * e.block_bytes) / secs)
         self._publish(ReplicaImported(session=session, host=self.name, tokens=tokens, seconds=round(secs, 4)))
         return tokens
+
+    async def _restore_snapshot(self, session: str, prompt: np.ndarray, snapshots: Snapshots) -> None:
+        """Put the stored replica's snapshot into the engine's snapshots when the prompt extends it and the engine
+        has none as far; on a worker thread (a disk read, a digest). A corrupt one drops the stored replica: the
+        turn recomputes what it would have brought, never resumes from it."""
+        m = self.store.manifest(session)
+        w = m.snapshot if m is not None and m.fingerprint == self.engine.fingerprint else None
+        if m is None or w is None or w.pos > len(prompt):
+            return
+
+        def restore() -> None:
+            if not np.array_equal(m.tokens[: w.pos], prompt[: w.pos]) or snapshots.usable(prompt, w.pos) >= w.pos:
+                return
+            got = self.store.read_snapshot(session)
+            if got is None:
+                return
+            tokens, blob = got  # as read: the version may have changed since the manifest was looked at
+            if len(tokens) <= len(prompt) and np.array_equal(tokens, prompt[: len(tokens)]):
+                if (why := snapshots.put(tokens, blob, received=True)) is not None:
+                    log.warning("the stored snapshot of %s at %d was refused: %s", session, len(tokens), why)
+
+        assert self._loop is not None
+        try:
+            await self._loop.run_in_executor(self._import_pool(), restore)
+        except KVMeshError as err:
+            log.warning("the stored snapshot of %s was not restored (%s); the turn resumes without it", session, err)
 
     def _restorable(self, prompt: np.ndarray, stored: int) -> list[bytes]:
         """Chain hashes of the prompt's leading blocks this host can restore: the `stored` ones its store

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.kvshare.files import TEMP_PREFIX, remove_tree, unlink_quietly
 from kvmesh.node.kvshare.manifest import Corrupt, Manifest, disk_bytes, load_dir, manifest_session
@@ -119,6 +121,21 @@ class ReplicaIndex:
         if verify and not self.verify(entry, i, view):
             raise StoreError(f"replica of {session!r}: block {i} on disk is corrupt (digest mismatch)", reason="digest")
         return view
+
+    def read_snapshot(self, session: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The session's stored snapshot: the tokens it follows and its payload read from disk, digest checked;
+        None when it holds none. One that fails its check drops the session: StoreError('digest')."""
+        entry = self.get(session)
+        if entry is None or (w := entry.manifest.snapshot) is None:
+            return None
+        try:
+            data = np.fromfile(self.dir(session) / w.file, dtype=np.uint8)
+        except OSError as e:
+            raise StoreError(f"the snapshot of {session!r} cannot be read: {e}", reason="missing") from e
+        if len(data) != w.nbytes or payload_digest(data) != w.digest:
+            self.drop(session, f"its snapshot at {w.pos} on disk failed its payload digest check")
+            raise StoreError(f"replica of {session!r}: the snapshot on disk is corrupt (digest mismatch)", reason="digest")
+        return entry.manifest.tokens[: w.pos], data
 
     def verify(self, entry: Entry, i: int, view: memoryview) -> bool:
         """Block i's payload digest, checked once per process; a mismatch drops the session."""

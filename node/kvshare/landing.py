@@ -123,9 +123,10 @@ class Landing:
         return ib
 
     def on_complete(self, offer: wire.Offer, plan: _Plan, received: int, last_byte: float, t_first: float,
-                    committed: int | None) -> int:
+                    committed: int | None, snapshot_bytes: int = 0) -> int:
         """END verified and every byte in place (`_land`): commit the import, the replica is ready.
-        `committed`: the tokens the store committed when the replica went to the store only."""
+        `committed`: the tokens the store committed when the replica went to the store only; `snapshot_bytes`:
+        the state snapshot's that came with the blocks (kept already: the engine's snapshots, or the store)."""
         txn = plan.txn
         if txn is not None:
             tokens = txn.commit()
@@ -137,6 +138,9 @@ class Landing:
         st = self.inn[offer.sender]
         st.add(received, max(1e-9, last_byte - t_first))
         st.ready_lag_s.append(lag)
+        if snapshot_bytes:
+            st.snapshots += 1
+            st.snapshot_bytes += snapshot_bytes
         ib = self.inbound.pop(offer.session, None)
         if ib is not None:
             ib.landed = ib.tokens
@@ -145,7 +149,7 @@ class Landing:
         self._publish(ReplicaReady(session=offer.session, src=offer.sender, dst=self.name, tokens=tokens,
                                    bytes=received, lag_s=round(lag, 5), imported=txn is not None,
                                    recv_s=round(last_byte - t_first, 5),
-                                   blocks=offer.n_blocks - plan.first_missing))
+                                   blocks=offer.n_blocks - plan.first_missing, snapshot_bytes=snapshot_bytes))
         if txn is not None and plan.tokens is not None:
             self._write_behind(offer.session, plan.tokens, plan.hashes, plan.store_held)
         return tokens

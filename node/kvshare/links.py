@@ -35,6 +35,10 @@ class LinkStats:
     wire: collections.Counter[str] = field(default_factory=collections.Counter)
     backlogged_s: float = 0.0  # time with at least one push to this target waiting for a send permit
     landed_backlogged_bytes: int = 0  # bytes of replicas that landed, acknowledged while a push was queued
+    # State snapshots (window cells, recurrent state) that landed, carried in those replicas: in `bytes` too.
+    snapshots: int = 0
+    snapshot_bytes: int = 0
+    snapshots_failed: int = 0  # pushes carrying one that did not land (superseded ones aside)
     _queued: int = 0
     _backlog_since: float = 0.0
 
@@ -77,6 +81,13 @@ class Links:
     def rates(self) -> tuple[float, float]:
         return sum(s.rate_bps() for s in self.inn.values()), sum(s.rate_bps() for s in self.out.values())
 
+    def snapshot_totals(self) -> dict[str, int]:
+        """Snapshots this node's replicas carried, over every link: sent (landed) and received."""
+        out, inn = self.out.values(), self.inn.values()
+        return {"sent": sum(s.snapshots for s in out), "sent_bytes": sum(s.snapshot_bytes for s in out),
+                "send_failed": sum(s.snapshots_failed for s in out), "received_over_links": sum(s.snapshots for s in inn),
+                "received_bytes": sum(s.snapshot_bytes for s in inn)}
+
     def links_out(self, me: str) -> list[LinkInfo]:
         return [
             LinkInfo(src=me, dst=dst, bytes_sent=s.bytes, transfers=s.transfers, last_transfer_s=s.last_s,
@@ -96,10 +107,13 @@ class Links:
             "out": {d: {"bytes": s.bytes, "transfers": s.transfers, "seconds": round(s.seconds, 3),
                         "superseded": s.superseded, "superseded_in_flight": s.superseded_in_flight,
                         "refused": dict(s.refused), "wire": dict(s.wire), "backlogged_s": round(s.backlog_s_now(), 3),
-                        "landed_backlogged_bytes": s.landed_backlogged_bytes} for d, s in self.out.items()},
+                        "landed_backlogged_bytes": s.landed_backlogged_bytes, "snapshots": s.snapshots,
+                        "snapshot_bytes": s.snapshot_bytes, "snapshots_failed": s.snapshots_failed}
+                    for d, s in self.out.items()},
             "in": {src: {"bytes": s.bytes, "transfers": s.transfers, "seconds": round(s.seconds, 3),
                          "ready_lag_p50_s": pct(s.ready_lag_s, 0.5), "ready_lag_max_s": pct(s.ready_lag_s, 1.0),
-                         "refused": dict(s.refused)} for src, s in self.inn.items()},
+                         "refused": dict(s.refused), "snapshots": s.snapshots, "snapshot_bytes": s.snapshot_bytes}
+                    for src, s in self.inn.items()},
         }
 
 

@@ -2,12 +2,16 @@
 checks a session directory must pass at start before any of it is trusted.
 
 manifest.json is the commit point of a replica: it names the session and every other file
-of its directory (the tokens file and the segments), so a file it does not name is not part
-of the replica. See `store` for the directory layout.
+of its directory (the tokens file, the segments, the state snapshot), so a file it does not
+name is not part of the replica. See `store` for the directory layout.
+
+Format 2 added the snapshot (window cells or recurrent state: node.engine.snapshots); a
+manifest of another format is not read (the session is dropped, its next turn recomputes).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -26,6 +30,17 @@ from kvmesh.node.protocol import is_valid_session_id, session_key
 log = logging.getLogger("kvmesh.kvshare.store")
 
 MANIFEST = "manifest.json"
+FORMAT: Literal[2] = 2  # 2: a replica may hold a state snapshot beside its blocks
+
+
+@dataclass(frozen=True)
+class StoredSnapshot:
+    """The replica's state snapshot: its file, the position it stands at, its size and payload digest."""
+
+    file: str
+    pos: int
+    nbytes: int
+    digest: bytes
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,7 @@ class Manifest:
     segments: tuple[Segment, ...] = ()
     seq: int = 0
     tokens_file: str = ""
+    snapshot: StoredSnapshot | None = None
 
     @property
     def n_blocks(self) -> int:
@@ -93,7 +109,7 @@ def readonly(tokens: np.ndarray) -> np.ndarray:
 
 def disk_bytes(d: Path, m: Manifest) -> int:
     """Bytes on disk of the replica `m` in directory `d` (segments, tokens, manifest)."""
-    held = m.nbytes + m.num_tokens * TOKEN_DTYPE.itemsize
+    held = m.nbytes + m.num_tokens * TOKEN_DTYPE.itemsize + (m.snapshot.nbytes if m.snapshot else 0)
     try:
         return held + (d / MANIFEST).stat().st_size
     except OSError:
@@ -112,9 +128,17 @@ class _SegmentModel(BaseModel):
     count: int = Field(ge=1)
 
 
+class _SnapshotModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    file: str = Field(pattern=r"^snap-[0-9]{1,20}\.bin$")
+    pos: int = Field(ge=1)
+    nbytes: int = Field(ge=1)
+    digest: _Hex16
+
+
 class _ManifestModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    format: Literal[1]
+    format: Literal[2]
     session: str
     fingerprint: str
     block_size: int = Field(ge=1)
@@ -126,11 +150,13 @@ class _ManifestModel(BaseModel):
     hashes: list[_Hex16]
     digests: list[_Hex16]
     segments: list[_SegmentModel]
+    snapshot: _SnapshotModel | None = None
 
 
 def manifest_json(m: Manifest) -> bytes:
+    w = m.snapshot
     model = _ManifestModel(
-        format=1,
+        format=FORMAT,
         session=m.session,
         fingerprint=m.fingerprint,
         block_size=m.block_size,
@@ -142,8 +168,17 @@ def manifest_json(m: Manifest) -> bytes:
         hashes=[h.hex() for h in m.hashes],
         digests=[d.hex() for d in m.digests],
         segments=[_SegmentModel(file=s.file, first=s.first, count=s.count) for s in m.segments],
+        snapshot=_SnapshotModel(file=w.file, pos=w.pos, nbytes=w.nbytes, digest=w.digest.hex()) if w else None,
     )
     return model.model_dump_json().encode()
+
+
+def _format_of(raw: bytes) -> object:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    return doc.get("format") if isinstance(doc, dict) else None
 
 
 def manifest_session(d: Path) -> str | None:
@@ -175,16 +210,18 @@ def load_dir(d: Path) -> tuple[Manifest, int]:
     try:
         model = _ManifestModel.model_validate_json(raw)
     except ValidationError as e:
+        if (fmt := _format_of(raw)) is not None and fmt != FORMAT:
+            raise Corrupt(f"manifest.json is format {fmt}; this node reads format {FORMAT} (the session recomputes)") from None
         first = e.errors()[0]
         raise Corrupt(f"manifest.json does not parse ({'.'.join(map(str, first['loc']))}: {first['msg']})") from None
     m = _from_model(d, model)
     _check_files(d, m)
-    live = {s.file for s in m.segments} | {m.tokens_file, MANIFEST}
+    live = {s.file for s in m.segments} | {m.tokens_file, MANIFEST} | ({m.snapshot.file} if m.snapshot else set())
     for p in d.iterdir():
         if p.name not in live:
             log.info("removing %s: no manifest names it", p)
             unlink_quietly(p)
-    return m, m.nbytes + m.num_tokens * TOKEN_DTYPE.itemsize + len(raw)
+    return m, disk_bytes(d, m)
 
 
 def _from_model(d: Path, model: _ManifestModel) -> Manifest:
@@ -208,10 +245,14 @@ def _from_model(d: Path, model: _ManifestModel) -> Manifest:
     hashes = [bytes.fromhex(h) for h in model.hashes]
     if block_hashes(chain_seed(model.fingerprint), tokens, model.block_size) != hashes:
         raise Corrupt("the token ids do not match the block hashes")
+    w = model.snapshot
+    if w is not None and (w.pos > n * model.block_size or w.pos % model.block_size):
+        raise Corrupt(f"the snapshot at {w.pos} is not at a block boundary of the {n} blocks held")
     return Manifest(
         model.session, model.fingerprint, model.block_size, model.block_bytes, tokens, hashes,
         [bytes.fromhex(x) for x in model.digests], model.generation, model.updated,
         tuple(Segment(s.file, s.first, s.count) for s in model.segments), model.seq, model.tokens_file,
+        StoredSnapshot(w.file, w.pos, w.nbytes, bytes.fromhex(w.digest)) if w else None,
     )  # fmt: skip
 
 
@@ -225,3 +266,6 @@ def _check_files(d: Path, m: Manifest) -> None:
             raise Corrupt(f"segment {s.file} is missing") from None
         if size != want:
             raise Corrupt(f"segment {s.file} is {size} bytes, not {want}")
+    w = m.snapshot
+    if w is not None and (not (d / w.file).is_file() or (d / w.file).stat().st_size != w.nbytes):
+        raise Corrupt(f"snapshot {w.file} is missing or not {w.nbytes} bytes")

@@ -1,12 +1,16 @@
 """The kv_share listener: an accept thread, and one thread per inbound transfer that feeds its bytes to
 `wire.Receiver`, reading each payload straight into where it lands (the engine's pool, or a store write)
 and verifying it there. What to do with an offer, and each commit, is decided on the event loop
-(`landing.Landing`); the bytes, digests, copies and fsyncs stay on the transfer's thread."""
+(`landing.Landing`); the bytes, digests, copies and fsyncs stay on the transfer's thread. A state snapshot
+that comes with the blocks is checked here at END (its cells, against the model's layout) and kept: in the
+engine's snapshots when the blocks went into the engine, in the store's write when they went there. One
+that does not check refuses the whole replica ('snapshot'): the blocks alone resume nothing such a model."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import socket
 import ssl
 import threading
@@ -15,8 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar, TypeVarTuple
 
+import numpy as np
+
 from kvmesh.node.config import KVShareConfig
 from kvmesh.node.engine.boundary import ImportAPI
+from kvmesh.node.engine.snapshots import Snapshots
 from kvmesh.node.errors import KVMeshError
 from kvmesh.node.kvshare import wire
 from kvmesh.node.kvshare.landing import Landing, _Plan
@@ -45,16 +52,20 @@ class _Conn:
     received: int = 0
     t_first: float = 0.0
     first_block_seen: bool = False
+    tokens: np.ndarray | None = None  # the offer's
+    snapshot: wire.SnapshotReceived | None = None
 
 
 class Listener:
     """The receiving threads. It is given what it uses: its config section (listen address, timeouts,
     buffers), the store (where replicas without room in the pool go, and the blocks it already held),
-    the loop's decisions (`Landing`), the mesh secrets that sign offers, and the server TLS (None: plain TCP)."""
+    the loop's decisions (`Landing`), the mesh secrets that sign offers, the server TLS (None: plain TCP), and
+    the engine's snapshots (None: its model keeps none)."""
 
     def __init__(self, cfg: KVShareConfig, store: ReplicaStore, landing: Landing, *, secret: bytes,
-                 previous_secret: bytes | None, server_tls: ssl.SSLContext | None):
+                 previous_secret: bytes | None, server_tls: ssl.SSLContext | None, snapshots: Snapshots | None = None):
         self.cfg = cfg
+        self.snapshots = snapshots
         self.store = store
         self._landing = landing
         self.secret = secret
@@ -131,6 +142,9 @@ class Listener:
                         return
         except (OSError, KVMeshError, concurrent.futures.CancelledError, concurrent.futures.TimeoutError) as err:
             reason = getattr(err, "reason", None) or ("connection" if isinstance(err, OSError) else type(err).__name__)
+            if reason == wire.Reason.VERSION:  # a peer of another version reads why, not a closed connection
+                with contextlib.suppress(OSError):
+                    conn.sendall(st.rx.refuse(reason, str(err)))
             if st.offer is not None and not self._closing.is_set():
                 self._call(self._landing.refused, st.offer, st.src, reason, str(err))
         finally:
@@ -173,12 +187,21 @@ class Listener:
                 if not ib.t_first:
                     ib.t_first = st.t_first
                 ib.landed = (ev.index + 1) * st.offer.block_size
+        elif isinstance(ev, wire.SnapshotReceived):
+            st.snapshot = ev
+            if st.writer is not None:
+                st.writer.set_snapshot(ev.pos, ev.data, ev.digest)
         elif isinstance(ev, wire.EndReceived):
             last_byte = time.monotonic()
             assert st.offer is not None
+            if (why := self._keep_snapshot(st)) is not None:
+                conn.sendall(st.rx.refuse(wire.Reason.SNAPSHOT, why))
+                _linger_close(conn)
+                self._call(self._landing.refused, st.offer, st.src, wire.Reason.SNAPSHOT, why)
+                return False
             committed = self._land(st)
             tokens = self._call(self._landing.on_complete, st.offer, st.plan, st.received, last_byte, st.t_first,
-                                committed)
+                                committed, st.offer.snapshot_bytes)
             st.txn = st.writer = None  # committed
             conn.sendall(st.rx.result_ok(tokens))
         return True
@@ -186,7 +209,7 @@ class Listener:
     def _accept_offer(self, conn: socket.socket, st: _Conn, ev: wire.OfferReceived) -> bool:
         """Let the loop decide on the offer, open the store write here if it goes to the store,
         and answer: refuse (False) or accept from the first block this host lacks."""
-        st.offer, st.src = ev.offer, ev.offer.sender
+        st.offer, st.src, st.tokens = ev.offer, ev.offer.sender, ev.tokens
         st.plan = plan = self._call(self._landing.on_offer, ev)
         refuse = plan.refuse
         if refuse is None and plan.store_only:
@@ -208,6 +231,19 @@ class Listener:
         conn.sendall(st.rx.accept(plan.first_missing, payload_target=target))
         st.t_first = time.monotonic()
         return True
+
+    def _keep_snapshot(self, st: _Conn) -> str | None:
+        """The snapshot that came with the blocks, checked against the model's layout and, when the blocks go into
+        the engine, kept in its snapshots (the store's write holds it already); why it cannot be, or None."""
+        w = st.snapshot
+        if w is None:
+            return None
+        if self.snapshots is None:
+            return "this host's model keeps no snapshots"
+        blob = np.frombuffer(w.data, dtype=np.uint8)
+        if st.txn is None or st.tokens is None:
+            return self.snapshots.check(w.pos, blob)
+        return self.snapshots.put(st.tokens[: w.pos], blob, received=True)
 
     def _land(self, st: _Conn) -> int | None:
         """END verified; on this thread, the bytes still to move: the blocks the store held but the

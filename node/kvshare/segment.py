@@ -1,7 +1,8 @@
 """Segment files: one delta's KV payloads, back to back from offset 0.
 
-`SegmentWriter` appends a delta's blocks to a temp file, each checked against its digest, and
-hands itself to the commit that renames it into place. `SegmentMaps` holds the read-only
+`SegmentWriter` appends a delta's blocks to a temp file, each checked against its digest, takes
+the state snapshot that goes with them (if any), and hands itself to the commit that renames it
+into place. `SegmentMaps` holds the read-only
 mappings reads are served from: at most `max_open` across the whole store, least recently
 used closed first, never unmapped under a view a caller still holds (see `store`).
 """
@@ -77,6 +78,7 @@ class SegmentWriter:
         self._aborted = False
         self._tmp: Path | None = None
         self._file: BufferedWriter | None = None
+        self.snapshot: tuple[int, memoryview, bytes] | None = None  # (position, payload, digest), written at commit
         if seg_first < self.n_blocks:
             self._tmp = directory / temp_name("seg")
             self._file = open(self._tmp, "xb")  # noqa: SIM115 - closed in _close/abort
@@ -101,6 +103,17 @@ class SegmentWriter:
         if payload_digest(view) != digest:
             raise StoreError(f"block {i}'s payload does not match its digest", reason="digest")
         self.append_held(view, bytes(digest))
+
+    def set_snapshot(self, pos: int, data: memoryview | bytes | np.ndarray, digest: bytes) -> None:
+        """The state snapshot at `pos` that goes with these blocks, after checking it against `digest`; it is
+        written at commit (the caller keeps `data` unchanged until then)."""
+        self._check_open()
+        if pos < 1 or pos > self.n_blocks * self.block_size or pos % self.block_size:
+            raise StoreError(f"a snapshot at {pos} is not at a block boundary of the {self.n_blocks} blocks", reason="shape")
+        view = bytes_of(data)
+        if payload_digest(view) != digest:
+            raise StoreError(f"the snapshot at {pos} does not match its digest", reason="digest")
+        self.snapshot = (pos, view, bytes(digest))
 
     def append_held(self, view: memoryview, digest: bytes) -> None:
         """Append the next block unchecked: a held block the caller verified against `digest`."""

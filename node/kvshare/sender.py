@@ -1,7 +1,9 @@
 """The replica pushes of one node, on the event loop: one transfer per (session, target) at a time, a
 newer replica replacing a queued one (and a moving one only once it stalls or no longer matches the
 session), send permits given by value when the link cannot carry every replica (`pushorder`), and
-around each push's sender thread (`stream.PushStream`) its pins, its events and its link's accounting."""
+around each push's sender thread (`stream.PushStream`) its pins, its events and its link's accounting.
+A push carries the session's newest state snapshot too, where the model keeps them (`node.engine.snapshots`):
+its bytes count in what the push weighs and in what the link carried."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 from kvmesh.node.config import KVShareConfig
 from kvmesh.node.engine.boundary import EngineAPI
+from kvmesh.node.engine.snapshots import Snapshots
 from kvmesh.node.kvshare import wire
 from kvmesh.node.kvshare.common import MAX_UNUSED_TRACKED, _await_worker, _remember
 from kvmesh.node.kvshare.links import LinkStats
@@ -51,14 +54,16 @@ class ThinkTimes:
 class PushSender:
     """The push queue and its sends. It is given what it uses: the host's name, the engine, its config
     section, the stats of its outgoing links (by target), the sessions' think times, the thread-side
-    stream, a publish function, a peer resolver, and the generation counter it shares with the store's
-    write-behinds."""
+    stream, a publish function, a peer resolver, the generation counter it shares with the store's
+    write-behinds, and the engine's snapshots (None: its model keeps none)."""
 
     def __init__(self, name: str, engine: EngineAPI, cfg: KVShareConfig, *, out: dict[str, LinkStats],
                  think: ThinkTimes, stream: PushStream, publish: Callable[[Event], object],
-                 peer_address: Callable[[str], str | None], next_generation: Callable[[], int]):
+                 peer_address: Callable[[str], str | None], next_generation: Callable[[], int],
+                 snapshots: Snapshots | None = None):
         self.name = name
         self.engine = engine
+        self.snapshots = snapshots
         self.cfg = cfg
         self.out = out
         self._think = think
@@ -97,14 +102,17 @@ class PushSender:
         return [j for j in self._jobs.values() if j.started and not j.done.done()]
 
     def push_facts(self, session: str, target: str) -> PushFacts:
-        """What the push gate weighs: bytes the target lacks, time to the session's next turn, and
-        the chance that turn moves (this host, its home, has no free slot now, or is nearly full)."""
+        """What the push gate weighs: bytes the target lacks (its blocks' and the snapshot's that goes with
+        them), time to the session's next turn, and the chance that turn moves (this host, its home, has no
+        free slot now, or is nearly full)."""
         e = self.engine
         lacks = max(0, e.resident_tokens(session) - self._landed_tokens.get((session, target), 0))
+        # A model's snapshots are all about one size (its window's cells, its recurrent state): the last one's.
+        snap = self.snapshots.last_bytes if self.snapshots is not None else 0
         end, think = self._think.last_turn(session)
         load = e.slots
         p_move = 1.0 if load.queued or load.busy >= load.slots else load.busy / max(1, load.slots)
-        return PushFacts(bytes_needed=lacks * e.kv_bytes_per_token, next_turn_in_s=end + think - time.monotonic(),
+        return PushFacts(bytes_needed=lacks * e.kv_bytes_per_token + snap, next_turn_in_s=end + think - time.monotonic(),
                          p_move=p_move)
 
     def _push_key(self, job: _Job) -> tuple[float, float]:
@@ -228,8 +236,9 @@ class PushSender:
             self._publish(ReplicaStarted(session=job.session, src=self.name, dst=job.target, blocks=len(pinned.ids),
                                          tokens=len(pinned.ids) * e.block_size))
             assert self._loop is not None
+            snapshot = self.snapshots.newest if self.snapshots is not None else None
             fut = self._loop.run_in_executor(self._send_pool, self._stream.send, addr, offer, pinned, job,
-                                             self.out[job.target].backlog_s_now)
+                                             self.out[job.target].backlog_s_now, snapshot)
             result = await _await_worker(fut, stop=job.supersede, release=pinned.release)
         except asyncio.CancelledError:
             raise  # the pins go once the sender thread has stopped
@@ -251,10 +260,16 @@ class PushSender:
         if result.ok:
             st.add(result.bytes_sent, result.seconds)
             st.landed_backlogged_bytes += result.backlogged_bytes
+            if result.snapshot_bytes:
+                st.snapshots += 1
+                st.snapshot_bytes += result.snapshot_bytes
             _remember(self._landed_tokens, (job.session, job.target), result.tokens, MAX_UNUSED_TRACKED)
             self._publish(ReplicaSent(session=job.session, src=self.name, dst=job.target, blocks=result.blocks_sent,
-                                      bytes=result.bytes_sent, seconds=round(result.seconds, 4), tokens=result.tokens))
+                                      bytes=result.bytes_sent, seconds=round(result.seconds, 4), tokens=result.tokens,
+                                      snapshot_bytes=result.snapshot_bytes))
         elif result.reason != "superseded":
             st.refused[result.reason] += 1
+            if result.snapshot_bytes:
+                st.snapshots_failed += 1
             self._publish(ReplicaRefused(session=job.session, src=self.name, dst=job.target, reason=result.reason,
                                          message=result.message))

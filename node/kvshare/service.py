@@ -23,6 +23,10 @@ each given only what it uses:
 - `explain.py`: what explains a handoff's reuse, and the replica bytes no turn used;
 - `writebehind.py`: the store's copies of the pool's blocks, through the host-memory tier (`hosttier.py`)
   to the disk thread.
+
+Where the model keeps state snapshots (window mode, recurrent state: `node.engine.snapshots`), a replica is
+its blocks and the newest snapshot they reach, one push on the wire (the snapshot a frame after the blocks),
+counted on the link, landed and stored with the blocks, restored with them before a turn.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import psutil
 
 from kvmesh.node.config import KVShareConfig
 from kvmesh.node.engine.boundary import EngineAPI
+from kvmesh.node.engine.snapshots import Snapshots
 from kvmesh.node.kvshare.explain import HandoffNotes, ReuseExplained
 from kvmesh.node.kvshare.hosttier import HostTier
 from kvmesh.node.kvshare.imports import Imports
@@ -76,13 +81,16 @@ def host_tier_blocks(cfg: KVShareConfig, engine: EngineAPI) -> int:
 
 class KVShare:
     """kv_share of one node. It is given what it uses: the host's name, the engine, its config
-    section, the mesh secrets, a publish function for its events, and a peer resolver (host name
-    -> that host's kv_share address, None for a host outside the mesh)."""
+    section, the mesh secrets, a publish function for its events, a peer resolver (host name
+    -> that host's kv_share address, None for a host outside the mesh), and the engine's snapshots
+    (None: its model keeps none)."""
 
     def __init__(self, name: str, engine: EngineAPI, cfg: KVShareConfig, *, secrets: list[bytes],
-                 publish: Callable[[Event], object], peer_address: Callable[[str], str | None]):
+                 publish: Callable[[Event], object], peer_address: Callable[[str], str | None],
+                 snapshots: Snapshots | None = None):
         self.name = name
         self.engine = engine
+        self.snapshots = snapshots
         self.cfg = cfg
         self.secret = secrets[0] if secrets else DEV_SECRET
         self.previous_secret = secrets[1] if len(secrets) > 1 else None
@@ -100,20 +108,22 @@ class KVShare:
         next_generation = itertools.count(1).__next__  # one sequence for offers and the store's own writes
         self._notes = HandoffNotes(engine, self.store)
         self.tier = HostTier(host_tier_blocks(cfg, engine), engine.block_bytes)
-        self._writes = WriteBehind(engine, self.store, next_generation=next_generation, tier=self.tier)
+        self._writes = WriteBehind(engine, self.store, next_generation=next_generation, tier=self.tier,
+                                   snapshots=snapshots)
         self._landing = Landing(name, engine, self.store, inn=self.links.inn, publish=publish,
                                 on_landed=self._notes.landed, on_refused=self._notes.refused,
                                 write_behind=self._writes.write_behind)
         self._receiver = Listener(cfg, self.store, self._landing, secret=self.secret,
                                   previous_secret=self.previous_secret,
-                                  server_tls=server_context(tls) if tls else None)
+                                  server_tls=server_context(tls) if tls else None, snapshots=snapshots)
         self._think = ThinkTimes()
         stream = PushStream(self.secret, cfg, client_context(tls) if tls else None)
         self._sender = PushSender(name, engine, cfg, out=self.links.out, think=self._think, stream=stream,
-                                  publish=publish, peer_address=peer_address, next_generation=next_generation)
+                                  publish=publish, peer_address=peer_address, next_generation=next_generation,
+                                  snapshots=snapshots)
         self._imports = Imports(name, engine, self.store, inbound=self._landing.inbound, notes=self._notes,
                                 publish=publish, pushes_moving=self._sender.moving, writes_pending=self._writes.pending,
-                                tier=self.tier)
+                                tier=self.tier, snapshots=snapshots)
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -190,6 +200,12 @@ class KVShare:
 
     def links_out(self) -> list[LinkInfo]:
         return self.links.links_out(self.name)
+
+    def snapshot_stats(self) -> dict[str, int] | None:
+        """The engine's snapshots and those replicas carried over the links (None: the model keeps none)."""
+        if self.snapshots is None:
+            return None
+        return {**self.snapshots.stats(), **self.links.snapshot_totals()}
 
     def stats(self) -> dict[str, object]:
         return {

@@ -9,6 +9,9 @@ non-ASCII); the id itself is in the manifest::
     root/<key>/tokens-<seq>.bin   int32 LE token ids of every stored block
     root/<key>/seg-<seq>.kv       one delta: payloads of a contiguous run of
                                   blocks, back to back from offset 0
+    root/<key>/snap-<seq>.bin     the state snapshot the replica resumes at (window cells,
+                                  recurrent state: node.engine.snapshots), where the model
+                                  keeps them; the manifest names its position and digest
 
 A directory named by the id itself (the format before session keys) is renamed
 to its key when the store opens.
@@ -188,6 +191,12 @@ class ReplicaStore:
         """
         check_session_id(session)
         return self._index.block_view(session, i, verify=verify)
+
+    def read_snapshot(self, session: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """The session's stored state snapshot, (the tokens it follows, its payload), its digest checked (a corrupt one drops the
+        session: StoreError('digest')); None when it holds none. A disk read: call it off the event loop."""
+        check_session_id(session)
+        return self._index.read_snapshot(session)
 
     # ---- writing ----------------------------------------------------------------
 

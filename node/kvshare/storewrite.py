@@ -1,9 +1,11 @@
 """Writing a replica into the store: the checks before a write, the delta plan (which
 segments are kept, where the new one starts), and the commit that makes it visible.
 
-A commit renames the new segment into place, writes the tokens file, then manifest.json
-(the commit point), each under a temp name first; then it swaps the new manifest into the
-index and deletes the files it no longer names.
+A commit renames the new segment into place, writes the tokens file and the snapshot (if the
+write brought one), then manifest.json (the commit point), each under a temp name first; then it
+swaps the new manifest into the index and deletes the files it no longer names. A write without
+a snapshot keeps the held one while the blocks before it are kept as they were: a snapshot belongs
+to the exact tokens before it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ import numpy as np
 from kvmesh.node.engine.hashing import HASH_BYTES, as_tokens, block_hashes, chain_seed
 from kvmesh.node.kvshare.files import bytes_of, fsync_dir, unlink_quietly, write_file
 from kvmesh.node.kvshare.index import Entry, ReplicaIndex
-from kvmesh.node.kvshare.manifest import MANIFEST, Manifest, Segment, common_prefix, manifest_json, readonly
+from kvmesh.node.kvshare.manifest import (
+    MANIFEST,
+    Manifest,
+    Segment,
+    StoredSnapshot,
+    common_prefix,
+    manifest_json,
+    readonly,
+)
 from kvmesh.node.kvshare.segment import SegmentWriter, StoreError
 
 FsyncPolicy = Literal["always", "never"]
@@ -121,12 +131,15 @@ class ReplicaWrites:
             tokens_file = f"tokens-{seq:08d}.bin"
             write_file(d, tokens_file, bytes_of(w.tokens), sync)
             written.append(d / tokens_file)
+            snapshot = _snapshot_of(w, seq, sync)
+            if w.snapshot is not None and snapshot is not None and snapshot.file == f"snap-{seq:08d}.bin":
+                written.append(d / snapshot.file)
             if sync:
                 fsync_dir(d)  # the segment and tokens names are durable before the manifest names them
             digests = list(w.base.digests[: w.seg_first]) if w.base else []
             manifest = Manifest(
                 w.session, w.fingerprint, w.block_size, w.block_bytes, w.tokens, w.hashes, digests + w.digests,
-                w.generation, _wall_clock(), tuple(segments), seq, tokens_file,
+                w.generation, _wall_clock(), tuple(segments), seq, tokens_file, snapshot,
             )  # fmt: skip
             write_file(d, MANIFEST, manifest_json(manifest), sync)
             if sync:
@@ -142,10 +155,28 @@ class ReplicaWrites:
         """Swap the new manifest into the index; delete the files it no longer names."""
         self._index.install(manifest, w.seg_first)
         if w.base is not None:
-            live = {s.file for s in manifest.segments} | {manifest.tokens_file}
-            for f in {s.file for s in w.base.segments} | {w.base.tokens_file}:
+            live = {s.file for s in manifest.segments} | {manifest.tokens_file} | _snapshot_files(manifest)
+            for f in {s.file for s in w.base.segments} | {w.base.tokens_file} | _snapshot_files(w.base):
                 if f not in live:
                     unlink_quietly(w.directory / f)
+
+
+def _snapshot_files(m: Manifest) -> set[str]:
+    return {m.snapshot.file} if m.snapshot is not None else set()
+
+
+def _snapshot_of(w: SegmentWriter, seq: int, sync: bool) -> StoredSnapshot | None:
+    """The snapshot the new version holds: the write's (its file written now), or the held one while the blocks
+    before it are kept; the further of the two when both are."""
+    held = w.base.snapshot if w.base is not None else None
+    if held is not None and held.pos > w.first_block * w.block_size:
+        held = None  # the tokens before it may differ now
+    if w.snapshot is None or (held is not None and held.pos > w.snapshot[0]):
+        return held
+    pos, data, digest = w.snapshot
+    name = f"snap-{seq:08d}.bin"
+    write_file(w.directory, name, data, sync)
+    return StoredSnapshot(name, pos, len(data), digest)
 
 
 def _checked_tokens(

@@ -1,10 +1,11 @@
 """One replica push on the wire, on its sender thread: connect, offer the block hashes, stream the
-blocks the receiver lacks straight from the pinned pool, then read its verdict (`wire.Sender` frames
-it all). `_Job` is the push as the queue on the event loop and this thread share it; `PushResult` is
-what it came to.
+blocks the receiver lacks straight from the pinned pool, then the session's newest state snapshot
+they reach (window-mode and recurrent models: `node.engine.snapshots`), then read its verdict
+(`wire.Sender` frames it all). `_Job` is the push as the queue on the event loop and this thread
+share it; `PushResult` is what it came to.
 
-Blocks are streamed in `_send_blocks` alone, so another kind of payload shipped with them (a state
-snapshot) is one more step there, not a change to the offer, the verdict or the queue."""
+The snapshot is found here, on the thread (its lookup digests the tokens, its frame the blob), and
+announced in the signed offer: the blocks and the snapshot are one replica, landed or refused whole."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvmesh.node.config import KVShareConfig
 from kvmesh.node.engine.engine import PinnedBlocks
+from kvmesh.node.engine.snapshots import Snapshot
 from kvmesh.node.kvshare import wire
 from kvmesh.node.kvshare.links import _Progress, tcp_acked, tcp_bytes
 
@@ -37,6 +41,7 @@ class PushResult:
     wire_sent: int = 0  # payload bytes the kernel put on the link (TCP_INFO bytes_sent, with resends)
     wire_received: int = 0
     backlogged_bytes: int = 0  # bytes acknowledged while another push to the target was queued (_Progress)
+    snapshot_bytes: int = 0  # the state snapshot's payload, when the push carried one (in bytes_sent once it landed)
 
 
 @dataclass
@@ -78,8 +83,12 @@ class PushStream:
         self._client_tls = client_tls
 
     def send(self, addr: str, offer: wire.Offer, pinned: PinnedBlocks, job: _Job,
-             backlog_s: Callable[[], float]) -> PushResult:
-        """The whole push to `addr`; `backlog_s` is the link's time backlogged so far (see `_Progress`)."""
+             backlog_s: Callable[[], float], snapshot: Callable[[np.ndarray], Snapshot | None] | None = None) -> PushResult:
+        """The whole push to `addr`; `backlog_s` is the link's time backlogged so far (see `_Progress`);
+        `snapshot(tokens)` the newest snapshot the pinned blocks reach (None: the model keeps none)."""
+        snap = snapshot(pinned.tokens) if snapshot is not None else None
+        if snap is not None:
+            offer = offer.model_copy(update={"snapshot_pos": snap.pos, "snapshot_bytes": snap.nbytes})
         host, port = addr.rsplit(":", 1)
         tx = wire.Sender(self.secret)
         try:
@@ -90,7 +99,9 @@ class PushStream:
         job.sock = sock
         result = PushResult(False, reason="error")
         try:
-            result = self._stream(sock, tx, offer, pinned, job, backlog_s)
+            result = self._stream(sock, tx, offer, pinned, job, backlog_s, snap)
+            if snap is not None:
+                result.snapshot_bytes = snap.nbytes  # it went with this push, whether it landed or not
         finally:
             result.wire_sent, result.wire_received = tcp_bytes(sock)
             if not result.ok:
@@ -101,8 +112,8 @@ class PushStream:
         return result
 
     def _stream(self, sock: socket.socket, tx: wire.Sender, offer: wire.Offer, pinned: PinnedBlocks,
-                job: _Job, backlog_s: Callable[[], float]) -> PushResult:
-        """Offer, then send the blocks the receiver lacks, then wait for its verdict."""
+                job: _Job, backlog_s: Callable[[], float], snap: Snapshot | None) -> PushResult:
+        """Offer, then send the blocks the receiver lacks and the snapshot, then wait for its verdict."""
         prog = _Progress(backlog_s)
         try:
             sock.settimeout(self.cfg.io_timeout_s)
@@ -116,7 +127,7 @@ class PushStream:
                 return PushResult(False, reason=ev.reason, message=ev.message)
             assert isinstance(ev, wire.Accepted)
             t0 = time.monotonic()  # transfer time counts from the first block
-            refused = self._send_blocks(sock, tx, pinned, job, ev.first_missing, prog)
+            refused = self._send_blocks(sock, tx, pinned, job, ev.first_missing, prog, snap)
             if refused is not None:
                 return refused
             if job.link_free is not None:
@@ -138,8 +149,8 @@ class PushStream:
             return PushResult(False, reason=reason, message=str(err), bytes_sent=prog.sent)
 
     def _send_blocks(self, sock: socket.socket, tx: wire.Sender, pinned: PinnedBlocks, job: _Job, first: int,
-                     prog: _Progress) -> PushResult | None:
-        """Send blocks first.. and END; a refusal the receiver sent mid-stream, or None once END is sent."""
+                     prog: _Progress, snap: Snapshot | None = None) -> PushResult | None:
+        """Send blocks first.., the snapshot, and END; a refusal the receiver sent mid-stream, or None once END is sent."""
         prog.acked_to(tcp_acked(sock))
         for i in range(first, len(pinned.ids)):
             if job.cancel.is_set():
@@ -161,6 +172,24 @@ class PushStream:
                 raise
             prog.sent += len(hdr) + data.nbytes
             prog.acked_to(tcp_acked(sock))
+        if snap is not None:
+            if job.cancel.is_set():
+                raise _Superseded()
+            if select.select([sock], [], [], 0)[0]:
+                return None
+            hdr = tx.snapshot_header(snap.blob)
+            try:
+                sock.sendall(hdr)
+                sock.sendall(snap.blob.data)
+                job.progress_at = time.monotonic()
+            except OSError:
+                if job.cancel.is_set():
+                    raise _Superseded() from None
+                refusal = self._late_refusal(sock, tx)
+                if refusal is not None:
+                    return PushResult(False, reason=refusal.reason, message=refusal.message, bytes_sent=prog.sent)
+                raise
+            prog.sent += len(hdr) + snap.nbytes
         end = tx.end()
         sock.sendall(end)
         prog.sent += len(end)

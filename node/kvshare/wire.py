@@ -1,4 +1,4 @@
-"""kv_share wire protocol, version 1: encoders and incremental decoders, no I/O.
+"""kv_share wire protocol, version 2: encoders and incremental decoders, no I/O.
 
 One transfer is one TCP connection from a sender to a receiver, for one
 (session, generation). Nothing here touches a socket, a file or an event loop:
@@ -14,7 +14,16 @@ Sender -> receiver::
            inside the length-prefixed header); a receiver names nothing by it: its
            store files go by `protocol.session_key(session)`.
     BLOCK  kind u8 | index u32 | chain hash 16 B | payload digest 16 B | payload (block_bytes)
-    END    kind u8 | block count u32 | HMAC(secret, offer mac || payload digests in order)
+    SNAP   kind u8 | position u32 | size u64 | payload digest 16 B | payload (size)
+           Only when the offer's signed header announces one (`snapshot_pos`, `snapshot_bytes`),
+           once, after the last block: the state a sliding-window or recurrent model resumes
+           from at that position (node.engine.snapshots), the half of its replica that is not
+           blocks. Its position names it: the offer's tokens before it.
+    END    kind u8 | block count u32 | HMAC(secret, offer mac || payload digests in order,
+           the snapshot's last)
+
+Version 2 added SNAP (and the two header fields); a receiver refuses an offer of
+another version ('version'), so a peer of the other version recomputes, never misreads.
 
 Receiver -> sender::
 
@@ -82,6 +91,7 @@ from kvmesh.node.kvshare.wire_events import (
     ReceiverEvent,
     Refused,
     SenderEvent,
+    SnapshotReceived,
 )
 from kvmesh.node.kvshare.wire_frames import (
     BLOCK_HEADER_BYTES,
@@ -90,6 +100,7 @@ from kvmesh.node.kvshare.wire_frames import (
     MAGIC,
     MAX_MESSAGE_BYTES,
     MAX_REASON_BYTES,
+    SNAPSHOT_HEADER_BYTES,
     VERSION,
     Kind,
     OfferFrame,
@@ -100,6 +111,7 @@ from kvmesh.node.kvshare.wire_frames import (
     encode_end,
     encode_offer,
     encode_result,
+    encode_snapshot_header,
     peek_answer,
     peek_offer,
 )
@@ -115,6 +127,7 @@ __all__ = [
     "MAGIC",
     "MAX_MESSAGE_BYTES",
     "MAX_REASON_BYTES",
+    "SNAPSHOT_HEADER_BYTES",
     "VERSION",
     "Kind",
     "Reason",
@@ -132,6 +145,7 @@ __all__ = [
     "encode_end",
     "encode_offer",
     "encode_result",
+    "encode_snapshot_header",
     "peek_answer",
     "peek_offer",
     # events
@@ -146,6 +160,7 @@ __all__ = [
     "ReceiverEvent",
     "Refused",
     "SenderEvent",
+    "SnapshotReceived",
     # the two state machines
     "Receiver",
     "Sender",

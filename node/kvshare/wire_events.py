@@ -44,6 +44,15 @@ class BlockReceived:
     data: memoryview
 
 
+@dataclass(frozen=True, eq=False)
+class SnapshotReceived:
+    """The snapshot the offer announced (after its last block), whose payload matched its digest."""
+
+    pos: int
+    digest: bytes
+    data: memoryview
+
+
 @dataclass(frozen=True)
 class EndReceived:
     """Every offered block arrived and the END mac authenticates their digests."""
@@ -84,6 +93,6 @@ class PeerRefused:
     authenticated: bool
 
 
-ReceiverEvent = OfferReceived | BlockHeader | BlockReceived | EndReceived | Refused
+ReceiverEvent = OfferReceived | BlockHeader | BlockReceived | SnapshotReceived | EndReceived | Refused
 SenderEvent = Accepted | Completed | PeerRefused
 PayloadTarget = Callable[[BlockHeader], "memoryview | None"]

@@ -1,4 +1,4 @@
-"""kv_share v1 frame layouts: constants, reason codes, the HMACs, encoders and keyless peeks.
+"""kv_share v2 frame layouts: constants, reason codes, the HMACs, encoders and keyless peeks.
 
 Everything both sides share about the bytes: the sender and receiver state machines
 (`wire_sender`, `wire_receiver`) build and parse frames with these layouts, and fault proxies
@@ -23,7 +23,7 @@ from kvmesh.node.errors import KVMeshError
 from kvmesh.node.kvshare.wire_header import Offer
 
 MAGIC = b"KVSH"
-VERSION = 1
+VERSION = 2  # 2: a state snapshot may follow the blocks (SNAPSHOT); 1 had blocks alone
 MAC_BYTES = 32
 DIGEST_BYTES = 16
 MAX_REASON_BYTES = 64
@@ -36,6 +36,7 @@ class Kind(enum.IntEnum):
     BLOCK = 3
     END = 4
     RESULT = 5
+    SNAPSHOT = 6
 
 
 class Reason(enum.StrEnum):
@@ -58,6 +59,7 @@ class Reason(enum.StrEnum):
     STALE = "stale"
     IMPORT_FAILED = "import_failed"
     INTERNAL = "internal"
+    SNAPSHOT = "snapshot"  # a snapshot whose cells do not check (node.engine.snapshots)
 
 
 class ProtocolError(KVMeshError):
@@ -75,10 +77,12 @@ class ProtocolError(KVMeshError):
 _OFFER_PREFIX = struct.Struct("<4sBBIII")
 _BLOCK_REST = struct.Struct("<I16s16s")
 _END_REST = struct.Struct("<I32s")
+_SNAP_REST = struct.Struct("<IQ16s")
 _ANSWER_FIXED = struct.Struct("<4sBBBIHH")
 _RESULT_FIXED = struct.Struct("<BBQHH")
 _STATUS_OK, _STATUS_REFUSED = 0, 1
 BLOCK_HEADER_BYTES = 1 + _BLOCK_REST.size
+SNAPSHOT_HEADER_BYTES = 1 + _SNAP_REST.size
 _ZERO_MAC = bytes(MAC_BYTES)
 
 
@@ -118,6 +122,11 @@ def encode_offer(offer: Offer, tokens: np.ndarray | Sequence[int], hashes: Seque
 def encode_block_header(index: int, chain_hash: bytes, digest: bytes) -> bytes:
     """The 37 bytes that precede a block's payload (the caller sends the payload itself)."""
     return bytes([Kind.BLOCK]) + _BLOCK_REST.pack(index, chain_hash, digest)
+
+
+def encode_snapshot_header(pos: int, nbytes: int, digest: bytes) -> bytes:
+    """The 29 bytes that precede the snapshot's payload: its position, its size, its payload digest."""
+    return bytes([Kind.SNAPSHOT]) + _SNAP_REST.pack(pos, nbytes, digest)
 
 
 def encode_end(count: int, mac: bytes) -> bytes:
@@ -162,12 +171,12 @@ class OfferFrame:
 
 def peek_offer(head: bytes | bytearray | memoryview) -> OfferFrame | None:
     """The OFFER at the start of `head`, once `head` holds its prefix and header; None while more
-    bytes are needed. ProtocolError: the stream is not a kv_share v1 offer."""
+    bytes are needed. ProtocolError: the stream is not a kv_share offer of this version."""
     if len(head) < _OFFER_PREFIX.size:
         return None
     magic, version, kind, header_len, n_tokens, n_hashes = _OFFER_PREFIX.unpack_from(head)
     if magic != MAGIC or version != VERSION or kind != Kind.OFFER:
-        raise ProtocolError(Reason.UNEXPECTED, "not a kv_share v1 OFFER")
+        raise ProtocolError(Reason.UNEXPECTED, f"not a kv_share v{VERSION} OFFER")
     end = _OFFER_PREFIX.size + header_len
     if len(head) < end:
         return None
@@ -187,5 +196,5 @@ def peek_answer(head: bytes | bytearray | memoryview) -> int | None:
         return None
     magic, version, kind, _status, first_missing, _rlen, _mlen = _ANSWER_FIXED.unpack_from(head)
     if magic != MAGIC or version != VERSION or kind != Kind.ANSWER:
-        raise ProtocolError(Reason.UNEXPECTED, "not a kv_share v1 ANSWER")
+        raise ProtocolError(Reason.UNEXPECTED, f"not a kv_share v{VERSION} ANSWER")
     return int(first_missing)

@@ -45,6 +45,10 @@ class Offer(BaseModel):
     n_blocks: int = Field(ge=0, le=1 << 32)
     generation: int = Field(ge=0, le=(1 << 63) - 1)
     sent_at: float = Field(allow_inf_nan=False)
+    # The state snapshot that follows the blocks (window cells, recurrent state: node.engine.snapshots), signed
+    # here so a receiver knows its size before a byte of it arrives; 0 and 0: the replica is blocks alone.
+    snapshot_pos: int = Field(0, ge=0, le=1 << 32)
+    snapshot_bytes: int = Field(0, ge=0, le=1 << 40)
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +63,9 @@ class Limits:
     max_blocks: int = 1 << 16
     max_tokens: int = 1 << 22
     max_block_bytes: int = 64 << 20
+    max_snapshot_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
-        for name in ("max_header_bytes", "max_blocks", "max_tokens", "max_block_bytes"):
+        for name in ("max_header_bytes", "max_blocks", "max_tokens", "max_block_bytes", "max_snapshot_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be positive")

