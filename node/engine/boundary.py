@@ -1,9 +1,9 @@
 """The engine boundary: the one small protocol kv_share, mesh and the API program against.
 
 `EngineAPI` lists exactly what those parts use of an engine today, nothing more, so
-every back end (the torch decoder, the sim cost model, the coming llama.cpp one)
+every back end (the torch decoder, the sim cost model, llama.cpp)
 satisfies it by providing these members. Block bookkeeping (pool, chained hashes,
-LRU, pins) exists once in `node.engine.engine.Engine`; back ends differ in how they
+LRU, pins) exists once, in the engine's parts (`sessiontable`, `prefix`, `export_import`); back ends differ in how they
 compute a block's bytes and where those bytes live.
 
 Grouped by who uses what (grep of node/kvshare, node/mesh, node/api, node/node.py):
@@ -14,7 +14,7 @@ Grouped by who uses what (grep of node/kvshare, node/mesh, node/api, node/node.p
 - moving KV (kv_share): export (pinned block views), pin (blocks pinned for another thread
   to read), begin_import (an `ImportAPI`),
   and for the store's write-behind, `blocks` (pin by hash) and `pool` (read bytes);
-- turns (API, through the node): validate, generate;
+- turns (mesh): admit (validation, the session's lock, a slot), then run; generate does both;
 - load (mesh placement): slots, prefill_rate.
 `evict` is not here: nothing outside the engine evicts a session today (the engine
 evicts LRU itself and reports it through the `on_evict` hook the node sets; the node
@@ -26,14 +26,42 @@ plain attribute of the concrete engine satisfies a read-only protocol member.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from kvmesh.node.engine.engine import ExportedBlock, GenerateRequest, PinnedBlocks, TextDelta, TurnBegin, TurnDone
+from kvmesh.node.engine.admission import Admission
 from kvmesh.node.engine.tokenizer import Tokenizer
+from kvmesh.node.engine.turns import GenerateRequest, TextDelta, TurnBegin, TurnDone
+
+
+@dataclass(frozen=True)
+class ExportedBlock:
+    index: int
+    hash: bytes
+    tokens: np.ndarray  # [block_size] int32
+    data: memoryview  # the block's KV bytes (zero-copy on CPU)
+
+
+@dataclass
+class PinnedBlocks:
+    """A session's full blocks, pinned in the pool; a thread other than the pinning one may read
+    their bytes. `release` (idempotent) unpins them once no thread reads them any more."""
+
+    ids: list[int]
+    hashes: list[bytes]
+    tokens: np.ndarray  # [len(ids) * block_size] the pinned blocks' token ids
+    read: Callable[[int], memoryview]  # a block's bytes by id (a host copy when the pool is on an accelerator)
+    _release: Callable[[list[int]], None]
+    _released: bool = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release(self.ids)
 
 
 @runtime_checkable
@@ -167,6 +195,12 @@ class EngineAPI(Protocol):
 
     def generate(self, req: GenerateRequest) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
         """Run one turn: TurnBegin once the slot is held, TextDeltas, then TurnDone."""
+
+    async def admit(self, req: GenerateRequest) -> Admission:
+        """Validate the turn (raising the API's errors), then wait for its session's lock and a slot."""
+
+    def run(self, adm: Admission) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
+        """Run an admitted turn: TurnBegin, TextDeltas, then TurnDone; releases the admission at its end."""
 
     @property
     def slots(self) -> SlotLoad: ...

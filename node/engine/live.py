@@ -8,7 +8,8 @@ snapshots of it: node.engine.snapshots.) The truth is the runner's own record of
 what each slot's sequence holds (`held`), asked each time, never a copy kept here; this class only
 remembers which session wrote each slot last.
 
-Every llama.cpp engine also uses it to choose a turn's slot (`preference`): the one still holding
+`LivePrefix` is such an engine's prefix index (node.engine.prefix). Every llama.cpp engine also uses
+`LiveCaches` to choose a turn's slot (`preference`): the one still holding
 the session, so a block model's turn skips restoring from the pool too.
 """
 
@@ -17,6 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+
+from kvmesh.node.engine.sequence import Match
+from kvmesh.node.engine.sessiontable import SessionTable
 
 
 class LiveCaches:
@@ -80,3 +84,39 @@ class LiveCaches:
 
     def sessions(self) -> list[str]:
         return list(self._owner.values())
+
+
+class LivePrefix:
+    """The prefix index of a model without blocks: a session reuses what its slot still holds, nothing else."""
+
+    def __init__(self, live: LiveCaches, table: SessionTable):
+        """`table` stays empty (no block is ever cut); it is where a dropped cache is reported (`on_evict`)."""
+        self.live, self.table = live, table
+
+    def match(self, session: str, tokens: np.ndarray, slot: int | None = None) -> Match:
+        n = self.live.cached_prefix(session, tokens) if slot is None else self.live.reusable(session, slot, tokens)
+        return Match(tokens=n, block_ids=[], full_blocks=0, hashes=[])
+
+    def resident(self, session: str) -> int:
+        return self.live.resident(session)
+
+    def tokens(self, session: str) -> np.ndarray | None:
+        return None if (t := self.live.tokens(session)) is None else t.copy()
+
+    def slot_taken(self, overwritten: str) -> None:
+        self.table.drop(overwritten)  # its cache was only that slot's sequence
+        self.table.counters.evicted_sessions += 1
+
+    async def commit(self, slot: int, session: str, kv_tokens: np.ndarray, match: Match, reuse: int,
+                     pinned: list[int]) -> None:
+        pass  # the slot holds the turn's cache; nothing is cut into blocks (`pinned` is empty: no block matched)
+
+    def evict(self, session: str) -> bool:
+        if not self.live.drop(session):
+            return False
+        self.table.drop(session)
+        self.table.counters.evicted_sessions += 1
+        return True
+
+    def evict_all(self) -> int:
+        return sum(self.evict(s) for s in self.live.sessions())

@@ -76,7 +76,7 @@ def test_reused_prefix_gives_same_logits_as_full_prefill(make_engine, turn) -> N
     tokens = as_tokens(p2)
 
     async def reuse_forward() -> tuple[int, torch.Tensor]:
-        m = warm._match("s", tokens)
+        m = warm.prefix.match("s", tokens)
         reuse = min(m.tokens, len(tokens) - 1)
         warm.runner.ws[0].zero_()  # nothing left over from turn 1: the load must restore it
         await warm.runner.load(0, m.block_ids[: blocks_for(reuse, warm.block_size)], tokens[:reuse])

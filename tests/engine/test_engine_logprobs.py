@@ -34,8 +34,8 @@ def test_greedy_logprobs_are_the_engines_own_log_softmax(make_engine, sim_cfg, t
     assert len(got) == r.stats.completion_tokens and got
     assert b"".join(g.token for g in got).decode() == r.text
     for g, row in zip(got, rows):
-        if e._allowed is not None:  # the byte model's own mask: what it may emit at all
-            row = row.masked_fill(~e._allowed, float("-inf"))
+        if e.decode.allowed is not None:  # the byte model's own mask: what it may emit at all
+            row = row.masked_fill(~e.decode.allowed, float("-inf"))
         want = torch.log_softmax(row.float(), dim=-1)
         top = torch.topk(want, 3)
         assert g.logprob == float(want.max())  # greedy: the chosen token is the likeliest

@@ -187,7 +187,7 @@ def test_loads_and_greedy_is_deterministic(ckpts: dict[str, Path], engines, vari
     a, b = engines(_cfg(ckpts[variant])), engines(_cfg(ckpts[variant]))
     assert a.model_name == ckpts[variant].name
     assert a.model_cfg.checkpoint and a.fingerprint == b.fingerprint
-    assert isinstance(a.tokenizer, HFTokenizer) and a._allowed is None  # real models are not masked
+    assert isinstance(a.tokenizer, HFTokenizer) and a.decode.allowed is None  # real models are not masked
     prompt = a.tokenizer.apply_chat_template(MSGS)
     ta, sa = _turn(a, "s", prompt, max_tokens=12)
     tb, sb = _turn(b, "s", prompt, max_tokens=12)
@@ -238,7 +238,7 @@ def test_prefix_reuse_and_import_match_full_prefill(ckpts: dict[str, Path], engi
     with home.export("s") as blocks:
         toks = home.session_tokens("s")
         fresh.import_blocks("s2", home.fingerprint, toks[:n], [b.hash for b in blocks], [b.data for b in blocks])
-    m = fresh._match("s2", np.asarray(p2, dtype=np.int32))
+    m = fresh.prefix.match("s2", np.asarray(p2, dtype=np.int32))
     reuse = min(m.tokens, len(p2) - 1)
     assert reuse > 0
     ids = m.block_ids[: -(-reuse // fresh.block_size)]

@@ -17,6 +17,8 @@ from test_llamacpp import Capture, prompt
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TurnBegin
+from kvmesh.node.engine.live import LivePrefix
+from kvmesh.node.engine.prefix import BlockPrefix
 from kvmesh.node.errors import ImportRefused
 from kvmesh.node.lab import testmodels
 
@@ -47,11 +49,11 @@ def test_the_generated_models_are_hybrid_and_recurrent(tmp_path: Path) -> None:
     assert gguf.GGUFReader(ma).fields["general.architecture"].contents() == "mamba"
     h, m, unknown = _engine(hy, readable=True), _engine(ma, readable=True), _engine(ma)
     try:
-        assert h.inexact_reason is None and h.live is None and h.snapshots is not None
-        assert m.inexact_reason is None and m.live is None and m.snapshots is not None
+        assert h.inexact_reason is None and isinstance(h.prefix, BlockPrefix) and h.snapshots is not None
+        assert m.inexact_reason is None and isinstance(m.prefix, BlockPrefix) and m.snapshots is not None
         assert h.kv_bytes_per_token > 100 and m.block_bytes < 100  # only lfm2's attention layers grow
         assert unknown.inexact_reason is not None and "cannot read its llama.cpp sequence state" in unknown.inexact_reason
-        assert unknown.live is not None and unknown.snapshots is None and unknown.kv_bytes_per_token == 1
+        assert isinstance(unknown.prefix, LivePrefix) and unknown.snapshots is None and unknown.kv_bytes_per_token == 1
     finally:
         h.close()
         m.close()
