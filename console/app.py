@@ -210,7 +210,7 @@ class KvmeshConsole(App[None]):
             return  # the screen is being torn down (quitting): nothing left to patch
         self.patch_ms.append((time.perf_counter() - t0) * 1000)
         self.call_after_refresh(self._painted, t0, c0)
-        self._heap.after_refresh(changes.full or changes.snapshot, self._timer)
+        self._heap.after_refresh(changes.full or changes.cluster_view, self._timer)
 
     def _timer(self, delay: float, callback: Callable[[], None]) -> Callable[[], object]:
         return self.set_timer(delay, callback).stop

@@ -2,14 +2,14 @@
 
 Defaults: 2,000 sessions on 4 hosts, 200 events/s, 30 s, a 120x40 screen (every
 panel on screen). `--hosts 256 --sessions 20000`: a mesh past the directory threshold, one
-stream per host, each snapshot only that host's part (console.synthetic), so startup_s is the
+stream per host, each cluster view only that host's part (console.synthetic), so startup_s is the
 time until every part is merged into the full view (all sessions, all hosts). `--ended N`: N of the sessions finished long ago (a long run's history);
 the sessions table lists live ones only, so `rows_on_screen_table` is the live count. `--threads N`: each
 client session is a main conversation and N threads of it (the table reads each group as one). Events go through the same path as the wire (JSON -> parse_event ->
 ConsoleState) and the same timer-driven patching; only the terminal write is
 skipped (headless driver), the rendering into screen lines is not.
 
-Measured over the steady state, after the first snapshot is on screen:
+Measured over the steady state, after the first cluster view is on screen:
 cpu_core_fraction = process CPU seconds / wall seconds; p95_refresh_ms = 95th
 percentile of refresh tick start -> screen repainted (wall clock, so it includes
 waiting for a core on a busy machine; p95_refresh_cpu_ms is the same interval in
@@ -30,7 +30,7 @@ from typing import Any
 from kvmesh.console.app import KvmeshConsole
 from kvmesh.console.config import ConsoleConfig
 from kvmesh.console.state import ConsoleState
-from kvmesh.console.synthetic import SyntheticMesh, run_synthetic, snapshot_frames
+from kvmesh.console.synthetic import SyntheticMesh, run_synthetic, view_frames
 
 WARMUP_S = 2.0
 
@@ -51,7 +51,7 @@ async def _run(
     mesh = SyntheticMesh(sessions=sessions, hosts=hosts, ended=ended, threads=threads)
     state = ConsoleState()
     # What the nodes would send is made before the clock starts: the console's cost is parsing it, not this.
-    frames = snapshot_frames(mesh, time.time())
+    frames = view_frames(mesh, time.time())
 
     async def source(st: ConsoleState) -> None:
         await run_synthetic(mesh, st.feed_frame, st.node_connected, events_per_s=events_per_s, clock=time.time,
@@ -61,7 +61,7 @@ async def _run(
     t_start = time.perf_counter()
     cpu_start = time.process_time()
     async with app.run_test(size=size, headless=True) as pilot:
-        # Wait for the snapshot to be on screen, then let the first builds settle.
+        # Wait for the cluster view to be on screen, then let the first builds settle.
         while len(state.sessions) < sessions or len(state.hosts) < hosts:
             await asyncio.sleep(0.05)
         await pilot.pause()

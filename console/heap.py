@@ -6,7 +6,7 @@ sessions that was a 150 ms stall every few seconds, the p95 of the refresh, and 
 holds is long-lived (the state, the widgets, the row caches), and nearly all of its
 churn is freed by reference counting, which freezing does not touch. So:
 
-- after snapshots land (256 nodes' parts arrive over seconds), each refresh freezes
+- after cluster views land (256 nodes' parts arrive over seconds), each refresh freezes
   the heap as it is, without collecting (cheap), and once they stop for
   SETTLE_AFTER_S the heap is collected once and frozen: `settle`;
 - in the steady state, every YOUNG_EVERY_S the young generations are collected and
@@ -41,11 +41,11 @@ class HeapSettler:
         self._young_at = float("-inf")
         self._pending: Callable[[], object] | None = None  # stops the settle timer that is waiting
 
-    def after_refresh(self, snapshot: bool, set_timer: Callable[[float, Callable[[], None]], Callable[[], object]]) -> None:
+    def after_refresh(self, cluster_view: bool, set_timer: Callable[[float, Callable[[], None]], Callable[[], object]]) -> None:
         if self._sessions() < MIN_SESSIONS:
             return
         now = self._clock()
-        if snapshot:
+        if cluster_view:
             gc.freeze()
             if self._pending is not None:
                 self._pending()

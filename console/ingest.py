@@ -3,7 +3,7 @@
 `stream_node` connects to `{node}/v1/events`, hands every text frame to the sink
 (normally the `ConsoleState`), and on any failure marks the node disconnected and
 reconnects with exponential backoff plus jitter. Each (re)connect begins with a
-snapshot, so the state rebuilds itself; nothing here interprets events. The loop
+cluster view, so the state rebuilds itself; nothing here interprets events. The loop
 only ends when its task is cancelled: a node going away must never end the console.
 """
 
@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from websockets.asyncio.client import connect as ws_connect
 
-# Snapshots of big meshes are large single frames (2,000 sessions is ~0.5 MB).
+# Cluster views of big meshes are large single frames (2,000 sessions is ~0.5 MB).
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
@@ -83,7 +83,7 @@ async def stream_node(
                 first = True
                 async for frame in ws:
                     if first:
-                        # Only a stream that delivers (its snapshot first) counts as
+                        # Only a stream that delivers (its cluster view first) counts as
                         # connected: a server that accepts and drops at once keeps the
                         # node stale since its first loss, and keeps backing off.
                         sink.node_connected(url)

@@ -1,4 +1,4 @@
-"""A synthetic mesh: deterministic snapshots and event streams, as JSON frames.
+"""A synthetic mesh: deterministic cluster views and event streams, as JSON frames.
 
 Used by `kvmesh-console bench` (2,000 sessions at 200 events/s, `--ended N` of
 them long finished; `--hosts 256 --sessions 20000` for a big mesh), by `--demo` (the console with no nodes, for trying the UI,
@@ -8,7 +8,7 @@ what a node would put on the wire (protocol models serialized to JSON), so the
 console's parse path is exercised too.
 
 Past `directory_after_hosts` hosts it plays what a large mesh sends: one stream per host, each
-snapshot that host's part only (the sessions it is home of or holds a replica of, and those it is
+cluster view that host's part only (the sessions it is home of or holds a replica of, and those it is
 directory for, with the whole picture), so the console must merge the parts to see the mesh.
 
 `threads` N: each client session is a main conversation and N threads of it (subagents' conversations),
@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.node.protocol import (
-    ClusterSnapshot,
+    ClusterView,
+    ClusterViewEvent,
     Event,
     Handoff,
     HandoffCounters,
@@ -35,7 +36,6 @@ from kvmesh.node.protocol import (
     ReplicaSent,
     ReplicaStarted,
     SessionInfo,
-    SnapshotEvent,
     TurnFinished,
     TurnStarted,
     classify,
@@ -68,7 +68,7 @@ class SyntheticMesh:
     slots: int = 4
     ended: int = 0  # this many sessions (the first ones) finished long ago: no events for them
     threads: int = 0  # each client session: a main conversation and this many threads of it (see the docstring)
-    directory_after_hosts: int = 16  # past this many hosts, each host's snapshot is its part (see the docstring)
+    directory_after_hosts: int = 16  # past this many hosts, each host's cluster view is its part (see the docstring)
     t0: float = 1_700_000_000.0
     _rng: random.Random = field(init=False)
     _seq: dict[str, int] = field(init=False, default_factory=dict)
@@ -127,7 +127,7 @@ class SyntheticMesh:
 
     @property
     def partitioned(self) -> bool:
-        """Whether each host's snapshot is its own part (a mesh past the directory threshold)."""
+        """Whether each host's cluster view is its own part (a mesh past the directory threshold)."""
         return self.hosts > self.directory_after_hosts
 
     def _info(self, s: _Sess, now: float, *, home: bool = True, replica: bool = True) -> SessionInfo:
@@ -155,15 +155,15 @@ class SyntheticMesh:
                 out[s.replica].append(self._info(s, now, home=False))
         return out
 
-    def snapshots(self, now: float) -> list[SnapshotEvent]:
-        """One snapshot per host, each its part (partitioned), or the one whole snapshot."""
+    def views(self, now: float) -> list[ClusterViewEvent]:
+        """One cluster view per host, each its part (partitioned), or the one whole cluster view."""
         if not self.partitioned:
-            return [self.snapshot(now)]
+            return [self.view(now)]
         parts = self._parts(now)
-        return [self.snapshot(now, h, parts[h]) for h in self.host_names]
+        return [self.view(now, h, parts[h]) for h in self.host_names]
 
-    def snapshot(self, now: float | None = None, node: str | None = None,
-                 sessions: list[SessionInfo] | None = None) -> SnapshotEvent:
+    def view(self, now: float | None = None, node: str | None = None,
+                 sessions: list[SessionInfo] | None = None) -> ClusterViewEvent:
         now = self.t0 if now is None else now
         node = node or self.host_names[0]
         hosts = [self.host_info(h, now) for h in self.host_names]
@@ -176,9 +176,9 @@ class SyntheticMesh:
                      warm=300, partial=2, cold=0)
             for i, a in enumerate(names) if self.hosts > 1
         ]
-        cluster = ClusterSnapshot(node=node, ts=now, hosts=hosts, sessions=sessions, links=links,
+        cluster = ClusterView(node=node, ts=now, hosts=hosts, sessions=sessions, links=links,
                                   counters=self.counters.model_copy(), scope="partial" if self.partitioned else "mesh")
-        return SnapshotEvent(ts=now, node=node, seq=self._seq[node], cluster=cluster)
+        return ClusterViewEvent(ts=now, node=node, seq=self._seq[node], cluster=cluster)
 
     def events(self, now: float, n: int) -> list[Event]:
         """The next `n` events of a busy mesh: turns, handoffs, replica pushes, host status."""
@@ -251,9 +251,9 @@ class SyntheticMesh:
         ]
 
 
-def snapshot_frames(mesh: SyntheticMesh, now: float, url: str = "synthetic://mesh") -> list[tuple[str, str]]:
-    """(source, JSON frame) of each snapshot the mesh opens its streams with (see `run_synthetic`)."""
-    return [(f"{url}/{snap.node}" if mesh.partitioned else url, snap.model_dump_json()) for snap in mesh.snapshots(now)]
+def view_frames(mesh: SyntheticMesh, now: float, url: str = "synthetic://mesh") -> list[tuple[str, str]]:
+    """(source, JSON frame) of each cluster view the mesh opens its streams with (see `run_synthetic`)."""
+    return [(f"{url}/{view.node}" if mesh.partitioned else url, view.model_dump_json()) for view in mesh.views(now)]
 
 
 async def run_synthetic(
@@ -267,14 +267,14 @@ async def run_synthetic(
     batch_interval: float = 0.05,
     frames: list[tuple[str, str]] | None = None,
 ) -> None:
-    """Play the mesh into a sink as JSON frames: a snapshot, then events at a steady rate.
+    """Play the mesh into a sink as JSON frames: a cluster view, then events at a steady rate.
 
     A partitioned mesh plays one stream per host (`{url}/{host}`), each event on its emitter's stream.
-    `frames`: the snapshots already made (`snapshot_frames`), so a benchmark does not time their making."""
+    `frames`: the cluster views already made (`view_frames`), so a benchmark does not time their making."""
     def source(node: str) -> str:
         return f"{url}/{node}" if mesh.partitioned else url
 
-    for src, frame in frames if frames is not None else snapshot_frames(mesh, clock(), url):
+    for src, frame in frames if frames is not None else view_frames(mesh, clock(), url):
         on_connected(src)
         feed_frame(src, frame)
         await asyncio.sleep(0)  # the streams connect one by one, as 256 websockets would

@@ -1,4 +1,4 @@
-"""The wire contract: every event, snapshot and command that crosses a process boundary.
+"""The wire contract: every event, cluster view and command that crosses a process boundary.
 
 The console and any third-party consumer import this module and nothing else
 from `node`; it depends on pydantic only (and `node.sessionids`, the session-id rules, whose
@@ -53,7 +53,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-# ---- state snapshots ---------------------------------------------------------
+# ---- cluster views ------------------------------------------------------------
 
 
 class HostInfo(_Model):
@@ -135,7 +135,7 @@ class HandoffCounters(_Model):
         return 100.0 * self.warm / self.total if self.total else 100.0
 
 
-class ClusterSnapshot(_Model):
+class ClusterView(_Model):
     node: str  # who answered
     ts: float
     hosts: list[HostInfo] = []
@@ -147,11 +147,11 @@ class ClusterSnapshot(_Model):
     # `note` then says how to get the whole: `GET /v1/cluster?scope=mesh`, or a console following every node.
     scope: Literal["mesh", "partial"] = "mesh"
     note: str = ""
-    parts: list[str] = []  # a fan-in's: the hosts whose snapshots were merged into it
+    parts: list[str] = []  # a fan-in's: the hosts whose views were merged into it
 
 
 def merge_session_parts(parts: Iterable[tuple[SessionInfo, float]], now: float) -> SessionInfo:
-    """One session as the mesh holds it, from what several nodes' snapshots (each with its `ts`) said of it.
+    """One session as the mesh holds it, from what several nodes' views (each with its `ts`) said of it.
 
     Each part is one node's view: what it holds itself, and what every host holds if it is the session's
     directory. The home is the one with the highest `home_seq` any part names (the mesh's turn order, never a
@@ -182,8 +182,8 @@ def merge_session_parts(parts: Iterable[tuple[SessionInfo, float]], now: float) 
     })
 
 
-def merge_clusters(own: ClusterSnapshot, others: Iterable[ClusterSnapshot]) -> ClusterSnapshot:
-    """A mesh-wide snapshot from nodes' partial ones: `own`'s hosts, links and counters (every node's are
+def merge_clusters(own: ClusterView, others: Iterable[ClusterView]) -> ClusterView:
+    """A mesh-wide view from nodes' partial ones: `own`'s hosts, links and counters (every node's are
     whole), and the sessions of all of them, each merged by `merge_session_parts`."""
     snaps = [own, *others]
     by_session: dict[str, list[tuple[SessionInfo, float]]] = {}
@@ -240,11 +240,11 @@ class DirectoryEntry(_Model):
     held: dict[str, SessionHolding] = {}
 
 
-class StateSnapshot(_Model):
+class StateBaseline(_Model):
     """The first message of a peer state stream (`/v1/peer/state`), and the answer to a resync: the
     sender's whole status at `seq`. `epoch` (the sender's start, wall time) changes on restart."""
 
-    type: Literal["state_snapshot"] = "state_snapshot"
+    type: Literal["state_snapshot"] = "state_snapshot"  # the wire tag keeps its older name: nodes of both ages interoperate
     epoch: float
     seq: int
     status: PeerStatus
@@ -269,7 +269,7 @@ class StateDelta(_Model):
     links_removed: list[str] = []
 
 
-StateMessage = Annotated[StateSnapshot | StateDelta, Field(discriminator="type")]
+StateMessage = Annotated[StateBaseline | StateDelta, Field(discriminator="type")]
 STATE_ADAPTER: TypeAdapter[StateMessage] = TypeAdapter(StateMessage)
 
 
@@ -281,13 +281,15 @@ class _Event(_Model):
     ts: float = 0.0
     node: str = ""
     epoch: float = 0.0  # the emitting process's start (wall time): (node, epoch, seq) survives restarts
-    seq: int = 0  # for a snapshot: the last event the snapshot already reflects
+    seq: int = 0  # for a cluster view: the last event the view already reflects
     replay: bool = False
 
 
-class SnapshotEvent(_Event):
+class ClusterViewEvent(_Event):
+    """A node's cluster view, the first message of `/v1/events` (the wire tag keeps its older name, 'snapshot')."""
+
     type: Literal["snapshot"] = "snapshot"
-    cluster: ClusterSnapshot
+    cluster: ClusterView
 
 
 class TurnStarted(_Event):
@@ -459,7 +461,7 @@ class MigrateCompleted(_Event):
 
 
 Event = Annotated[
-    SnapshotEvent | TurnStarted | TurnFinished | Handoff | ReplicaStarted | ReplicaSent | ReplicaReady | ReplicaImported | ReplicaEvicted | ReplicaRefused | ReplicaSuperseded | HostStatus | PeerUp | PeerDown | DrainStarted | DrainProgress | DrainCompleted | Undrained | MigrateStarted | MigrateCompleted,
+    ClusterViewEvent | TurnStarted | TurnFinished | Handoff | ReplicaStarted | ReplicaSent | ReplicaReady | ReplicaImported | ReplicaEvicted | ReplicaRefused | ReplicaSuperseded | HostStatus | PeerUp | PeerDown | DrainStarted | DrainProgress | DrainCompleted | Undrained | MigrateStarted | MigrateCompleted,
     Field(discriminator="type"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)

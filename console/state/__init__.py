@@ -1,4 +1,4 @@
-"""The console's model of the mesh: plain Python, fed snapshots and events, no Textual.
+"""The console's model of the mesh: plain Python, fed cluster views and events, no Textual.
 
 Everything the screen shows is read from one `ConsoleState`. The ingest side
 calls `feed_frame` / `feed` with what arrives on each node's websocket and
@@ -8,12 +8,12 @@ rows to patch. Keeping it free of Textual means the tricky parts (rebuild on
 reconnect, dedupe, replay vs live, out-of-order, pause) are unit-tested directly.
 
 Rules this model keeps:
-- A snapshot replaces the mesh-wide picture (hosts are upserted and never dropped,
+- A cluster view replaces the mesh-wide picture (hosts are upserted and never dropped,
   sessions absent from it are removed, counters are replaced).
 - Events are identified by `(node, seq)` and applied at most once.
-- Replayed events (`replay=True`) are already reflected in the snapshot that
+- Replayed events (`replay=True`) are already reflected in the cluster view that
   preceded them, so they go to the event log only, unless they are newer than the
-  snapshot's watermark (`SnapshotEvent.seq` from the same node, when the node
+  cluster view's watermark (`ClusterViewEvent.seq` from the same node, when the node
   sets it). Applying them again would double-count handoffs and roll hosts back
   to older values.
 - "Latest value" fields (a host's status, a session's home) never go backwards

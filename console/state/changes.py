@@ -28,12 +28,12 @@ class Changes:
     log: bool = False
     nodes: bool = False
     full: bool = False  # every row may have changed (a theme, a layout)
-    snapshot: bool = False  # a node's snapshot was applied (its rows are marked one by one)
+    cluster_view: bool = False  # a node's cluster view was applied (its rows are marked one by one)
 
     def any(self) -> bool:
         return bool(
             self.hosts or self.sessions or self.removed_sessions or self.links
-            or self.counters or self.log or self.nodes or self.full or self.snapshot
+            or self.counters or self.log or self.nodes or self.full or self.cluster_view
         )
 
     def take(self) -> Changes:
@@ -43,10 +43,10 @@ class Changes:
         emptied in place rather than replaced (the sets move over, nothing is copied)."""
         taken = Changes(
             hosts=self.hosts, sessions=self.sessions, removed_sessions=self.removed_sessions, links=self.links,
-            counters=self.counters, log=self.log, nodes=self.nodes, full=self.full, snapshot=self.snapshot,
+            counters=self.counters, log=self.log, nodes=self.nodes, full=self.full, cluster_view=self.cluster_view,
         )
         self.hosts, self.sessions, self.removed_sessions, self.links = set(), set(), set(), set()
-        self.counters = self.log = self.nodes = self.full = self.snapshot = False
+        self.counters = self.log = self.nodes = self.full = self.cluster_view = False
         return taken
 
     def merge(self, changes: Changes) -> None:
@@ -59,7 +59,7 @@ class Changes:
         self.log |= changes.log
         self.nodes |= changes.nodes
         self.full |= changes.full
-        self.snapshot |= changes.snapshot
+        self.cluster_view |= changes.cluster_view
 
 
 class Ordered(Protocol):

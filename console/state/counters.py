@@ -1,8 +1,8 @@
 """The mesh-wide handoff counters the counters panel shows: warm / partial / cold,
 colds from stale state, and handoffs short of their predicted reuse by reason.
 
-A snapshot replaces them unless it comes from another node than the last one taken and counts
-fewer handoffs: every node's snapshot sums all its peers' counters, and one that just (re)started
+A cluster view replaces them unless it comes from another node than the last one taken and counts
+fewer handoffs: every node's cluster view sums all its peers' counters, and one that just (re)started
 has not heard from its peers yet, so in a mesh of many nodes its total would drop the counters to
 a fraction. (The node the counters came from is believed, fewer or not: it reconnected.)
 Every live `handoff` event adds to them. Counts are commutative, so (unlike "latest value"
@@ -16,14 +16,14 @@ from kvmesh.node.protocol import Handoff, HandoffCounters
 
 
 class Counters:
-    """Holds the current `HandoffCounters` (a new object after each snapshot)."""
+    """Holds the current `HandoffCounters` (a new object after each cluster view)."""
 
     def __init__(self, changes: Changes) -> None:
         self.handoffs = HandoffCounters()
         self._changes = changes
-        self._source = ""  # the node whose snapshot the counters were last taken from
+        self._source = ""  # the node whose cluster view the counters were last taken from
 
-    def apply_snapshot(self, counters: HandoffCounters, source: str = "") -> None:
+    def apply_view(self, counters: HandoffCounters, source: str = "") -> None:
         if counters.total < self.handoffs.total and source != self._source:
             return
         self._source = source

@@ -1,6 +1,6 @@
 """Hosts as the console shows them: one row per name, upserted, never dropped, never reordered.
 
-A snapshot upserts every host it names and marks the others missing (kept on
+A cluster view upserts every host it names and marks the others missing (kept on
 screen, shown stale); `host_status`, peer and drain events update a row in place.
 `state` turns a row and its node's connection into the word the hosts table shows.
 """
@@ -35,18 +35,18 @@ class HostRow:
     last: tuple[str, int] = ("", 0)  # (node, seq) of the last event applied to this row
     drain_done: int = 0
     drain_total: int = 0
-    missing: bool = False  # absent from the latest snapshot: kept on screen, shown stale
+    missing: bool = False  # absent from the latest cluster view: kept on screen, shown stale
 
 
 class Hosts:
-    """Every host any snapshot or event named, by name."""
+    """Every host any cluster view or event named, by name."""
 
     def __init__(self, changes: Changes, nodes: Nodes) -> None:
         self.rows: dict[str, HostRow] = {}
         self._changes = changes
         self._nodes = nodes
 
-    def apply_snapshot(self, infos: Iterable[HostInfo], ts: float) -> None:
+    def apply_view(self, infos: Iterable[HostInfo], ts: float) -> None:
         seen_hosts = set()
         for info in infos:
             seen_hosts.add(info.name)
@@ -57,7 +57,7 @@ class Hosts:
                 row.info = info
                 row.ts = ts
                 row.missing = False
-                row.last = ("", 0)  # the snapshot is the new baseline (its node may have restarted)
+                row.last = ("", 0)  # the cluster view is the new baseline (its node may have restarted)
         for name, row in self.rows.items():
             if name not in seen_hosts:
                 row.missing = True  # kept: a host never silently leaves the screen

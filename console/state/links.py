@@ -1,7 +1,7 @@
 """Links between hosts, one per direction: bytes and transfers, a per-second throughput
 history (the sparkline), the last transfer's rate, and the handoff classes seen on it.
 
-A snapshot is each link's new baseline; `replica_sent` adds a transfer, spreading
+A cluster view is each link's new baseline; `replica_sent` adds a transfer, spreading
 its bytes over the seconds it took; `handoff` counts its class on the link.
 """
 
@@ -30,8 +30,8 @@ class LinkRow:
     last: tuple[str, int] = ("", 0)  # (node, seq) of the last transfer applied
     goodput_gbps: float | None = None
     blocks_per_s: float | None = None  # the last transfer's rate in blocks (estimates in-flight progress)
-    snap_bps: float = 0.0  # throughput the node reported in the last snapshot
-    snap_ts: float = 0.0
+    view_bps: float = 0.0  # throughput the node reported in the last cluster view
+    view_ts: float = 0.0
     warm: int = 0
     partial: int = 0
     cold: int = 0
@@ -59,11 +59,11 @@ class LinkRow:
         return [self.buckets.get(s, 0.0) * 8 for s in range(last - n + 1, last + 1)]
 
     def now_bps(self, now: float, window: int = 3) -> float:
-        """Recent throughput: the mean of the last few seconds, else the snapshot's figure."""
+        """Recent throughput: the mean of the last few seconds, else the cluster view's figure."""
         if self.buckets:
             return sum(self.history_bps(now, window)) / window
-        if self.snap_ts and now - self.snap_ts < 10:
-            return self.snap_bps
+        if self.view_ts and now - self.view_ts < 10:
+            return self.view_bps
         return 0.0
 
     def trim(self, now: float) -> None:
@@ -73,26 +73,26 @@ class LinkRow:
 
 
 def _link_from_info(row: LinkRow, info: LinkInfo, ts: float) -> None:
-    row.last = ("", 0)  # the snapshot is the new baseline
+    row.last = ("", 0)  # the cluster view is the new baseline
     row.bytes_sent = info.bytes_sent
     row.transfers = info.transfers
     row.last_transfer_s = info.last_transfer_s
     row.last_transfer_bytes = info.last_transfer_bytes
     row.goodput_gbps = info.goodput_gbps
-    row.snap_bps = info.throughput_bps
-    row.snap_ts = ts
+    row.view_bps = info.throughput_bps
+    row.view_ts = ts
     row.warm, row.partial, row.cold = info.warm, info.partial, info.cold
 
 
 class Links:
-    """Every link any snapshot or event named, by (src, dst)."""
+    """Every link any cluster view or event named, by (src, dst)."""
 
     def __init__(self, changes: Changes, clock: Callable[[], float]) -> None:
         self.rows: dict[LinkKey, LinkRow] = {}
         self._changes = changes
         self._clock = clock
 
-    def apply_snapshot(self, infos: Iterable[LinkInfo], ts: float) -> None:
+    def apply_view(self, infos: Iterable[LinkInfo], ts: float) -> None:
         for li in infos:
             link = self.rows.get((li.src, li.dst))
             if link is None:

@@ -69,7 +69,7 @@ class ConsoleState:
         return self._sessions.threads.count(group)
 
     def session_parts(self, sid: str) -> int:
-        """How many nodes' snapshots list the session (0: only live events have)."""
+        """How many nodes' cluster views list the session (0: only live events have)."""
         return len(self._sessions.parts.of(sid))
 
     @property
@@ -155,7 +155,7 @@ class ConsoleState:
         return self._nodes.connected_count()
 
     def take_discovered(self) -> dict[str, str]:
-        """Peers seen in snapshots (host name -> API URL) that the console has no stream for yet."""
+        """Peers seen in cluster views (host name -> API URL) that the console has no stream for yet."""
         return self._nodes.take_discovered()
 
     # ---- ingest ----------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The console's own connections to nodes' event streams, and the peers found in snapshots.
+"""The console's own connections to nodes' event streams, and the peers found in cluster views.
 
 A connection is keyed by the node's normalized base URL. A node whose socket is
 lost stays, marked with the time it went stale; the host table reads that to show
-the host DISCONNECTED. Peers named in a snapshot that the console has no stream
+the host DISCONNECTED. Peers named in a cluster view that the console has no stream
 for yet wait here until the app takes them (`take_discovered`) and connects.
 """
 
@@ -30,15 +30,15 @@ class NodeConn:
     """The console's own connection to one node's event stream."""
 
     url: str
-    name: str | None = None  # learned from the node's snapshot
+    name: str | None = None  # learned from the node's cluster view
     connected: bool = False
     ever_connected: bool = False
     connected_since: float | None = None
     stale_since: float | None = None  # when the stream was lost (None while connected)
     error: str = ""
     reconnects: int = 0
-    snapshot_node: str | None = None
-    snapshot_seq: int = 0  # watermark: events from snapshot_node with seq <= this are in the snapshot
+    view_node: str | None = None
+    view_seq: int = 0  # watermark: events from view_node with seq <= this are in the cluster view
     discovered: bool = False
 
 
@@ -102,13 +102,13 @@ class Nodes:
 
     def maybe_discover(self, info: HostInfo) -> None:
         if info.name in self._discovered:
-            return  # every snapshot names every host: 256 x 256 of these at a big mesh's start
+            return  # every cluster view names every host: 256 x 256 of these at a big mesh's start
         api = normalize_url(info.api)
         if api in self.conns or self.for_host(info.name) is not None:
             return
         self._discovered[info.name] = api
 
     def take_discovered(self) -> dict[str, str]:
-        """Peers seen in snapshots (host name -> API URL) that the console has no stream for yet."""
+        """Peers seen in cluster views (host name -> API URL) that the console has no stream for yet."""
         found, self._discovered = self._discovered, {}
         return found

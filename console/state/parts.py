@@ -1,10 +1,10 @@
-"""Each node's part of the sessions table: what its last snapshot listed, kept per source.
+"""Each node's part of the sessions table: what its last cluster view listed, kept per source.
 
-Why parts. Past `mesh.directory_after_hosts` no node's snapshot is the mesh: each lists the sessions it
-holds and those it is directory for (node.mesh.directory), so a console that let the last snapshot
+Why parts. Past `mesh.directory_after_hosts` no node's cluster view is the mesh: each lists the sessions it
+holds and those it is directory for (node.mesh.directory), so a console that let the last cluster view
 replace the table showed one node's share of it (issue 32: 30 of 55 sessions on 24 hosts). The
 console follows every node anyway (one stream each, for its live events), so it keeps every node's
-last snapshot as that node's part and shows their union: a snapshot replaces only its own source's
+last cluster view as that node's part and shows their union: a cluster view replaces only its own source's
 part, a node gone for good takes only its own part with it, and where several parts name a session
 they are merged by owner (`node.protocol.merge_session_parts`: the host with the highest turn
 sequence is home, the largest other holder is the replica). In a small mesh every part lists every
@@ -19,7 +19,7 @@ from kvmesh.node.protocol import SessionInfo
 
 
 class SessionParts:
-    """Per source (a node's URL): its last snapshot's sessions and that snapshot's time; and per session,
+    """Per source (a node's URL): its last cluster view's sessions and that cluster view's time; and per session,
     which sources list it (so a session's parts are found without walking every source)."""
 
     def __init__(self) -> None:
@@ -48,7 +48,7 @@ class SessionParts:
         return set(old)
 
     def of(self, sid: str) -> list[tuple[SessionInfo, float]]:
-        """What each part says of `sid`, with that part's snapshot time."""
+        """What each part says of `sid`, with that part's cluster view time."""
         out = []
         for source in self._sources.get(sid, ()):
             ts, part = self._parts[source]

@@ -1,9 +1,9 @@
-"""Where each event goes: a snapshot rebuilds every part, a live event reaches the parts
+"""Where each event goes: a cluster view rebuilds every part, a live event reaches the parts
 it touches (a handoff: counters, its link and its session), and every event is logged.
 
-Replayed events (`replay=True`) are already reflected in the snapshot that preceded
-them, so they go to the event log only, unless they are newer than the snapshot's
-watermark (`SnapshotEvent.seq` from the same node, when the node sets it).
+Replayed events (`replay=True`) are already reflected in the cluster view that preceded
+them, so they go to the event log only, unless they are newer than the cluster view's
+watermark (`ClusterViewEvent.seq` from the same node, when the node sets it).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kvmesh.console.state.links import Links
 from kvmesh.console.state.nodes import NodeConn, Nodes
 from kvmesh.console.state.replicas import Replicas
 from kvmesh.console.state.sessions import Sessions
-from kvmesh.node.protocol import ClusterSnapshot, Event, Handoff, ReplicaSent, ReplicaStarted, SnapshotEvent
+from kvmesh.node.protocol import ClusterView, ClusterViewEvent, Event, Handoff, ReplicaSent, ReplicaStarted
 
 
 class Router:
@@ -30,7 +30,7 @@ class Router:
         self, changes: Changes, nodes: Nodes, hosts: Hosts, sessions: Sessions, links: Links, counters: Counters,
         log: EventLog, clock: Callable[[], float],
     ) -> None:
-        self.snapshot_ts: float = 0.0
+        self.view_ts: float = 0.0
         self._changes = changes
         self._nodes = nodes
         self._hosts = hosts
@@ -69,10 +69,10 @@ class Router:
     def apply(self, url: str, event: Event, glyphs: Glyphs) -> None:
         """One event from the node at (normalized) `url`; `glyphs` are for its log line."""
         conn = self._nodes.add(url)
-        if isinstance(event, SnapshotEvent):
-            self._apply_snapshot(conn, event)
+        if isinstance(event, ClusterViewEvent):
+            self._apply_view(conn, event)
             return
-        if event.replay and not self._newer_than_snapshot(conn, event):
+        if event.replay and not self._newer_than_view(conn, event):
             self._log.add_event(event, glyphs)
             return
         handler = self._handlers.get(event.type)
@@ -80,38 +80,38 @@ class Router:
             handler(event)
         self._log.add_event(event, glyphs)
 
-    def _newer_than_snapshot(self, conn: NodeConn, event: Event) -> bool:
+    def _newer_than_view(self, conn: NodeConn, event: Event) -> bool:
         return bool(
-            conn.snapshot_seq
-            and conn.snapshot_node
-            and event.node == conn.snapshot_node
-            and event.seq > conn.snapshot_seq
+            conn.view_seq
+            and conn.view_node
+            and event.node == conn.view_node
+            and event.seq > conn.view_seq
         )
 
-    def _apply_snapshot(self, conn: NodeConn, event: SnapshotEvent) -> None:
-        snap: ClusterSnapshot = event.cluster
-        conn.name = snap.node or event.node or conn.name
-        conn.snapshot_node = event.node or snap.node
-        conn.snapshot_seq = event.seq
-        self.snapshot_ts = snap.ts or event.ts
-        ts = self.snapshot_ts
-        self._hosts.apply_snapshot(snap.hosts, ts)
-        for info in snap.hosts:
+    def _apply_view(self, conn: NodeConn, event: ClusterViewEvent) -> None:
+        view: ClusterView = event.cluster
+        conn.name = view.node or event.node or conn.name
+        conn.view_node = event.node or view.node
+        conn.view_seq = event.seq
+        self.view_ts = view.ts or event.ts
+        ts = self.view_ts
+        self._hosts.apply_view(view.hosts, ts)
+        for info in view.hosts:
             if info.api:
                 self._nodes.maybe_discover(info)
-        # Only this node's part of the sessions is replaced: past the directory threshold its snapshot
+        # Only this node's part of the sessions is replaced: past the directory threshold its cluster view
         # lists what it holds and what it is directory for, never the whole mesh (state/parts.py).
-        self._sessions.apply_snapshot(conn.url, conn.name, snap.sessions, ts)
-        self._links.apply_snapshot(snap.links, ts)
-        self._counters.apply_snapshot(snap.counters, conn.url)
+        self._sessions.apply_view(conn.url, conn.name, view.sessions, ts)
+        self._links.apply_view(view.links, ts)
+        self._counters.apply_view(view.counters, conn.url)
         ch = self._changes
-        ch.hosts.update(info.name for info in snap.hosts)
-        ch.links.update((li.src, li.dst) for li in snap.links)
-        ch.snapshot = ch.counters = ch.nodes = True
-        part = " (its part: the mesh is past the directory threshold)" if snap.scope == "partial" else ""
+        ch.hosts.update(info.name for info in view.hosts)
+        ch.links.update((li.src, li.dst) for li in view.links)
+        ch.cluster_view = ch.counters = ch.nodes = True
+        part = " (its part: the mesh is past the directory threshold)" if view.scope == "partial" else ""
         self._log.add_console(
-            f"snapshot from {conn.name}: {len(snap.hosts)} hosts, {len(snap.sessions)} sessions{part},"
-            f" {len(snap.links)} links; {len(self._sessions.rows)} sessions in all",
+            f"snapshot from {conn.name}: {len(view.hosts)} hosts, {len(view.sessions)} sessions{part},"
+            f" {len(view.links)} links; {len(self._sessions.rows)} sessions in all",
             ts=event.ts or None,
         )
 

@@ -1,7 +1,7 @@
 """Sessions: one row per session id, where it lives, its lifecycle and its replica's freshness.
 
-Every node's snapshot is one part of the table (`parts.py`: past the directory threshold no node
-lists every session); a snapshot replaces its own source's part and re-derives only the sessions
+Every node's cluster view is one part of the table (`parts.py`: past the directory threshold no node
+lists every session); a cluster view replaces its own source's part and re-derives only the sessions
 that part named (or that the console has living on that node), so what other nodes said stays. A
 session no part lists and no live event vouches for is removed. Turn, handoff and migrate events
 move a session's home. Across nodes a session's turns
@@ -68,16 +68,16 @@ class SessionRow:
     inflight_tokens: int = 0  # ...covering this many tokens,
     inflight_eta_s: float | None = None  # ...expected to take this long (the link's last measured rate)
     id_source: str = ""  # what the client sent that named it (a header, a body field, or "digest")
-    # The client session (affinity group) it is a conversation of, as a snapshot said ("": an older node, its
+    # The client session (affinity group) it is a conversation of, as a cluster view said ("": an older node, its
     # own); None: seen only live, placed by its key's form (`threads.py`). `group_id` is the answer.
     group: str | None = None
-    from_live: bool = False  # made by a live event, not (yet) listed by any node's snapshot
+    from_live: bool = False  # made by a live event, not (yet) listed by any node's cluster view
 
     @classmethod
-    def from_info(cls, info: SessionInfo, snap_ts: float) -> SessionRow:
+    def from_info(cls, info: SessionInfo, view_ts: float) -> SessionRow:
         replica_at = None
         if info.replica_host and info.replica_age_s is not None:
-            replica_at = snap_ts - info.replica_age_s
+            replica_at = view_ts - info.replica_age_s
         return cls(
             sid=info.session, home=info.home, resident_tokens=info.resident_tokens,
             replica_host=info.replica_host, replica_tokens=info.replica_tokens,
@@ -170,7 +170,7 @@ def _in_turn_order(s: SessionRow, ev: TurnStarted | TurnFinished | Handoff) -> b
 
 
 class Sessions:
-    """Every session the mesh holds (or held, until the next snapshot), by id."""
+    """Every session the mesh holds (or held, until the next cluster view), by id."""
 
     def __init__(self, changes: Changes, clock: Callable[[], float], hosts: Hosts) -> None:
         self.rows: dict[str, SessionRow] = {}
@@ -184,8 +184,8 @@ class Sessions:
         self._clock = clock
         self._hosts = hosts
 
-    def apply_snapshot(self, source: str, host: str | None, infos: Iterable[SessionInfo], ts: float) -> int:
-        """`source`'s snapshot (from the node named `host`) is its part now; returns how many rows changed."""
+    def apply_view(self, source: str, host: str | None, infos: Iterable[SessionInfo], ts: float) -> int:
+        """`source`'s cluster view (from the node named `host`) is its part now; returns how many rows changed."""
         again = self.parts.has(source)
         affected = self.parts.replace(source, infos, ts)
         if again and host:
@@ -218,13 +218,13 @@ class Sessions:
         new = SessionRow.from_info(info, pairs[0][1] if len(pairs) == 1 else ts)
         if old is not None:
             if old.home_seq > new.home_seq:
-                if old.group != new.group:  # ...but a snapshot is the only word on its group
+                if old.group != new.group:  # ...but a cluster view is the only word on its group
                     old.group = new.group
                     self._regroup(self.threads.set(sid, old.group_id))
                     self.changes.sessions.add(sid)
-                return  # live events have moved it past what any snapshot says
+                return  # live events have moved it past what any cluster view says
             if old.home == new.home and new.home != host:
-                new.active = old.active  # a snapshot from another node says nothing of a turn running there
+                new.active = old.active  # a cluster view from another node says nothing of a turn running there
             new.migrating_to = old.migrating_to
             if old.inflight_to:
                 new.inflight_to, new.inflight_at = old.inflight_to, old.inflight_at

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from kvmesh.console.state.changes import Changes
 from kvmesh.console.state.eventlog import EventLog
 from kvmesh.console.state.nodes import normalize_url
-from kvmesh.node.protocol import PROTOCOL_VERSION, Event, SnapshotEvent, parse_event
+from kvmesh.node.protocol import PROTOCOL_VERSION, ClusterViewEvent, Event, parse_event
 
 # How many seqs per node the dedupe remembers; a node's replay ring is far
 # smaller (2,000), so a seq older than this is not a replay but a restarted node.
@@ -105,7 +105,7 @@ class Stream:
 
     def feed(self, url: str, event: Event) -> bool:
         """Accept one parsed event from `url`. Returns False for a duplicate."""
-        if not isinstance(event, SnapshotEvent):
+        if not isinstance(event, ClusterViewEvent):
             if not self._dedupe.first_time(event.node, event.seq, event.ts):
                 self.duplicates += 1
                 return False
@@ -136,7 +136,7 @@ class Stream:
         return len(queued)
 
     def _deliver(self, url: str, event: Event) -> None:
-        if not isinstance(event, SnapshotEvent):
+        if not isinstance(event, ClusterViewEvent):
             self.events_total += 1
             self._rate_window.append((self._clock(), 1))
         self._apply(url, event)

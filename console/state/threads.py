@@ -5,7 +5,7 @@ requests) is a kvmesh session of its own (own cache, replica, handoffs), so the 
 one row per conversation and reads a group's rows as one. `SessionInfo.group` says which group a
 conversation is of: the main conversation's key is the group itself, another's is `<group>#<8 hex>`,
 and "" comes from an older node (the session is its own group). Live events carry no group, so a
-conversation the console has only seen live is placed by the form of its key until a snapshot names it.
+conversation the console has only seen live is placed by the form of its key until a cluster view names it.
 
 Only threads are indexed (a group's conversations other than its main), per group: at 20,000
 sessions most groups are a main alone, and those cost nothing here.
@@ -25,7 +25,7 @@ def group_of_key(sid: str) -> str:
 
 
 def group_id(sid: str, group: str | None) -> str:
-    """A session's group: what a snapshot said (`group`; "" from an older node: its own), else (None: seen
+    """A session's group: what a cluster view said (`group`; "" from an older node: its own), else (None: seen
     only live) what its key's form says."""
     if group:
         return group

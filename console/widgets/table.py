@@ -51,7 +51,7 @@ class Cell(Text):
     DataTable measures every cell of every new row to size auto-width columns,
     and each measurement asks the terminal for its size (a system call, three
     times over). Every column here has a fixed width, so the measurement only
-    cost time: ~1 s to show a 2,000-session snapshot. Without `__rich_measure__`
+    cost time: ~1 s to show a 2,000-session cluster view. Without `__rich_measure__`
     Textual takes the default width instead; rendering is unaffected.
     """
 
@@ -255,7 +255,7 @@ class KeyedTable(DataTable):
         the kept rows back (about 250 renumberings per add), the table is cleared
         and the kept rows re-added in their current order, with their cells as
         shown. This is only for operator-driven changes (a filter narrowing, a
-        snapshot that drops many sessions); refreshes always patch cell by cell.
+        cluster view that drops many sessions); refreshes always patch cell by cell.
         """
         drop = [k for k in keys if k in self._shown]
         if not drop:

@@ -34,10 +34,10 @@ from kvmesh.node.mesh.statestream import push
 from kvmesh.node.node import Node
 from kvmesh.node.protocol import (
     ActionResult,
-    ClusterSnapshot,
+    ClusterView,
+    ClusterViewEvent,
     MigrateCommand,
     PeerHello,
-    SnapshotEvent,
     session_id_problem,
 )
 
@@ -89,7 +89,7 @@ def _check_host(node: Node, host: str) -> None:
 # ---- read-only views -------------------------------------------------------
 
 
-def _cluster(node: Node) -> ClusterSnapshot:
+def _cluster(node: Node) -> ClusterView:
     """This node's view, marked partial past the directory threshold (node.mesh.clusterview)."""
     return scoped(node.mesh.cluster(), len(node.mesh.members()), node.mesh.directory_after_hosts)
 
@@ -122,7 +122,7 @@ async def events(ws: WebSocket, node: NodeDep) -> None:
     await ws.accept()
     sub, replay = node.hub.subscribe()
     try:
-        snap = node.hub.stamp(SnapshotEvent(cluster=_cluster(node)))
+        snap = node.hub.stamp(ClusterViewEvent(cluster=_cluster(node)))
         await ws.send_text(snap.model_dump_json())
         for old in replay:
             await ws.send_text(old.model_dump_json())

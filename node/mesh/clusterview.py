@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import httpx
 from pydantic import ValidationError
 
-from kvmesh.node.protocol import ClusterSnapshot, merge_clusters
+from kvmesh.node.protocol import ClusterView, merge_clusters
 
 FAN_IN_TIMEOUT_S = 3.0
 FAN_IN_CONCURRENCY = 32
@@ -34,29 +34,29 @@ def partial_note(members: int, threshold: int) -> str:
             f" every node's stream")
 
 
-def scoped(snap: ClusterSnapshot, members: int, threshold: int) -> ClusterSnapshot:
-    """`snap`, marked partial (with the note) when the mesh is past the directory threshold."""
+def scoped(view: ClusterView, members: int, threshold: int) -> ClusterView:
+    """`view`, marked partial (with the note) when the mesh is past the directory threshold."""
     if members > threshold:
-        snap.scope = "partial"
-        snap.note = partial_note(members, threshold)
-    return snap
+        view.scope = "partial"
+        view.note = partial_note(members, threshold)
+    return view
 
 
-async def mesh_wide(own: ClusterSnapshot, peers: Iterable[tuple[str, str]], client: httpx.AsyncClient) -> ClusterSnapshot:
+async def mesh_wide(own: ClusterView, peers: Iterable[tuple[str, str]], client: httpx.AsyncClient) -> ClusterView:
     """The whole mesh: `own` merged with every peer's (name, API URL) own view; partial if any did not answer."""
     gate = asyncio.Semaphore(FAN_IN_CONCURRENCY)
 
-    async def ask(name: str, api: str) -> ClusterSnapshot | str:
+    async def ask(name: str, api: str) -> ClusterView | str:
         async with gate:
             try:
                 r = await client.get(f"{api}/v1/cluster", timeout=FAN_IN_TIMEOUT_S)
                 r.raise_for_status()
-                return ClusterSnapshot.model_validate_json(r.content)
+                return ClusterView.model_validate_json(r.content)
             except (httpx.HTTPError, ValidationError) as e:
                 return f"{name} ({type(e).__name__})"
 
     answers = await asyncio.gather(*(ask(n, a) for n, a in peers))
-    whole = merge_clusters(own, [a for a in answers if isinstance(a, ClusterSnapshot)])
+    whole = merge_clusters(own, [a for a in answers if isinstance(a, ClusterView)])
     missing = sorted(a for a in answers if isinstance(a, str))
     if missing:
         whole.scope = "partial"

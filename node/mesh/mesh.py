@@ -35,7 +35,7 @@ from kvmesh.node.mesh.placement import (
 )
 from kvmesh.node.mesh.sessions import SessionBook
 from kvmesh.node.protocol import (
-    ClusterSnapshot,
+    ClusterView,
     DirectoryEntry,
     Event,
     HandoffCounters,
@@ -337,7 +337,7 @@ class Mesh:
             kv_bytes_per_token=e.kv_bytes_per_token, wasted_replica_bytes=r.wasted_bytes,
         )
 
-    def cluster(self) -> ClusterSnapshot:
+    def cluster(self) -> ClusterView:
         now = time.time()
         statuses: dict[str, PeerStatus] = {self.name: self.local_status()}
         hosts = [statuses[self.name].host]
@@ -370,7 +370,7 @@ class Mesh:
                     cur.goodput_gbps = li.goodput_gbps
                 if li.dst == host:
                     cur.warm, cur.partial, cur.cold = li.warm, li.partial, li.cold
-        return ClusterSnapshot(node=self.name, ts=now, hosts=sorted(hosts, key=lambda h: h.name),
+        return ClusterView(node=self.name, ts=now, hosts=sorted(hosts, key=lambda h: h.name),
                                sessions=sessions, links=sorted(links.values(), key=lambda li: (li.src, li.dst)),
                                counters=counters)
 

@@ -10,7 +10,7 @@ directory host answers for, node.mesh.directory).
 
 Every delta carries the next sequence number. A mirror applies a delta only onto the state it was
 computed from (the same epoch, its own seq plus one) and otherwise says it is out of step, and the
-subscriber asks for a snapshot: so a mirror is the sender's state at some seq, or known to be out
+subscriber asks for a baseline: so a mirror is the sender's state at some seq, or known to be out
 of date, never silently wrong (the field report's bug was trusting a memory of engine state).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.node.protocol import HostInfo, LinkInfo, PeerStatus, SessionHolding, StateDelta, StateSnapshot
+from kvmesh.node.protocol import HostInfo, LinkInfo, PeerStatus, SessionHolding, StateBaseline, StateDelta
 
 _Fields = dict[str, object]
 
@@ -68,12 +68,12 @@ class StateFeed:
         self._scope = scope  # which sessions this subscriber is sent (None: all)
         self._sent = _Flat({}, {}, {}, {})
 
-    def snapshot(self, status: PeerStatus) -> StateSnapshot:
+    def baseline(self, status: PeerStatus) -> StateBaseline:
         """The whole (scoped) status: the stream's first message, and the answer to a resync."""
         self._sent = _flat(status, self._scope)
         self.seq += 1
         sessions = [s for s in status.sessions if s.session in self._sent.sessions]
-        return StateSnapshot(epoch=self.epoch, seq=self.seq,
+        return StateBaseline(epoch=self.epoch, seq=self.seq,
                              status=status.model_copy(update={"sessions": sessions}))
 
     def delta(self, status: PeerStatus) -> StateDelta | None:
@@ -102,15 +102,15 @@ def _empty(msg: StateDelta) -> bool:
     return not any(getattr(msg, k) for k in _PARTS)
 
 
-def encode(msg: StateSnapshot | StateDelta) -> str:
+def encode(msg: StateBaseline | StateDelta) -> str:
     """A message as sent: a delta without its empty parts (a heartbeat is about 60 bytes)."""
-    if isinstance(msg, StateSnapshot):
+    if isinstance(msg, StateBaseline):
         return msg.model_dump_json()
     return msg.model_dump_json(exclude={k for k in _PARTS if not getattr(msg, k)})
 
 
 class StateMirror:
-    """A peer's status rebuilt from its stream; `apply` says False when out of step (ask for a snapshot)."""
+    """A peer's status rebuilt from its stream; `apply` says False when out of step (ask for a baseline)."""
 
     def __init__(self) -> None:
         self.epoch: float | None = None
@@ -118,10 +118,10 @@ class StateMirror:
         self.status: PeerStatus | None = None
         self.sessions: dict[str, SessionHolding] = {}
         self.changed: list[str] = []  # the sessions the last message applied added or changed
-        self.resyncs = 0  # snapshots asked for after a gap
+        self.resyncs = 0  # baselines asked for after a gap
 
-    def apply(self, msg: StateSnapshot | StateDelta) -> bool:
-        if isinstance(msg, StateSnapshot):
+    def apply(self, msg: StateBaseline | StateDelta) -> bool:
+        if isinstance(msg, StateBaseline):
             self.epoch, self.seq = msg.epoch, msg.seq
             self.sessions = {s.session: s for s in msg.status.sessions}
             self.status = msg.status
@@ -157,5 +157,5 @@ class StateMirror:
         return True
 
     def out_of_step(self) -> None:
-        """The subscriber asked for a snapshot: nothing applies until it comes."""
+        """The subscriber asked for a baseline: nothing applies until it comes."""
         self.status, self.resyncs = None, self.resyncs + 1

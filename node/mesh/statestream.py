@@ -1,12 +1,12 @@
 """The asyncio shells around node.mesh.statefeed: pushing this host's state, subscribing to a peer's.
 
-`push` runs one subscriber's side of `/v1/peer/state` on the serving host: a snapshot, then the
+`push` runs one subscriber's side of `/v1/peer/state` on the serving host: a baseline, then the
 delta since the last message every `interval_s` and as soon as something placement acts on
-happens (nothing when nothing changed, a heartbeat every `heartbeat_s`), and a fresh snapshot
+happens (nothing when nothing changed, a heartbeat every `heartbeat_s`), and a fresh baseline
 whenever the subscriber says "resync". `subscribe` is the
 other end, run by the PeerTable for each peer: it connects (websockets, the mesh's peer header),
 applies each message to a `StateMirror`, hands each new status on, counts the bytes, and asks for
-a snapshot on a gap. A peer that cannot stream (an older node, a proxy without websockets) raises
+a baseline on a gap. A peer that cannot stream (an older node, a proxy without websockets) raises
 `StreamRefused`, and the PeerTable polls it instead.
 """
 
@@ -26,7 +26,7 @@ from kvmesh.node.protocol import STATE_ADAPTER, PeerStatus
 
 RESYNC = "resync"
 MIN_GAP_S = 0.05  # a change's delta waits this long for the rest of its burst (at most 20 messages a second)
-MAX_MESSAGE_BYTES = 64 << 20  # a snapshot of a host holding many sessions
+MAX_MESSAGE_BYTES = 64 << 20  # a baseline of a host holding many sessions
 
 
 class StreamRefused(Exception):
@@ -41,7 +41,7 @@ async def push(send: Callable[[str], Awaitable[None]], receive: Callable[[], Awa
     A delta goes out every `interval_s` if anything changed, and `min_gap_s` after `wake` is set (a
     turn started or ended, a replica landed: what placement acts on), so the changes of a burst
     share one delta."""
-    await send(encode(feed.snapshot(status())))
+    await send(encode(feed.baseline(status())))
     resync = asyncio.Event()
     wake = wake or asyncio.Event()
 
@@ -67,7 +67,7 @@ async def push(send: Callable[[str], Awaitable[None]], receive: Callable[[], Awa
                 break
             if resync.is_set():
                 resync.clear()
-                msg = encode(feed.snapshot(status()))
+                msg = encode(feed.baseline(status()))
             else:
                 delta = feed.delta(status())
                 if delta is None and time.monotonic() - last >= heartbeat_s:

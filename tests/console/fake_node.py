@@ -17,12 +17,12 @@ from typing import Any
 
 from websockets.asyncio.server import ServerConnection, serve
 
-from kvmesh.node.protocol import Event, SnapshotEvent
+from kvmesh.node.protocol import ClusterViewEvent, Event
 
 
 class FakeEventsServer:
-    def __init__(self, snapshot: Callable[[], SnapshotEvent]) -> None:
-        self.snapshot = snapshot
+    def __init__(self, view: Callable[[], ClusterViewEvent]) -> None:
+        self.view = view
         self.ring: list[Event] = []  # what a reconnecting client gets replayed
         self.refuse = False
         self.connections = 0
@@ -65,7 +65,7 @@ class FakeEventsServer:
             await ws.close(code=1013, reason="down")
             return
         self.connections += 1
-        await ws.send(self.snapshot().model_dump_json())
+        await ws.send(self.view().model_dump_json())
         for ev in list(self.ring):
             await ws.send(ev.model_copy(update={"replay": True}).model_dump_json())
         self._clients.add(ws)

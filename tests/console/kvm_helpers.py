@@ -18,13 +18,13 @@ from kvmesh.console.config import ConsoleConfig
 from kvmesh.console.state import ConsoleState
 from kvmesh.node.protocol import (
     ActionResult,
-    ClusterSnapshot,
+    ClusterView,
+    ClusterViewEvent,
     Event,
     HandoffCounters,
     HostInfo,
     LinkInfo,
     SessionInfo,
-    SnapshotEvent,
 )
 
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC; every test's "now" is near this
@@ -56,9 +56,9 @@ def host(name: str, i: int, **kw: Any) -> HostInfo:
     return HostInfo(**base)
 
 
-def make_snapshot(
+def make_view(
     node: str = "node-1", seq: int = 0, ts: float = T0, n_sessions: int = 6, block_size: int = 0
-) -> SnapshotEvent:
+) -> ClusterViewEvent:
     """Three hosts, a few sessions, two links: small enough to read in a snapshot SVG.
 
     block_size 0: the hosts do not report one (an older node)."""
@@ -80,9 +80,9 @@ def make_snapshot(
         LinkInfo(src="node-2", dst="node-3", bytes_sent=1 * GiB, transfers=5, last_transfer_s=0.12,
                  last_transfer_bytes=40 << 20, goodput_gbps=2.7, throughput_bps=0.0, warm=10, partial=0, cold=1),
     ]
-    cluster = ClusterSnapshot(node=node, ts=ts, hosts=hosts, sessions=sessions, links=links,
+    cluster = ClusterView(node=node, ts=ts, hosts=hosts, sessions=sessions, links=links,
                               counters=HandoffCounters(warm=50, partial=1, cold=1))
-    return SnapshotEvent(ts=ts, node=node, seq=seq, cluster=cluster)
+    return ClusterViewEvent(ts=ts, node=node, seq=seq, cluster=cluster)
 
 
 class FakeSource:
@@ -145,7 +145,7 @@ def make_app(
     ascii_only: bool = False,
     source: FakeSource | None = None,
     admin: FakeAdmin | None = None,
-    snapshot: SnapshotEvent | None = None,
+    snapshot: ClusterViewEvent | None = None,
     view: str = "main",
 ) -> tuple[KvmeshConsole, ConsoleState]:
     """An app over a pre-filled state (snapshot applied), optionally fed by a FakeSource."""
@@ -173,7 +173,7 @@ GROUP = "cc-1"  # a client session (an affinity group) in the tests' threads
 THREADS = ("a1b2c3d4", "0f0e0d0c", "12345678")  # its threads' keys past the group: `cc-1#a1b2c3d4`...
 
 
-def add_group(snap: SnapshotEvent, group: str = GROUP, threads: tuple[str, ...] = THREADS) -> SnapshotEvent:
+def add_group(snap: ClusterViewEvent, group: str = GROUP, threads: tuple[str, ...] = THREADS) -> ClusterViewEvent:
     """`snap` with a client session's conversations added: its main (keyed `group`, more tokens than any other
     session) and a thread per hex (`<group>#<hex>`, on the hosts in turn), all idle, each naming `group`."""
     ts = snap.cluster.ts

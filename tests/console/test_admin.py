@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from fake_node import FakeAdminServer
-from kvm_helpers import Clock, make_app, make_snapshot
+from kvm_helpers import Clock, make_app, make_view
 
 from kvmesh.console.admin import AdminClient, TokenError, load_admin_token
 from kvmesh.console.cli import main as cli_main
@@ -100,7 +100,7 @@ async def test_drain_through_the_app_reaches_the_admin_api(admin_server: tuple[F
     """d, confirm: the app's real AdminClient POSTs the drain with the token; the result is in the event log."""
     srv, url = admin_server
     clock = Clock()
-    app, state = make_app(clock, snapshot=make_snapshot())
+    app, state = make_app(clock, snapshot=make_view())
     app.admin = AdminClient(lambda: [url], TOKEN)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause(0.2)

@@ -51,10 +51,10 @@ def _big_state(clock: Clock, hosts: int, sessions: int) -> ConsoleState:
     """A mesh past the directory threshold, fed as it arrives: one partial snapshot per host."""
     mesh = SyntheticMesh(hosts=hosts, sessions=sessions, t0=T0)
     state = ConsoleState(clock=clock)
-    for snap in mesh.snapshots(T0):
-        url = f"synthetic://mesh/{snap.node}"
+    for view in mesh.views(T0):
+        url = f"synthetic://mesh/{view.node}"
         state.node_connected(url)
-        state.feed(url, snap)
+        state.feed(url, view)
     return state
 
 

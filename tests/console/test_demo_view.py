@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 
 import pytest
-from kvm_helpers import T0, Clock, FakeAdmin, FakeSource, make_app, make_snapshot, screen_text
+from kvm_helpers import T0, Clock, FakeAdmin, FakeSource, make_app, make_view, screen_text
 from test_snapshots import scenario
 
 from kvmesh.console.cli import _run_parser, build_config
@@ -29,7 +29,7 @@ async def settle(pilot) -> None:  # type: ignore[no-untyped-def]
 async def test_demo_view_shows_counters_links_and_handoffs_as_they_happen(clock: Clock) -> None:
     """--view demo opens on the demo view; a live handoff moves the big counter and tops the handoff list."""
     source = FakeSource()
-    app, state = make_app(clock, source=source, snapshot=make_snapshot(), view="demo")
+    app, state = make_app(clock, source=source, snapshot=make_view(), view="demo")
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         assert isinstance(app.screen, DemoScreen)
@@ -58,7 +58,7 @@ async def test_demo_view_started_read_only_refuses_mesh_actions(clock: Clock) ->
     cfg = build_config(args)
     assert cfg.readonly and not cfg.admin
     admin = FakeAdmin()
-    app, state = make_app(clock, admin=admin, snapshot=make_snapshot(), view="demo", readonly=cfg.readonly)
+    app, state = make_app(clock, admin=admin, snapshot=make_view(), view="demo", readonly=cfg.readonly)
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         assert "RO" in screen_text(app)
@@ -75,7 +75,7 @@ async def test_demo_view_with_admin_allows_actions_on_the_main_view(clock: Clock
     """--view demo --admin keeps the actions: back on the main view, d opens the confirm modal."""
     cfg = build_config(_run_parser().parse_args(["--demo", "--view", "demo", "--admin"]))
     assert not cfg.readonly
-    app, state = make_app(clock, admin=FakeAdmin(), snapshot=make_snapshot(), view="demo", readonly=cfg.readonly)
+    app, state = make_app(clock, admin=FakeAdmin(), snapshot=make_view(), view="demo", readonly=cfg.readonly)
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("v", "h", "d")

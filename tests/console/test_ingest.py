@@ -7,11 +7,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from fake_node import FakeEventsServer
-from kvm_helpers import T0, Clock, make_snapshot
+from kvm_helpers import T0, Clock, make_view
 
 from kvmesh.console.ingest import Backoff, events_url, stream_node
 from kvmesh.console.state import ConsoleState
-from kvmesh.node.protocol import Handoff, SnapshotEvent
+from kvmesh.node.protocol import ClusterViewEvent, Handoff
 
 pytestmark = pytest.mark.anyio
 
@@ -25,10 +25,10 @@ def handoff(seq: int, cls: str = "warm", ts: float | None = None) -> Handoff:
 def server() -> Iterator[FakeEventsServer]:
     snaps = {"n": 6}
 
-    def snapshot() -> SnapshotEvent:
-        return make_snapshot(n_sessions=snaps["n"])
+    def view() -> ClusterViewEvent:
+        return make_view(n_sessions=snaps["n"])
 
-    srv = FakeEventsServer(snapshot)
+    srv = FakeEventsServer(view)
     srv.snaps = snaps  # type: ignore[attr-defined]
     srv.start()
     yield srv

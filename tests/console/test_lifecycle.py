@@ -4,16 +4,16 @@
 from __future__ import annotations
 
 import pytest
-from kvm_helpers import T0, Clock, FakeSource, make_app, make_snapshot
+from kvm_helpers import T0, Clock, FakeSource, make_app, make_view
 
 from kvmesh.console.state import IDLE_AFTER_S, REPLICA_PUSH_GRACE_S
 from kvmesh.console.widgets.sessions import SessionsTable
 from kvmesh.node.protocol import (
+    ClusterViewEvent,
     ReplicaReady,
     ReplicaRefused,
     ReplicaSent,
     ReplicaStarted,
-    SnapshotEvent,
     TurnFinished,
     TurnStarted,
 )
@@ -36,10 +36,10 @@ def fresh_cell(app, sid: str = "s-000") -> str:  # type: ignore[no-untyped-def]
     return app.main.query_one(SessionsTable).get_cell(sid, "fresh").plain
 
 
-def lifecycle_snapshot() -> SnapshotEvent:
+def lifecycle_snapshot() -> ClusterViewEvent:
     """s-001 ... s-003 idle; s-004 held nowhere (ended); s-005 last turn an hour ago (ended);
     s-002's cache is in no engine, only in node-1's replica store."""
-    snap = make_snapshot(block_size=BLOCK)
+    snap = make_view(block_size=BLOCK)
     sessions = snap.cluster.sessions
     sessions[2].resident_tokens = 0
     sessions[4].resident_tokens, sessions[4].replica_host = 0, None
@@ -77,7 +77,7 @@ async def test_lifecycle_running_idle_ended_and_the_all_toggle(clock: Clock) -> 
 async def test_replica_missing_only_the_partial_block_is_fresh(clock: Clock) -> None:
     """A replica holding every whole block (the partial last block is never sent) shows fresh, not behind."""
     source = FakeSource()
-    app, state = make_app(clock, source=source, snapshot=make_snapshot(block_size=BLOCK))
+    app, state = make_app(clock, source=source, snapshot=make_view(block_size=BLOCK))
     async with app.run_test(size=(120, 40)) as pilot:
         source.push(ReplicaReady(ts=T0 + 9, node="node-2", seq=1, session="s-000", src="node-1", dst="node-2",
                                  tokens=WHOLE, bytes=WHOLE * 4096, lag_s=0.01, imported=False))
@@ -90,7 +90,7 @@ async def test_replica_missing_only_the_partial_block_is_fresh(clock: Clock) -> 
 async def test_replica_missing_whole_blocks_is_behind_since_the_turn(clock: Clock) -> None:
     """A turn that grows the session by whole blocks leaves its replica behind: tokens short and since when."""
     source = FakeSource()
-    app, state = make_app(clock, source=source, snapshot=make_snapshot(block_size=BLOCK))
+    app, state = make_app(clock, source=source, snapshot=make_view(block_size=BLOCK))
     async with app.run_test(size=(120, 40)) as pilot:
         source.push(TurnFinished(ts=T0 + 4, node="node-1", seq=1, session="s-000", host="node-1",
                                  prompt_tokens=10_300, cached_tokens=10_000, completion_tokens=300, ttft_s=0.1,
@@ -104,7 +104,7 @@ async def test_replica_missing_whole_blocks_is_behind_since_the_turn(clock: Cloc
 async def test_replica_push_moving_is_in_flight_with_progress(clock: Clock) -> None:
     """replica_started shows the push in flight, its progress estimated from the link's last rate; ready ends it."""
     source = FakeSource()
-    app, state = make_app(clock, source=source, snapshot=make_snapshot(block_size=BLOCK))
+    app, state = make_app(clock, source=source, snapshot=make_view(block_size=BLOCK))
     async with app.run_test(size=(120, 40)) as pilot:
         # The link's last transfer: 10 blocks in 1 s.
         source.push(ReplicaSent(ts=T0 + 1, node="node-1", seq=1, session="s-004", src="node-1", dst="node-2",
@@ -132,7 +132,7 @@ async def test_replica_push_moving_is_in_flight_with_progress(clock: Clock) -> N
 async def test_replica_behind_with_no_push_coming_is_stale(clock: Clock) -> None:
     """Behind and the push refused (or none for the grace period) is stale: no transfer is coming."""
     source = FakeSource()
-    app, state = make_app(clock, source=source, snapshot=make_snapshot(block_size=BLOCK))
+    app, state = make_app(clock, source=source, snapshot=make_view(block_size=BLOCK))
     async with app.run_test(size=(120, 40)) as pilot:
         source.push(TurnFinished(ts=T0 + 4, node="node-1", seq=1, session="s-000", host="node-1",
                                  prompt_tokens=10_300, cached_tokens=10_000, completion_tokens=300, ttft_s=0.1,
@@ -153,6 +153,6 @@ async def test_replica_behind_with_no_push_coming_is_stale(clock: Clock) -> None
 
 def test_block_size_reaches_the_console_from_the_snapshot(clock: Clock) -> None:
     """The block size the freshness rule uses is the one the hosts put on the wire."""
-    app, state = make_app(clock, snapshot=make_snapshot(block_size=BLOCK))
+    app, state = make_app(clock, snapshot=make_view(block_size=BLOCK))
     assert state.block_size(state.sessions["s-000"]) == BLOCK
     assert state.hosts["node-1"].info.block_size == BLOCK

@@ -7,9 +7,9 @@ from kvm_helpers import NODE1, NODE2, T0, Clock, host
 
 from kvmesh.console.state import ConsoleState
 from kvmesh.node.protocol import (
-    ClusterSnapshot,
+    ClusterView,
+    ClusterViewEvent,
     SessionInfo,
-    SnapshotEvent,
     TurnFinished,
     merge_clusters,
     merge_session_parts,
@@ -18,10 +18,10 @@ from kvmesh.node.protocol import (
 NODE3 = "http://127.0.0.1:8003"
 
 
-def part(node: str, sessions: list[SessionInfo], ts: float = T0, seq: int = 0) -> SnapshotEvent:
+def part(node: str, sessions: list[SessionInfo], ts: float = T0, seq: int = 0) -> ClusterViewEvent:
     """`node`'s snapshot: every host (hosts are whole in each), only these sessions."""
     hosts = [host(f"node-{i}", i) for i in (1, 2, 3)]
-    return SnapshotEvent(ts=ts, node=node, seq=seq, cluster=ClusterSnapshot(
+    return ClusterViewEvent(ts=ts, node=node, seq=seq, cluster=ClusterView(
         node=node, ts=ts, hosts=hosts, sessions=sessions, scope="partial"))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvm_helpers import NODE1, T0, Clock, FakeAdmin, FakeSource, make_app, make_snapshot, screen_text
+from kvm_helpers import NODE1, T0, Clock, FakeAdmin, FakeSource, make_app, make_view, screen_text
 from textual.widgets import Button, Input
 
 from kvmesh.console.screens.confirm import ConfirmScreen
@@ -17,7 +17,6 @@ from kvmesh.console.widgets.hosts import HostsTable
 from kvmesh.console.widgets.sessions import SessionsTable
 from kvmesh.console.widgets.topbar import TopBar
 from kvmesh.node.protocol import ActionResult, DrainStarted, Handoff, MigrateCompleted, MigrateStarted, TurnFinished
-
 
 pytestmark = pytest.mark.anyio
 
@@ -46,7 +45,7 @@ async def settle(pilot, seconds: float = 0.0) -> None:  # type: ignore[no-untype
 async def test_drain_confirm_cancel_makes_no_call(clock: Clock) -> None:
     """d opens the confirm modal naming the host with Cancel focused; Enter cancels and nothing is sent."""
     admin = FakeAdmin()
-    app, state = make_app(clock, admin=admin, snapshot=make_snapshot())
+    app, state = make_app(clock, admin=admin, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("h", "down", "d")
@@ -66,7 +65,7 @@ async def test_drain_confirm_sends_and_progress_lands_in_log(clock: Clock) -> No
     """Confirming calls the admin API once; the node's drain events then show in hosts and the event log."""
     admin = FakeAdmin()
     source = FakeSource()
-    app, state = make_app(clock, admin=admin, source=source, snapshot=make_snapshot())
+    app, state = make_app(clock, admin=admin, source=source, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("h", "down", "d")
@@ -89,7 +88,7 @@ async def test_drain_confirm_sends_and_progress_lands_in_log(clock: Clock) -> No
 async def test_failed_action_result_is_logged_as_failed(clock: Clock) -> None:
     """A refused admin call (401/409...) is logged as FAILED with the node's message."""
     admin = FakeAdmin(result=ActionResult(ok=False, message="unauthorized (admin token missing or wrong)"))
-    app, state = make_app(clock, admin=admin, snapshot=make_snapshot())
+    app, state = make_app(clock, admin=admin, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("h", "d", "right", "enter")
@@ -102,7 +101,7 @@ async def test_migrate_picker_then_confirm(clock: Clock) -> None:
     """m opens the target picker (home disabled), the pick goes to the confirm modal, then one migrate call."""
     admin = FakeAdmin()
     source = FakeSource()
-    app, state = make_app(clock, admin=admin, source=source, snapshot=make_snapshot())
+    app, state = make_app(clock, admin=admin, source=source, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         # s-001 is homed on node-2
@@ -135,7 +134,7 @@ async def test_migrate_picker_then_confirm(clock: Clock) -> None:
 async def test_migrate_picker_escape_cancels(clock: Clock) -> None:
     """Esc in the picker cancels: no confirm, no call."""
     admin = FakeAdmin()
-    app, state = make_app(clock, admin=admin, snapshot=make_snapshot())
+    app, state = make_app(clock, admin=admin, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("m")
@@ -148,7 +147,7 @@ async def test_migrate_picker_escape_cancels(clock: Clock) -> None:
 
 async def test_readonly_hides_and_refuses_actions(clock: Clock) -> None:
     """--readonly: RO in the header, no action keys or palette commands, and invoking one anyway is refused."""
-    app, state = make_app(clock, readonly=True, admin=FakeAdmin(), snapshot=make_snapshot())
+    app, state = make_app(clock, readonly=True, admin=FakeAdmin(), snapshot=make_view())
     assert app.admin is None, "a read-only console holds no admin client"
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
@@ -169,7 +168,7 @@ async def test_readonly_hides_and_refuses_actions(clock: Clock) -> None:
 
 async def test_filter_narrows_sessions_and_escape_clears(clock: Clock) -> None:
     """/ then text keeps only matching sessions (id, hosts, class word); Esc restores all rows."""
-    app, state = make_app(clock, snapshot=make_snapshot())
+    app, state = make_app(clock, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         sessions = app.main.query_one(SessionsTable)
@@ -188,7 +187,7 @@ async def test_filter_narrows_sessions_and_escape_clears(clock: Clock) -> None:
 async def test_pause_queues_updates_and_resume_applies_them(clock: Clock) -> None:
     """p freezes the view and shows "N updates pending"; p again applies them in order."""
     source = FakeSource()
-    app, state = make_app(clock, source=source, snapshot=make_snapshot())
+    app, state = make_app(clock, source=source, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("p")
@@ -210,7 +209,7 @@ async def test_pause_queues_updates_and_resume_applies_them(clock: Clock) -> Non
 async def test_cursor_stays_on_session_across_updates(clock: Clock) -> None:
     """The cursor follows its session id when rows are added above it and when the sort order changes."""
     source = FakeSource()
-    app, state = make_app(clock, source=source, snapshot=make_snapshot())
+    app, state = make_app(clock, source=source, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         sessions = app.main.query_one(SessionsTable)
@@ -231,7 +230,7 @@ async def test_cursor_stays_on_session_across_updates(clock: Clock) -> None:
 async def test_space_marks_rows_for_a_batch_action(clock: Clock) -> None:
     """space marks sessions; r then confirms all marked ones in one modal and replicates each."""
     admin = FakeAdmin()
-    app, state = make_app(clock, admin=admin, snapshot=make_snapshot())
+    app, state = make_app(clock, admin=admin, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("space", "down", "space", "r")
@@ -246,7 +245,7 @@ async def test_space_marks_rows_for_a_batch_action(clock: Clock) -> None:
 
 async def test_help_lists_every_key(clock: Clock) -> None:
     """? opens help listing every binding of the main screen plus ctrl+p; Esc closes it."""
-    app, state = make_app(clock, snapshot=make_snapshot())
+    app, state = make_app(clock, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("question_mark")
         await settle(pilot)
@@ -262,7 +261,7 @@ async def test_help_lists_every_key(clock: Clock) -> None:
 
 async def test_theme_cycles_through_console_themes(clock: Clock) -> None:
     """t cycles dark -> light -> colour-blind-safe -> dark."""
-    app, state = make_app(clock, snapshot=make_snapshot())
+    app, state = make_app(clock, snapshot=make_view())
     async with app.run_test(size=(80, 24)) as pilot:
         seen = [app.theme]
         for _ in range(3):
@@ -275,7 +274,7 @@ async def test_theme_cycles_through_console_themes(clock: Clock) -> None:
 async def test_command_palette_drain_by_name_goes_through_confirm(clock: Clock) -> None:
     """ctrl+p, "drain node-3", Enter: the same confirm modal as the d key."""
     admin = FakeAdmin()
-    app, state = make_app(clock, admin=admin, snapshot=make_snapshot())
+    app, state = make_app(clock, admin=admin, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         await pilot.press("ctrl+p")
@@ -294,7 +293,7 @@ async def test_command_palette_drain_by_name_goes_through_confirm(clock: Clock) 
 async def test_disconnected_node_dimmed_with_stale_since(clock: Clock) -> None:
     """A lost node stays in the hosts table as DISCONNECTED with its stale-since time; the app keeps running."""
     source = FakeSource()
-    app, state = make_app(clock, source=source, snapshot=make_snapshot())
+    app, state = make_app(clock, source=source, snapshot=make_view())
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         source.queue.put_nowait(None)  # the fake socket closes
@@ -310,7 +309,7 @@ async def test_disconnected_node_dimmed_with_stale_since(clock: Clock) -> None:
 
 async def test_compact_and_large_layouts(clock: Clock) -> None:
     """80x24 gets the compact layout with view keys 1-3; 120x40 shows every panel at once."""
-    app, state = make_app(clock, snapshot=make_snapshot())
+    app, state = make_app(clock, snapshot=make_view())
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         main = app.main
@@ -332,7 +331,7 @@ async def test_compact_and_large_layouts(clock: Clock) -> None:
 async def test_ingest_worker_survives_bad_frames(clock: Clock) -> None:
     """Garbage on the stream is counted and skipped; the worker keeps feeding the state."""
     source = FakeSource()
-    app, state = make_app(clock, source=source, snapshot=make_snapshot())
+    app, state = make_app(clock, source=source, snapshot=make_view())
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         state.feed_frame(NODE1, "garbage")
@@ -346,7 +345,7 @@ async def test_ingest_worker_survives_bad_frames(clock: Clock) -> None:
 
 async def test_ascii_mode_draws_only_ascii(clock: Clock) -> None:
     """--ascii: the main screen (both layouts), the confirm modal, the picker and help contain no non-ASCII character."""
-    app, state = make_app(clock, ascii_only=True, admin=FakeAdmin(), snapshot=make_snapshot(n_sessions=40))
+    app, state = make_app(clock, ascii_only=True, admin=FakeAdmin(), snapshot=make_view(n_sessions=40))
     async with app.run_test(size=(80, 24)) as pilot:
         await settle(pilot)
         shots = {"compact": screen_text(app)}
@@ -372,7 +371,7 @@ async def test_ascii_mode_draws_only_ascii(clock: Clock) -> None:
 async def test_event_log_scope_order_and_type_filter(clock: Clock) -> None:
     """e cycles mesh/all/actions (turns only under all), o flips newest-first/tail, / filters by event type."""
     source = FakeSource()
-    app, state = make_app(clock, source=source, snapshot=make_snapshot())
+    app, state = make_app(clock, source=source, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         source.push(
@@ -404,7 +403,7 @@ async def test_event_log_scope_order_and_type_filter(clock: Clock) -> None:
 
 async def test_clicking_a_header_sorts_sessions(clock: Clock) -> None:
     """Clicking the Tokens header sorts by tokens (largest first); clicking again reverses."""
-    app, state = make_app(clock, snapshot=make_snapshot())
+    app, state = make_app(clock, snapshot=make_view())
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(pilot)
         sessions = app.main.query_one(SessionsTable)
@@ -420,7 +419,7 @@ async def test_clicking_a_header_sorts_sessions(clock: Clock) -> None:
 
 async def test_names_from_the_mesh_are_not_markup(clock: Clock) -> None:
     """Host names with [brackets] show literally in the tables, the picker and the confirm modal."""
-    snap = make_snapshot()
+    snap = make_view()
     snap.cluster.hosts[2].name = "gpu[bold]3"
     app, state = make_app(clock, admin=FakeAdmin(), snapshot=snap)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -438,7 +437,7 @@ async def test_names_from_the_mesh_are_not_markup(clock: Clock) -> None:
 
 async def test_a_host_without_replicas_says_so_in_the_hosts_table(clock: Clock) -> None:
     """A host whose model keeps no replicas (hybrid, recurrent) shows KV in/out 'none' and the reason in the subtitle."""
-    snap = make_snapshot()
+    snap = make_view()
     snap.cluster.hosts[1].no_replicas = "it has recurrent layers only"
     app, state = make_app(clock, snapshot=snap)
     async with app.run_test(size=(120, 40)) as pilot:

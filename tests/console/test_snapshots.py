@@ -7,7 +7,7 @@ Update with `pytest tests/console/test_snapshots.py --snapshot-update` after an 
 from __future__ import annotations
 
 import pytest
-from kvm_helpers import NODE1, NODE2, T0, Clock, add_group, make_app, make_snapshot
+from kvm_helpers import NODE1, NODE2, T0, Clock, add_group, make_app, make_view
 
 from kvmesh.console.app import KvmeshConsole
 from kvmesh.console.theme import THEME_NAMES
@@ -17,7 +17,7 @@ from kvmesh.node.protocol import DrainStarted, Handoff, ReplicaSent, TurnStarted
 def scenario(theme: str = "kvmesh-dark", ascii_only: bool = False, readonly: bool = False) -> KvmeshConsole:
     """Three hosts (node-2's stream lost, node-3 draining), six sessions, two links with traffic."""
     clock = Clock(T0 + 10)
-    app, state = make_app(clock, theme=theme, ascii_only=ascii_only, readonly=readonly, snapshot=make_snapshot())
+    app, state = make_app(clock, theme=theme, ascii_only=ascii_only, readonly=readonly, snapshot=make_view())
     state.feed(NODE1, ReplicaSent(ts=T0 + 9, node="node-1", seq=1, session="s-000", src="node-1", dst="node-2",
                                   blocks=40, bytes=300 << 20, seconds=2.5, tokens=40_000))
     state.feed(NODE1, Handoff(ts=T0 + 8, node="node-2", seq=1, session="s-003", src="node-1", dst="node-2",
@@ -64,7 +64,7 @@ def test_confirm_modal_snapshot(snap_compare) -> None:  # type: ignore[no-untype
 def threads_scenario() -> KvmeshConsole:
     """The six sessions and a client session cc-1 (issue 31): its main conversation and three threads, one of
     them running a turn."""
-    app, state = make_app(Clock(T0 + 10), snapshot=add_group(make_snapshot()))
+    app, state = make_app(Clock(T0 + 10), snapshot=add_group(make_view()))
     state.feed(NODE1, TurnStarted(ts=T0 + 9, node="node-3", seq=1, session="cc-1#12345678", host="node-3",
                                   prompt_tokens=6400, cached_tokens=6300))
     return app

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from fake_node import FakeEventsServer
-from kvm_helpers import Clock, make_app, make_snapshot, screen_text
+from kvm_helpers import Clock, make_app, make_view, screen_text
 
 from kvmesh.console.app import KvmeshConsole
 from kvmesh.console.cli import _run_parser, build_config
@@ -49,7 +49,7 @@ def test_themes_load_and_colour_blind_theme_has_no_red_green_pair() -> None:
 async def test_no_color_keeps_meaning_in_words(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     """NO_COLOR set: Textual drops colour, and every class and state still reads as a word or glyph."""
     monkeypatch.setenv("NO_COLOR", "1")
-    app, state = make_app(clock, snapshot=make_snapshot())
+    app, state = make_app(clock, snapshot=make_view())
     assert app.no_color
     words = ("WARM", "PART", "COLD", "UP")
     async with app.run_test(size=(80, 24)) as pilot:
@@ -92,15 +92,15 @@ async def test_discovers_peers_from_one_node() -> None:
     """Given one node, the console follows every peer listed in its snapshot (hosts[].api)."""
     urls: dict[str, str] = {}
 
-    def snapshot(node: str):  # type: ignore[no-untyped-def]
-        snap = make_snapshot(node=node)
+    def view(node: str):  # type: ignore[no-untyped-def]
+        snap = make_view(node=node)
         snap.cluster.hosts[0].api = urls["node-1"]
         snap.cluster.hosts[1].api = urls["node-2"]
         snap.cluster.hosts[2].api = ""  # no API advertised: nothing to follow
         return snap
 
-    first = FakeEventsServer(lambda: snapshot("node-1"))
-    peer = FakeEventsServer(lambda: snapshot("node-2"))
+    first = FakeEventsServer(lambda: view("node-1"))
+    peer = FakeEventsServer(lambda: view("node-2"))
     urls["node-1"] = first.start()
     urls["node-2"] = peer.start()
     first_url = urls["node-1"]

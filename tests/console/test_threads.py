@@ -7,22 +7,22 @@ from __future__ import annotations
 import random
 
 import pytest
-from kvm_helpers import GROUP, NODE1, NODE2, T0, THREADS, Clock, add_group, make_app, make_snapshot, screen_text
+from kvm_helpers import GROUP, NODE1, NODE2, T0, THREADS, Clock, add_group, make_app, make_view, screen_text
 
 from kvmesh.console.state import ConsoleState, group_of_key
 from kvmesh.console.synthetic import SyntheticMesh
 from kvmesh.console.widgets.sessions import SessionsTable
 from kvmesh.console.widgets.window import Window
-from kvmesh.node.protocol import SessionInfo, SnapshotEvent, TurnFinished, TurnStarted
+from kvmesh.node.protocol import ClusterViewEvent, SessionInfo, TurnFinished, TurnStarted
 
 pytestmark = pytest.mark.anyio
 
 THREAD_KEYS = sorted(f"{GROUP}#{h}" for h in THREADS)
 
 
-def _fed(state: ConsoleState, snap: SnapshotEvent) -> ConsoleState:
+def _fed(state: ConsoleState, view: ClusterViewEvent) -> ConsoleState:
     state.node_connected(NODE1)
-    state.feed(NODE1, snap)
+    state.feed(NODE1, view)
     return state
 
 
@@ -35,7 +35,7 @@ def _turn(seq: int, session: str, host: str = "node-1") -> TurnStarted:
 
 def test_a_group_with_a_main_and_three_threads_is_counted(state: ConsoleState) -> None:
     """A snapshot naming cc-1 and three cc-1#<hex> conversations of it: cc-1 is the main, its three threads counted."""
-    _fed(state, add_group(make_snapshot()))
+    _fed(state, add_group(make_view()))
     assert state.thread_count(GROUP) == 3 and sorted(state.threads_of(GROUP)) == THREAD_KEYS
     main = state.sessions[GROUP]
     assert main.group_id == GROUP and not main.is_thread
@@ -46,8 +46,8 @@ def test_a_group_with_a_main_and_three_threads_is_counted(state: ConsoleState) -
 def test_a_thread_that_goes_is_uncounted_and_its_main_drawn_again(clock: Clock) -> None:
     """A thread only a node gone for good listed leaves with that node's part: the group counts one fewer, and its
     main's row (listed by another node, so not rebuilt) is marked to be drawn again with the new count."""
-    state = _fed(ConsoleState(clock=clock), add_group(make_snapshot()))
-    other = make_snapshot(node="node-2")
+    state = _fed(ConsoleState(clock=clock), add_group(make_view()))
+    other = make_view(node="node-2")
     other.cluster.sessions = [SessionInfo(session=f"{GROUP}#deadbeef", group=GROUP, home="node-2",
                                           resident_tokens=100, last_turn_at=T0)]
     state.node_connected(NODE2)
@@ -66,7 +66,7 @@ def test_a_thread_that_goes_is_uncounted_and_its_main_drawn_again(clock: Clock) 
 def test_a_thread_seen_only_live_is_grouped_by_its_key(state: ConsoleState) -> None:
     """Live events carry no group: a conversation first seen in one joins the group its key names
     (`<group>#<8 hex>`); a key of another form is a group of its own."""
-    _fed(state, add_group(make_snapshot()))
+    _fed(state, add_group(make_view()))
     state.feed(NODE1, _turn(1, f"{GROUP}#deadbeef"))
     state.feed(NODE1, _turn(2, "tool#run-1"))
     assert state.thread_count(GROUP) == 4 and state.sessions[f"{GROUP}#deadbeef"].group_id == GROUP
@@ -76,10 +76,10 @@ def test_a_thread_seen_only_live_is_grouped_by_its_key(state: ConsoleState) -> N
 
 def test_an_older_nodes_empty_group_is_a_group_of_its_own(state: ConsoleState) -> None:
     """group "" (a node before groups) means the session is its own group, whatever its key looks like."""
-    snap = make_snapshot()
-    snap.cluster.sessions.append(SessionInfo(session="s-000#deadbeef", home="node-1", resident_tokens=100,
+    view = make_view()
+    view.cluster.sessions.append(SessionInfo(session="s-000#deadbeef", home="node-1", resident_tokens=100,
                                              last_turn_at=T0))
-    _fed(state, snap)
+    _fed(state, view)
     assert state.sessions["s-000#deadbeef"].group_id == "s-000#deadbeef" and state.thread_count("s-000") == 0
 
 
@@ -88,10 +88,10 @@ def test_a_big_partitioned_mesh_counts_every_group(clock: Clock) -> None:
     part: every main counts its 3 threads, whichever parts listed them."""
     mesh = SyntheticMesh(hosts=32, sessions=4000, threads=3, t0=T0)
     state = ConsoleState(clock=clock)
-    for snap in mesh.snapshots(T0):
-        url = f"synthetic://mesh/{snap.node}"
+    for view in mesh.views(T0):
+        url = f"synthetic://mesh/{view.node}"
         state.node_connected(url)
-        state.feed(url, snap)
+        state.feed(url, view)
     mains = {sid for sid, row in state.sessions.items() if not row.is_thread}
     assert len(state.sessions) == 4000 and len(mains) == 1000
     assert all(state.thread_count(m) == 3 for m in mains)
@@ -190,7 +190,7 @@ def _ids(table: SessionsTable) -> dict[str, str]:
 async def test_the_sessions_table_reads_a_group_as_one(clock: Clock) -> None:
     """The main row counts the group's other conversations ("cc-1 +3") and its threads follow it as branches
     ("› #a1b2c3d4") whatever the sort; the line under the table names the group and its threads."""
-    app, state = make_app(clock, snapshot=add_group(make_snapshot()))
+    app, state = make_app(clock, snapshot=add_group(make_view()))
     async with app.run_test(size=(120, 40)) as pilot:
         await _settle(pilot)
         table = app.main.query_one(SessionsTable)
@@ -215,7 +215,7 @@ async def test_the_sessions_table_reads_a_group_as_one(clock: Clock) -> None:
 async def test_filter_and_find_by_the_group_id_bring_its_threads(clock: Clock) -> None:
     """/ cc-1 keeps the main and its three threads; a filter matching one thread alone shows its whole id;
     f cc-1 jumps to the main and says how many threads it has."""
-    app, state = make_app(clock, snapshot=add_group(make_snapshot()))
+    app, state = make_app(clock, snapshot=add_group(make_view()))
     async with app.run_test(size=(120, 40)) as pilot:
         await _settle(pilot)
         table = app.main.query_one(SessionsTable)
@@ -233,7 +233,7 @@ async def test_filter_and_find_by_the_group_id_bring_its_threads(clock: Clock) -
 async def test_a_thread_running_lifts_its_group_and_a_new_one_is_counted_live(clock: Clock) -> None:
     """Sorted by state, a turn starting on one thread brings the whole group up among the running, main first;
     a new thread seen live joins the count on the main row."""
-    app, state = make_app(clock, snapshot=add_group(make_snapshot()))
+    app, state = make_app(clock, snapshot=add_group(make_view()))
     async with app.run_test(size=(120, 40)) as pilot:
         await _settle(pilot)
         table = app.main.query_one(SessionsTable)
@@ -254,7 +254,7 @@ async def test_a_thread_running_lifts_its_group_and_a_new_one_is_counted_live(cl
 async def test_threads_whose_main_ends_read_by_their_whole_id(clock: Clock) -> None:
     """Live sessions only: when the main conversation ends while its threads go on, the threads stay together
     and show their whole ids (no main row above them to branch from)."""
-    app, state = make_app(clock, snapshot=add_group(make_snapshot()))
+    app, state = make_app(clock, snapshot=add_group(make_view()))
     async with app.run_test(size=(120, 40)) as pilot:
         for seq, key in enumerate(THREAD_KEYS, 1):
             state.feed(NODE1, TurnFinished(ts=T0 + 200, node="node-1", seq=seq, session=key, host="node-1",

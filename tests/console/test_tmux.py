@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from fake_node import FakeEventsServer
-from kvm_helpers import T0, make_snapshot
+from kvm_helpers import T0, make_view
 
 from kvmesh.node.protocol import Handoff
 
@@ -57,7 +57,7 @@ class Tmux:
 @pytest.fixture
 def node() -> Iterator[FakeEventsServer]:
     # Stamped now: the console runs on the real clock, and sessions with no turn for minutes have ended.
-    srv = FakeEventsServer(lambda: make_snapshot(ts=time.time()))
+    srv = FakeEventsServer(lambda: make_view(ts=time.time()))
     srv.start()
     yield srv
     srv.stop()

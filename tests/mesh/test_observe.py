@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.conversation import Conversation
 
 from kvmesh.node.lab.launcher import wait_for
-from kvmesh.node.protocol import PROTOCOL_VERSION, SnapshotEvent
+from kvmesh.node.protocol import PROTOCOL_VERSION, ClusterViewEvent
 
 from .helpers import Mesh, whole_blocks
 
@@ -33,7 +33,7 @@ def test_events_snapshot_then_replay_then_live(shared_mesh: Mesh, events) -> Non
     streams = {n: events(m.api(n)) for n in m.names}
     for n, st in streams.items():
         first = st.wait(lambda e: True, f"the first event from {n}")
-        assert isinstance(first, SnapshotEvent) and first.type == "snapshot", first
+        assert isinstance(first, ClusterViewEvent) and first.type == "snapshot", first
         assert first.node == n and first.v == PROTOCOL_VERSION and first.replay is False and first.ts > 0
         assert sorted(h.name for h in first.cluster.hosts) == sorted(m.names)
         # Every node published peer_up for its peers when it started: the ring is never empty here.
@@ -68,7 +68,7 @@ def test_events_snapshot_then_replay_then_live(shared_mesh: Mesh, events) -> Non
     for n, st in streams.items():
         assert st.error is None, f"{n}: {st.error!r}"
         evs = st.received()
-        assert isinstance(evs[0], SnapshotEvent) and all(not isinstance(e, SnapshotEvent) for e in evs[1:])
+        assert isinstance(evs[0], ClusterViewEvent) and all(not isinstance(e, ClusterViewEvent) for e in evs[1:])
         flags = [e.replay for e in evs[1:]]
         k = flags.index(False) if False in flags else len(flags)
         assert k >= 1 and not any(flags[k:]), f"{n}: replayed events after live ones: {flags}"

@@ -91,7 +91,7 @@ def test_the_state_stream_needs_the_secret_and_answers_a_resync_with_a_snapshot(
     import websockets
     from websockets.asyncio.client import connect
 
-    from kvmesh.node.protocol import STATE_ADAPTER, StateSnapshot
+    from kvmesh.node.protocol import STATE_ADAPTER, StateBaseline
 
     url = shared_mesh.api("a").replace("http://", "ws://") + "/v1/peer/state?subscriber=b"
 
@@ -104,11 +104,11 @@ def test_the_state_stream_needs_the_secret_and_answers_a_resync_with_a_snapshot(
             refused = e.response.status_code
         async with connect(url, additional_headers=shared_mesh.peer_headers(), open_timeout=5) as ws:
             first = STATE_ADAPTER.validate_json(await ws.recv())
-            assert isinstance(first, StateSnapshot) and first.status.host.name == "a"
+            assert isinstance(first, StateBaseline) and first.status.host.name == "a"
             await ws.send("resync")
             while True:
                 msg = STATE_ADAPTER.validate_json(await asyncio.wait_for(ws.recv(), 5))
-                if isinstance(msg, StateSnapshot):
+                if isinstance(msg, StateBaseline):
                     return refused, first.seq, msg.seq
 
     refused, seq0, seq1 = asyncio.run(go())

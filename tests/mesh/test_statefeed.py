@@ -27,7 +27,7 @@ def test_a_mirror_fed_the_deltas_equals_the_sender_after_every_change() -> None:
     feed, mirror = StateFeed(epoch=1.0), StateMirror()
     sessions: dict[str, int] = {}
     st = _status(rng, sessions, 0)
-    assert mirror.apply(_wire(feed.snapshot(st)))  # type: ignore[arg-type]
+    assert mirror.apply(_wire(feed.baseline(st)))  # type: ignore[arg-type]
     for step in range(300):
         op = rng.random()
         if op < 0.4 or not sessions:
@@ -50,7 +50,7 @@ def test_nothing_changed_sends_nothing_and_a_heartbeat_is_tiny() -> None:
     rng = random.Random(1)
     st = _status(rng, {"x": 500}, 1)
     feed, mirror = StateFeed(epoch=2.0), StateMirror()
-    mirror.apply(feed.snapshot(st))
+    mirror.apply(feed.baseline(st))
     assert feed.delta(st) is None
     beat = feed.heartbeat()
     assert beat.seq == feed.seq and mirror.apply(beat) and len(encode(beat)) < 80
@@ -60,17 +60,17 @@ def test_a_gap_or_a_restarted_sender_is_refused_until_a_snapshot() -> None:
     """A lost delta, or one from another epoch, is not applied (the mirror would be wrong); a snapshot heals it."""
     rng = random.Random(2)
     feed, mirror = StateFeed(epoch=3.0), StateMirror()
-    mirror.apply(feed.snapshot(_status(rng, {"x": 100}, 0)))
+    mirror.apply(feed.baseline(_status(rng, {"x": 100}, 0)))
     feed.delta(_status(rng, {"x": 200}, 0))  # lost on the way
     later = feed.delta(_status(rng, {"x": 300}, 0))
     assert later is not None and not mirror.apply(later)
     mirror.out_of_step()
     assert mirror.status is None and mirror.resyncs == 1
     assert not mirror.apply(StateDelta(epoch=3.0, seq=feed.seq + 1, fields={"mean_turn_s": 2.0}))
-    assert mirror.apply(feed.snapshot(_status(rng, {"x": 300}, 0)))
+    assert mirror.apply(feed.baseline(_status(rng, {"x": 300}, 0)))
     assert mirror.status is not None and mirror.status.sessions[0].resident_tokens == 300
     other = StateFeed(epoch=4.0)  # the sender restarted: its seq numbers start again
-    other.snapshot(_status(rng, {}, 0))
+    other.baseline(_status(rng, {}, 0))
     d = other.delta(_status(rng, {"y": 1}, 0))
     assert d is not None and not mirror.apply(d)
 
@@ -83,7 +83,7 @@ def test_a_scoped_feed_carries_only_its_sessions() -> None:
     mine = {s for s in names if directory_host(s, members) == "h4"}
     assert 0 < len(mine) < 40  # about 1/20 of them
     feed = StateFeed(epoch=1.0, scope=lambda s: s in mine)
-    snap = feed.snapshot(_status(rng, {s: 100 for s in names}, 0))
+    snap = feed.baseline(_status(rng, {s: 100 for s in names}, 0))
     assert {s.session for s in snap.status.sessions} == mine
     d = feed.delta(_status(rng, {s: 200 for s in names}, 0))
     assert d is not None and set(d.sessions) == mine

@@ -18,7 +18,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from kvmesh.node.lab.launcher import wait_for
-from kvmesh.node.protocol import Event, SnapshotEvent, parse_event
+from kvmesh.node.protocol import ClusterViewEvent, Event, parse_event
 
 E = TypeVar("E", bound=BaseModel)
 WAIT_S = 15.0
@@ -45,7 +45,7 @@ class EventStream:
         try:
             self._take(self._ws.recv(timeout=open_timeout))
             first = self.received()
-            assert first and isinstance(first[0], SnapshotEvent), f"{self.url} opened with {self._raw[0][:200]}"
+            assert first and isinstance(first[0], ClusterViewEvent), f"{self.url} opened with {self._raw[0][:200]}"
         except BaseException:
             self._stack.close()
             raise
