@@ -14,7 +14,8 @@ import kvmesh.node
 NODE_DIR = Path(kvmesh.node.__file__).resolve().parent
 # What tests, measures or demonstrates the mesh; none of it may sit beside the agent's rooms.
 CLI_FILES = ("cli.py", "benchargs.py")  # the command line: it reaches the lab, lazily
-LAB_NAMES = ("bench", "chaos", "netlab", "soak", "load", "demo", "launcher", "workload", "sim")
+LAB_NAMES = ("bench", "chaos", "netlab", "soak", "load", "demo", "launcher", "workload", "sim",
+             "inprocess", "testmodels", "checkpoints")  # what tests build on: in-process nodes, random models
 
 
 def _imports(tree: ast.AST) -> set[str]:
@@ -38,7 +39,7 @@ def _is_lab(module: str) -> bool:
 
 
 def test_lab_modules_live_under_lab() -> None:
-    """Benches, drills, netlab, soak, load, demo, launcher and the workload are under node/lab/, not beside the agent."""
+    """Benches, drills, netlab, soak, load, demo, launcher, the workload and the test helpers are under node/lab/, not beside the agent."""
     assert (NODE_DIR / "lab" / "__init__.py").is_file()
     beside = [name for name in LAB_NAMES if (NODE_DIR / name).is_dir() or (NODE_DIR / f"{name}.py").is_file()]
     assert beside == []
