@@ -7,7 +7,10 @@ node (peer-forwarded headers), so which node computes each reply is the test's c
 
 from __future__ import annotations
 
+import json
 import secrets
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,9 @@ import numpy as np
 import pytest
 
 from kvmesh.node.config import LlamaCppConfig
+from kvmesh.node.engine.hashing import block_hashes, chain_seed
 from kvmesh.node.engine.llamamodel import weight_buffers
+from kvmesh.node.kvshare import wire
 from kvmesh.node.lab import testmodels
 from kvmesh.node.lab.launcher import wait_for, write_mesh
 from kvmesh.node.lab.workload import text
@@ -140,14 +145,55 @@ def gemma_window_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: 
     yield from _serve(_start(tmp_path / "mesh", engine, {"replicate_min_tokens": 512}), request)
 
 
-def test_gemma3_window_mode_moves_warm_with_its_snapshot_and_answers_as_if_it_never_moved(gemma_window_mesh: Mesh) -> None:
-    """On two real Gemma 3 nodes in window mode, a's replica (bare blocks) lands on b and its window snapshot follows
-    over /v1/peer/snapshots; b's next turn resumes at the snapshot and answers what a answers where the session began.
-    The route refuses a snapshot of another model, a wrong digest, or a malformed body, and says why."""
-    import hashlib
-    import random
+def _manifests(m: Mesh, host: str) -> list[dict[str, Any]]:
+    """The replica manifests in `host`'s store directory (manifest.json of each stored session)."""
+    return [json.loads(p.read_bytes()) for p in Path(m.configs[host]["kvshare"]["store_dir"]).glob("*/manifest.json")]
 
-    from kvmesh.node.engine.snapshots import encode_snapshot
+
+def read_reply(sock: socket.socket, tx: wire.Sender) -> wire.SenderEvent | str:
+    """The receiver's next reply as an event, or why none came ('closed', 'protocol:<reason>')."""
+    try:
+        while True:
+            data = sock.recv(max(1, tx.want()))
+            events = tx.feed(data) if data else tx.eof()
+            if events:
+                return events[0]
+    except wire.ProtocolError as e:
+        return "closed" if e.reason == "truncated" else f"protocol:{e.reason}"
+
+
+def _hand_push(m: Mesh, host: str, offer: wire.Offer, tokens: np.ndarray, blob: np.ndarray, *,
+               secret: str | None = None, flip: bool = False, size: int | None = None) -> wire.SenderEvent | str:
+    """A push by hand to `host`'s kv_share listener: the offer, zero blocks, the snapshot `blob` (a bit flipped in
+    flight with `flip`; its header claiming `size` bytes with `size`), END; the receiver's verdict."""
+    tx = wire.Sender((secret or m.secret or "").encode())
+    hashes = block_hashes(chain_seed(offer.fingerprint), tokens, offer.block_size)
+    addr, port = m.configs[host]["kvshare"]["listen"].rsplit(":", 1)
+    with socket.create_connection((addr, int(port)), timeout=30) as sock:
+        sock.sendall(tx.offer_bytes(offer, tokens, hashes))
+        ev = read_reply(sock, tx)
+        if not isinstance(ev, wire.Accepted):
+            return ev
+        zero = bytes(offer.block_bytes)
+        for i in range(ev.first_missing, offer.n_blocks):
+            sock.sendall(tx.block_header(i, zero) + zero)
+        data = bytearray(blob.tobytes())
+        hdr = tx.snapshot_header(blob)
+        if flip:
+            data[len(data) // 2] ^= 0x01
+        if size is not None:
+            hdr = wire.encode_snapshot_header(offer.snapshot_pos, size, hdr[-16:])
+        sock.sendall(hdr + bytes(data) + tx.end())
+        return read_reply(sock, tx)
+
+
+def test_gemma3_window_mode_moves_warm_with_its_snapshot_and_answers_as_if_it_never_moved(gemma_window_mesh: Mesh) -> None:
+    """On two real Gemma 3 nodes in window mode, a's replica (bare blocks) lands on b with its window snapshot, a frame of
+    the same kv_share push counted on the link; b's next turn resumes at the snapshot and answers what a answers where the
+    session began. b's kv_share refuses a snapshot of another model, a wrong digest, cells that do not check, a malformed
+    frame or an unsigned push, and says why. After b restarts, its store resumes the session (blocks and snapshot) and b
+    answers what a does."""
+    import random
 
     m, s = gemma_window_mesh, "gemma-window"
     rng = random.Random(14)
@@ -158,34 +204,49 @@ def test_gemma3_window_mode_moves_warm_with_its_snapshot_and_answers_as_if_it_ne
     m.wait_replica(s, "a", 512)
     received = lambda: m.http.get(m.api("b") + "/v1/stats", timeout=10).json()["snapshots"]["received"]  # noqa: E731
     wait_for(lambda: received() >= 1, "b to receive a's window snapshot", 30)
-    sent = m.http.get(m.api("a") + "/v1/stats", timeout=10).json()["snapshots"]
+    sent_stats = m.http.get(m.api("a") + "/v1/stats", timeout=10).json()
+    sent = sent_stats["snapshots"]
     assert sent["sent"] >= 1 and sent["sent_bytes"] > 0 and sent["send_failed"] == 0
+    link = sent_stats["kvshare"]["out"]["b"]
+    assert link["snapshot_bytes"] == sent["sent_bytes"] and link["bytes"] > link["snapshot_bytes"]
     follow = [*msgs, {"role": "assistant", "content": r1}, {"role": "user", "content": "In one word?"}]
     moved, cached_b = pinned_turn(m, "b", s, follow, max_tokens=24, model=model, prev_host="a")
     prompt_b = m.http.get(m.api("b") + "/v1/stats", timeout=10).json()
     assert cached_b > 0 and prompt_b["snapshots"]["restored"] >= 1, (cached_b, prompt_b["snapshots"])
+    assert prompt_b["kvshare"]["in"]["a"]["snapshot_bytes"] == sent["sent_bytes"]
     never_moved, cached_a = pinned_turn(m, "a", s, follow, max_tokens=24, model=model)
     assert moved == never_moved and cached_a > 0
 
-    url, fingerprint = m.api("b") + "/v1/peer/snapshots", prompt_b["fingerprint"]
+    fingerprint, bs = prompt_b["fingerprint"], prompt_b["block_size"]
     assert m.http.get(m.api("b") + "/v1/models", timeout=10).json()["data"][0]["kvmesh"]["swa"] == "window"
-    body = encode_snapshot(np.arange(512, dtype=np.int32), np.zeros(64, dtype=np.uint8))
-    digest = hashlib.sha256(body).hexdigest()
-    wrong_model = m.http.post(url, content=body, headers={**m.peer_headers(), "x-kvmesh-fingerprint": "0" * 32,
-                                                         "x-kvmesh-digest": digest}, timeout=10)
-    assert wrong_model.status_code == 409 and "fingerprint" in wrong_model.text
-    bad_digest = m.http.post(url, content=body, headers={**m.peer_headers(), "x-kvmesh-fingerprint": fingerprint,
-                                                        "x-kvmesh-digest": "0" * 64}, timeout=10)
-    assert bad_digest.status_code == 409 and "sha256" in bad_digest.text
-    cells = m.http.post(url, content=body, headers={**m.peer_headers(), "x-kvmesh-fingerprint": fingerprint,
-                                                   "x-kvmesh-digest": digest}, timeout=10)
-    assert cells.status_code == 409 and "window snapshot" in cells.text
-    junk = b"junk"
-    malformed = m.http.post(url, content=junk, headers={**m.peer_headers(), "x-kvmesh-fingerprint": fingerprint,
-                                                       "x-kvmesh-digest": hashlib.sha256(junk).hexdigest()}, timeout=10)
-    assert malformed.status_code == 400 and "KVWN" in malformed.text
-    no_secret = m.http.post(url, content=body, timeout=10)
-    assert no_secret.status_code == 401
+    wait_for(lambda: any(d["session"] == s for d in _manifests(m, "b")), "b to store the session", 30)
+    block_bytes = next(d["block_bytes"] for d in _manifests(m, "b") if d["session"] == s)
+    tokens, blob = np.arange(2 * bs, dtype=np.int32), np.zeros(64, dtype=np.uint8)
+    offer = wire.Offer(session="gemma-hand", sender="hand", fingerprint=fingerprint, block_size=bs, block_bytes=block_bytes,
+                       n_blocks=2, generation=1, sent_at=time.time(), snapshot_pos=2 * bs, snapshot_bytes=blob.nbytes)
+    wrong_model = _hand_push(m, "b", offer.model_copy(update={"fingerprint": "0" * 32}), tokens, blob)
+    assert isinstance(wrong_model, wire.PeerRefused) and wrong_model.reason == "fingerprint", wrong_model
+    bad_digest = _hand_push(m, "b", offer, tokens, blob, flip=True)
+    assert isinstance(bad_digest, wire.PeerRefused) and bad_digest.reason == "digest", bad_digest
+    cells = _hand_push(m, "b", offer, tokens, blob)
+    assert isinstance(cells, wire.PeerRefused) and cells.reason == "snapshot" and "window snapshot" in cells.message, cells
+    malformed = _hand_push(m, "b", offer, tokens, blob, size=blob.nbytes + 1)
+    assert isinstance(malformed, wire.PeerRefused) and malformed.reason == "malformed", malformed
+    no_secret = _hand_push(m, "b", offer, tokens, blob, secret="not-the-mesh-secret")
+    assert isinstance(no_secret, wire.PeerRefused) and no_secret.reason == "unauthenticated", no_secret
+    refused = m.http.get(m.api("b") + "/v1/stats", timeout=10).json()["kvshare"]["in"]["hand"]["refused"]
+    assert refused == {"fingerprint": 1, "digest": 1, "snapshot": 1, "malformed": 1}, refused
+
+    # b restarts: its engine and snapshots are empty; its store holds the session's blocks and newest snapshot.
+    wait_for(lambda: any(d["session"] == s and d["snapshot"] for d in _manifests(m, "b")), "b to store its snapshot", 30)
+    m.nodes["b"].stop()
+    m.nodes["b"].start().wait_ready(120)
+    again = [*follow, {"role": "assistant", "content": moved}, {"role": "user", "content": "And in two words?"}]
+    after, cached_r = pinned_turn(m, "b", s, again, max_tokens=24, model=model)
+    restarted = m.http.get(m.api("b") + "/v1/stats", timeout=10).json()["snapshots"]
+    assert cached_r >= 1024 and restarted["restored"] >= 1, (cached_r, restarted)  # the newest boundary its prompt reaches
+    home, _ = pinned_turn(m, "a", s, again, max_tokens=24, model=model)
+    assert after == home
 
 
 @pytest.fixture(params=["hybrid-tiny", "mamba-tiny"])
@@ -196,8 +257,10 @@ def recurrent_mesh(tmp_path: Path, request: pytest.FixtureRequest):  # type: ign
 
 
 def test_a_session_with_recurrent_state_moves_warm_with_its_snapshot(recurrent_mesh: Mesh) -> None:
-    """a's replica (blocks of the attention cache, if any) and its recurrent-state snapshot reach b; b's next turn
-    resumes at the snapshot and answers what a answers where the session began; /v1/models says it replicates."""
+    """a's replica (blocks of the attention cache, if any) and its recurrent-state snapshot reach b in one push; b's next
+    turn resumes at the snapshot and answers what a answers where the session began; /v1/models says it replicates.
+    After b restarts it resumes the session from its store (blocks and snapshot) and answers as a does; with the
+    stored snapshot corrupted it recomputes (cached 0) and still answers as a does."""
     import random
 
     m, s = recurrent_mesh, "recurrent-warm"
@@ -216,3 +279,23 @@ def test_a_session_with_recurrent_state_moves_warm_with_its_snapshot(recurrent_m
     assert cached_b > 900 and cached_a >= cached_b and on_b == on_a, (cached_b, cached_a)
     moved = m.http.get(m.api("b") + "/v1/stats", timeout=10).json()
     assert moved["snapshots"]["restored"] >= 1 and moved["handoffs"]["cold"] == 0, moved["handoffs"]
+    assert moved["kvshare"]["in"]["a"]["snapshot_bytes"] > 0, moved["kvshare"]["in"]
+    # b restarts: the session resumes from b's store (its blocks and its newest snapshot), as a would answer.
+    wait_for(lambda: any(d["session"] == s and d["snapshot"] for d in _manifests(m, "b")), "b to store its snapshot", 30)
+    m.nodes["b"].stop()
+    m.nodes["b"].start().wait_ready(60)
+    again = [*follow, {"role": "assistant", "content": on_b}, {"role": "user", "content": text(rng, 60)}]
+    after, cached_r = pinned_turn(m, "b", s, again, model=model["id"])
+    home, _ = pinned_turn(m, "a", s, again, model=model["id"])
+    assert cached_r > 900 and after == home, (cached_r, after, home)
+    # A snapshot corrupted on b's disk is refused (the stored replica dropped): b recomputes, never resumes from it.
+    m.nodes["b"].stop()
+    for snap in Path(m.configs["b"]["kvshare"]["store_dir"]).glob("*/snap-*.bin"):
+        raw = bytearray(snap.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        snap.write_bytes(bytes(raw))
+    m.nodes["b"].start().wait_ready(60)
+    last = [*again, {"role": "assistant", "content": after}, {"role": "user", "content": text(rng, 40)}]
+    recomputed, cached_c = pinned_turn(m, "b", s, last, model=model["id"])
+    home2, _ = pinned_turn(m, "a", s, last, model=model["id"])
+    assert cached_c == 0 and recomputed == home2, (cached_c, recomputed, home2)
