@@ -47,7 +47,7 @@ class Offer(BaseModel):
     sent_at: float = Field(allow_inf_nan=False)
     # The state snapshot that follows the blocks (window cells, recurrent state: node.engine.snapshots), signed
     # here so a receiver knows its size before a byte of it arrives; 0 and 0: the replica is blocks alone.
-    snapshot_pos: int = Field(0, ge=0, le=1 << 32)
+    snapshot_pos: int = Field(0, ge=0, le=(1 << 32) - 1)
     snapshot_bytes: int = Field(0, ge=0, le=1 << 40)
 
     @property
