@@ -20,15 +20,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, collect, rendered
+from kvmesh.node.api.answer import collect, rendered
 from kvmesh.node.api.anthropic_schema import CountTokensRequest, MessagesRequest
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.errors import anthropic_error
-from kvmesh.node.api.serving import check_model, open_answer, prompt_request, sse_response
+from kvmesh.node.api.serving import chat_hop, check_model, open_answer, parser_factory, prompt_request, sse_response
 from kvmesh.node.api.sessionid import Named, name_session
 from kvmesh.node.api.structured import constrained
-from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallEnd, ToolCallStart, ToolEvent, assemble
+from kvmesh.node.api.toolevents import assemble
+from kvmesh.node.mesh.answer import AnswerEvent, ContentDelta, Failed, Finish, ToolCallArgs, ToolCallEnd, ToolCallStart, ToolEvent
 
 router = APIRouter()
 
@@ -124,7 +125,8 @@ async def messages(body: MessagesRequest, request: Request, node: NodeDep) -> Re
     named = Named(metadata_user_id=body.metadata.user_id if body.metadata else None)
     session = name_session(request.headers, named, chat.messages_as_dicts())
     greq = constrained(prompt_request(node, chat, session), chat)  # response_format, tool_choice
-    opened = await open_answer(node, chat, greq, session, request.headers, stream=body.stream)
+    opened = await open_answer(node, greq, session, request.headers, chat_hop(node, chat, body.stream),
+                               stream=body.stream, new_parser=parser_factory(chat))
     headers = dict(opened.headers)
     if body.thinking is not None and body.thinking.type != "disabled":
         headers["X-Kvmesh-Ignored"] = "thinking"

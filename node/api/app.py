@@ -12,6 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from kvmesh.node.api.anthropic_routes import router as anthropic_router
 from kvmesh.node.api.completions_routes import router as completions_router
 from kvmesh.node.api.errors import BodyLimit, install_error_handlers
+from kvmesh.node.api.health_routes import router as health_router
 from kvmesh.node.api.mesh_routes import router as mesh_router
 from kvmesh.node.api.openai_routes import router as openai_router
 from kvmesh.node.api.responses_routes import router as responses_router
@@ -37,6 +38,6 @@ def create_app(node: Node) -> FastAPI:
                                                                 "X-Kvmesh-Cached-Tokens", "X-Session-Id"])
     install_error_handlers(app)
     app.state.node = node  # what the routes' node_of dependency hands them
-    for router in (openai_router, completions_router, anthropic_router, responses_router, mesh_router):
+    for router in (openai_router, completions_router, anthropic_router, responses_router, health_router, mesh_router):
         app.include_router(router)
     return app

@@ -1,7 +1,8 @@
 """OpenAI chat-completion answers: a turn's events as SSE chunks, or as one JSON completion.
 
 Chat SSE is also the mesh's own hop format: a peer that runs a forwarded turn answers in it,
-whatever dialect the client spoke at the entry, and `StreamSplice` splices it when a host dies.
+whatever dialect the client spoke at the entry, and the entry reads it back into answer events
+(node.mesh.forward) and renders those in the client's dialect.
 Tool calls come back as `message.tool_calls` (content null when there is no other text), or in a
 stream as OpenAI tool-call deltas (the id, type and name first, then argument fragments), with
 finish_reason "tool_calls" when the model stopped after calling. A stop string that ended the
@@ -16,13 +17,16 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, Logprobs, ParserFactory, local_events
-from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallStart, ToolEvent, assemble
+from kvmesh.node.api.toolevents import assemble
 from kvmesh.node.engine.turns import TokenLogprob
-from kvmesh.node.mesh.forward import sse_error
-from kvmesh.node.mesh.turn import HostTurn
+from kvmesh.node.mesh.answer import AnswerEvent, ContentDelta, Failed, Finish, Logprobs, ToolCallArgs, ToolCallStart, ToolEvent
 
 Ident = tuple[str, int, str]  # the completion's id, created time and model, on every chunk
+
+
+def sse_error(message: str, type_: str, code: str | None) -> bytes:
+    """An OpenAI-style in-band error event: how a stream that already began reports a failure."""
+    return b"data: " + json.dumps({"error": {"message": message, "type": type_, "code": code}}).encode() + b"\n\n"
 
 
 def usage(fin: Finish) -> dict[str, Any]:
@@ -68,11 +72,11 @@ def _delta(ev: ToolEvent) -> dict[str, Any] | None:
     return None
 
 
-async def chat_sse(run: HostTurn, ident: Ident, include_usage: bool, new_parser: ParserFactory) -> AsyncIterator[bytes]:
-    """A turn running here, as OpenAI stream chunks ending in [DONE] (an error after the first byte goes in-band)."""
+async def chat_sse(events: AsyncIterator[AnswerEvent], ident: Ident, include_usage: bool, *,
+                   scored: bool) -> AsyncIterator[bytes]:
+    """An answer as OpenAI stream chunks ending in [DONE] (an error after the first byte goes in-band)."""
     fins: list[Finish] = []
-    async for chunk in choice_chunks(local_events(run, new_parser), ident, 0, fins,
-                                     scored=run.req.top_logprobs is not None):
+    async for chunk in choice_chunks(events, ident, 0, fins, scored=scored):
         yield chunk
     if include_usage and fins:
         yield usage_chunk(ident, fins[0])

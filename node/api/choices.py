@@ -18,14 +18,14 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from kvmesh.node.api.answer import Finish, collect
-from kvmesh.node.api.chat_format import Ident, chat_choice, choice_chunks, usage, usage_chunk
+from kvmesh.node.api.answer import collect
+from kvmesh.node.api.chat_format import Ident, chat_choice, choice_chunks, sse_error, usage, usage_chunk
 from kvmesh.node.api.schema import ChatCompletionRequest
-from kvmesh.node.api.serving import Opened, open_answer, sse_response
+from kvmesh.node.api.serving import chat_hop, open_answer, parser_factory, sse_response
 from kvmesh.node.api.sessionid import SessionName
 from kvmesh.node.engine.turns import GenerateRequest
 from kvmesh.node.errors import KVMeshError
-from kvmesh.node.mesh.forward import sse_error
+from kvmesh.node.mesh.answer import Answer, Finish
 from kvmesh.node.node import Node
 
 
@@ -42,9 +42,10 @@ def _choice_request(greq: GenerateRequest, index: int) -> GenerateRequest:
 
 
 async def _open(node: Node, body: ChatCompletionRequest, greq: GenerateRequest, session: SessionName,
-                headers: Mapping[str, str], index: int, stream: bool) -> Opened:
+                headers: Mapping[str, str], index: int, stream: bool) -> Answer:
     one = body.model_copy(update={"n": 1})  # the hop runs one choice
-    return await open_answer(node, one, _choice_request(greq, index), session, headers, stream=stream)
+    return await open_answer(node, _choice_request(greq, index), session, headers, chat_hop(node, one, stream),
+                             stream=stream, new_parser=parser_factory(one))
 
 
 async def several(node: Node, body: ChatCompletionRequest, greq: GenerateRequest, session: SessionName,
@@ -70,7 +71,7 @@ async def several(node: Node, body: ChatCompletionRequest, greq: GenerateRequest
 
 
 async def _stream(node: Node, body: ChatCompletionRequest, greq: GenerateRequest, session: SessionName,
-                  headers: Mapping[str, str], ident: Ident, first: Opened, include_usage: bool) -> AsyncIterator[bytes]:
+                  headers: Mapping[str, str], ident: Ident, first: Answer, include_usage: bool) -> AsyncIterator[bytes]:
     fins: list[Finish] = []
     opened = first
     for i in range(body.n):

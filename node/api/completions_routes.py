@@ -3,7 +3,8 @@
 The prompt is one string or one list of token ids (a batch of several is refused), tokenized as
 given with the model's BOS in front (as llama.cpp does) unless it is already there. Streaming
 sends `text_completion` chunks, then [DONE]. There is no chat template, so no tool calls. A
-forwarded turn travels as legacy completions too (the splice reads `choices[0].text`).
+forwarded turn travels as legacy completions too (node.mesh.forward reads `choices[0].text` back
+into answer events, which are rendered here wherever the turn ran).
 `logprobs: k` gives each token's log probability and its k likeliest alternatives in the legacy
 shape (tokens, token_logprobs, top_logprobs, text_offset: offsets into the completion's text),
 streamed beside the text they score.
@@ -23,19 +24,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvmesh.node.api.answer import Failed, Finish, Logprobs, collect, local_events
-from kvmesh.node.api.chat_format import usage
+from kvmesh.node.api.answer import collect
+from kvmesh.node.api.chat_format import sse_error, usage
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.schema import MAX_STOPS, StreamOptions, refuse_unhonoured
-from kvmesh.node.api.serving import check_model, relayed, sse_response, turn_headers
-from kvmesh.node.api.sessionid import Named, name_session
-from kvmesh.node.api.toolevents import ContentDelta
+from kvmesh.node.api.serving import check_model, open_answer, sse_response
+from kvmesh.node.api.sessionid import Named, SessionName, name_session
 from kvmesh.node.engine.engine import GenerateRequest
 from kvmesh.node.engine.turns import TokenLogprob
 from kvmesh.node.errors import InvalidRequest
-from kvmesh.node.mesh.forward import sse_error
-from kvmesh.node.mesh.turn import HostTurn
+from kvmesh.node.mesh.answer import AnswerEvent, ContentDelta, Failed, Finish, Logprobs
 from kvmesh.node.node import Node
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for legacy completions
@@ -87,7 +86,7 @@ class CompletionRequest(BaseModel):
         return tuple(items)
 
 
-def _request(node: Node, body: CompletionRequest, request: Request) -> tuple[GenerateRequest, str]:
+def _request(node: Node, body: CompletionRequest, request: Request) -> tuple[GenerateRequest, SessionName]:
     check_model(node.cfg.engine, body.model)
     prompt = body.one_prompt()
     tok = node.engine.tokenizer
@@ -106,8 +105,7 @@ def _request(node: Node, body: CompletionRequest, request: Request) -> tuple[Gen
     greq = GenerateRequest(session=session.id, prompt=ids, max_tokens=body.max_tokens, temperature=body.temperature,
                            top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop_list(),
                            ignore_eos=body.ignore_eos, top_logprobs=body.logprobs)
-    node.engine.validate(greq)
-    return greq, session.source
+    return greq, session
 
 
 def legacy_logprobs(entries: tuple[TokenLogprob, ...] | list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -131,12 +129,12 @@ def _chunk(ident: tuple[str, int, str], text: str, fin: Finish | None = None, *,
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _sse(run: HostTurn, ident: tuple[str, int, str], include_usage: bool) -> AsyncIterator[bytes]:
-    """The turn as text_completion chunks; a delta's text waits for its tokens' log probabilities (when
+async def _sse(events: AsyncIterator[AnswerEvent], ident: tuple[str, int, str], include_usage: bool) -> AsyncIterator[bytes]:
+    """The answer as text_completion chunks; a delta's text waits for its tokens' log probabilities (when
     asked for, they come right after it) so both go in one chunk, as OpenAI's do."""
     pending: str | None = None
     offset = 0
-    async for ev in local_events(run, lambda: None):
+    async for ev in events:
         if isinstance(ev, Logprobs):
             yield _chunk(ident, pending or "", logprobs=legacy_logprobs(ev.entries, offset))
             offset += len(pending or "")
@@ -160,22 +158,16 @@ async def _sse(run: HostTurn, ident: tuple[str, int, str], include_usage: bool) 
 
 
 async def completions(body: CompletionRequest, request: Request, node: NodeDep) -> Response:
-    greq, source = _request(node, body, request)
+    greq, session = _request(node, body, request)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def render(run: HostTurn) -> AsyncIterator[bytes]:
-        return _sse(run, ("cmpl-resumed", int(time.time()), body.model), include_usage)
-
-    raw = await request.body()
-    served = await node.turns.serve(greq, request.headers, lambda: raw, stream=body.stream, render=render,
-                                    source=source, path="/v1/completions")
-    if not isinstance(served, HostTurn):
-        return relayed(served)
+    raw = await request.body()  # a peer runs the client's own request
+    answer = await open_answer(node, greq, session, request.headers, lambda: raw, stream=body.stream,
+                               path="/v1/completions")
     ident = ("cmpl-" + uuid.uuid4().hex[:24], int(time.time()), body.model)
-    headers = turn_headers(served)
+    headers = answer.headers
     if body.stream:
-        return sse_response(_sse(served, ident, include_usage), headers)
-    events, fin = await collect(local_events(served, lambda: None))
+        return sse_response(_sse(answer.events, ident, include_usage), headers)
+    events, fin = await collect(answer.events)
     text = "".join(ev.text for ev in events if isinstance(ev, ContentDelta))
     cid, created, model = ident
     return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model,

@@ -21,16 +21,16 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvmesh.node.api.answer import AnswerEvent, Failed, Finish, Logprobs, collect, rendered
+from kvmesh.node.api.answer import collect, rendered
 from kvmesh.node.api.chat_format import logprobs_content
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.responses_schema import ResponsesRequest
-from kvmesh.node.api.serving import open_answer, prompt_request, sse_response
+from kvmesh.node.api.serving import chat_hop, open_answer, parser_factory, prompt_request, sse_response
 from kvmesh.node.api.sessionid import Named, name_session
 from kvmesh.node.api.structured import constrained
-from kvmesh.node.api.toolevents import ContentDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 from kvmesh.node.errors import NotFound
+from kvmesh.node.mesh.answer import AnswerEvent, ContentDelta, Failed, Finish, Logprobs, ToolCallArgs, ToolCallEnd, ToolCallStart
 
 router = APIRouter()
 
@@ -175,7 +175,8 @@ async def responses(body: ResponsesRequest, request: Request, node: NodeDep) -> 
     session = name_session(request.headers, Named(prompt_cache_key=body.prompt_cache_key, user=body.user),
                            chat.messages_as_dicts())
     greq = constrained(prompt_request(node, chat, session), chat)  # response_format, tool_choice
-    opened = await open_answer(node, chat, greq, session, request.headers, stream=body.stream)
+    opened = await open_answer(node, greq, session, request.headers, chat_hop(node, chat, body.stream),
+                               stream=body.stream, new_parser=parser_factory(chat))
     headers = dict(opened.headers)
     if ignored := body.ignored():
         headers["X-Kvmesh-Ignored"] = ",".join(ignored)

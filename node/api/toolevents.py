@@ -1,7 +1,8 @@
-"""The tool-call parser's events and what a whole answer makes of them (sans-I/O).
+"""What a whole answer makes of the tool-call parser's events (sans-I/O).
 
-`ToolCallParser` (node.api.toolcalls) turns the model's text into these events; a streamed
-answer sends them as OpenAI deltas, a whole one `assemble`s them into a `Reply`.
+`ToolCallParser` (node.api.toolcalls) turns the model's text into these events (they are answer
+events, defined in node.mesh.answer, so a peer's answer reads back into them); a streamed answer
+sends them as deltas, a whole one `assemble`s them into a `Reply`.
 """
 
 from __future__ import annotations
@@ -10,39 +11,15 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvmesh.node.mesh.answer import ContentDelta, ToolCallArgs, ToolCallEnd, ToolCallStart, ToolEvent
+
+__all__ = ["ContentDelta", "Reply", "ToolCall", "ToolCallArgs", "ToolCallEnd", "ToolCallStart", "ToolEvent", "assemble",
+           "coalesce", "merge", "new_call_id"]
+
 
 def new_call_id() -> str:
     """An OpenAI-style tool call id."""
     return "call_" + secrets.token_hex(12)
-
-
-# ---- events ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ContentDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallStart:
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolCallArgs:
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallEnd:
-    index: int
-    broken: str | None = None  # the call's raw text when its JSON never completed
-
-
-ToolEvent = ContentDelta | ToolCallStart | ToolCallArgs | ToolCallEnd
 
 
 def merge(out: list[ToolEvent], ev: ToolEvent) -> None:

@@ -1,14 +1,16 @@
 """One turn's path through the mesh, from the node the client called to the node that runs it.
 
-`TurnPath.serve` is the only way a chat turn runs. On the entry node (the one the client
-called) an `EntryTurn` places the turn: here, or forwarded to a peer. A peer that fails
-before answering is routed around; one that dies mid-stream is replaced by a survivor whose
-stream is spliced on (StreamSplice), so the client sees one answer. On the node that runs
-it, a `HostTurn` brings the engine up to the best cache the host has, runs the turn,
-classifies the handoff, records it, and replicates the session to the host placement
-predicts next. A turn a peer forwarded here (peer-authenticated headers) skips placement.
+`TurnPath.serve` is the only way a turn runs, and it hands back one `Answer` (node.mesh.answer):
+the turn's headers and its answer events, wherever it ran. On the entry node (the one the
+client called) an `EntryTurn` places the turn: here, or forwarded to a peer, whose answer is
+read into events (node.mesh.forward). A peer that fails before answering is routed around; one
+that dies mid-stream is replaced by a survivor whose events are spliced on (StreamSplice), so
+the client sees one answer. On the node that runs it, a `HostTurn` brings the engine up to the
+best cache the host has, runs the turn, classifies the handoff, records it, and replicates the
+session to the host placement predicts next. A turn a peer forwarded here (peer-authenticated
+headers) skips placement.
 
-API routes parse requests and format answers; everything in between is here.
+API routes parse requests and render answer events; everything in between is here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from typing import Protocol, cast
 
 import httpx
 import numpy as np
-from fastapi.responses import Response
 
 from kvmesh.node.engine.boundary import EngineAPI
 from kvmesh.node.engine.engine import (
@@ -35,8 +36,11 @@ from kvmesh.node.engine.sampling import MIN_TEMPERATURE
 from kvmesh.node.errors import KVMeshError, Overloaded
 from kvmesh.node.kvshare.service import ReuseExplained
 from kvmesh.node.mesh.admission import Refusal
+from kvmesh.node.mesh.answer import Answer, AnswerEvent, Failed, ParserFactory, listed, local_events, no_parser
 from kvmesh.node.mesh.auth import PEER_HEADER, check_peer_token
 from kvmesh.node.mesh.forward import (
+    HopChunks,
+    PeerAnswer,
     PeerSilent,
     PeerUnavailable,
     ResumeDiverged,
@@ -44,8 +48,8 @@ from kvmesh.node.mesh.forward import (
     open_turn,
     passed_headers,
     read_whole,
-    sse_error,
     watched,
+    whole_events,
 )
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.placement import Decision
@@ -86,25 +90,6 @@ class TurnReplicas(Protocol):
     def after_turn(self, session: str, target: str | None, turn_s: float) -> None: ...
 
 
-@dataclass
-class PeerAnswer:
-    """A peer's whole answer (or its error), passed to the client as it is."""
-
-    response: Response
-
-
-@dataclass
-class PeerStream:
-    """A peer's streamed answer, relayed (and resumed elsewhere if that peer dies)."""
-
-    headers: dict[str, str]
-    chunks: AsyncIterator[bytes]
-
-
-# How a route renders a turn running here as SSE bytes (a resumed stream is spliced from it).
-Render = Callable[["HostTurn"], AsyncIterator[bytes]]
-
-
 class TurnPath:
     """What a turn's path needs on this node, and the one entry to it (`serve`)."""
 
@@ -117,13 +102,14 @@ class TurnPath:
         self.publish, self.forward_timeout_s, self.on_resumed = publish, forward_timeout_s, on_resumed
 
     async def serve(self, req: GenerateRequest, headers: Mapping[str, str], hop_body: Callable[[], bytes], *, stream: bool,
-                    render: Render, source: str = "digest", path: str = CHAT_PATH,
-                    opening: Opening | None = None) -> HostTurn | PeerAnswer | PeerStream:
-        """Run the client's turn where it belongs: a HostTurn when it runs here, else the peer's answer.
+                    new_parser: ParserFactory = no_parser, source: str = "digest", path: str = CHAT_PATH,
+                    opening: Opening | None = None) -> Answer:
+        """Run the client's turn where it belongs and hand back its answer, here or on a peer; errors
+        before its first byte are raised (the engine's own, or a peer's as AnswerError).
 
         hop_body makes what a peer would run, POSTed to its `path` (made only if the turn is forwarded,
-        once): chat completions (the mesh's hop
-        format, whatever chat dialect the client spoke) or legacy completions (a raw prompt);
+        once): chat completions (the mesh's hop format, whatever chat dialect the client spoke) or
+        legacy completions (a raw prompt); `new_parser` finds tool calls in a turn run here;
         `source` is what named the session (node.api.sessionid), `opening` which of its conversations
         this is: the entry turns the client's session id into the conversation's key here, and a
         forwarded turn arrives keyed already (its group in a header)."""
@@ -131,8 +117,9 @@ class TurnPath:
         if forwarded is not None:
             prev_host, predicted, seq = forwarded
             group = session_from_header(headers[GROUP]) if headers.get(GROUP) else req.session
-            return await self.run_here(req, prev_host, predicted, seq, headers.get(SOURCE, "")[:64] or source, group,
-                                       headers.get(OPENING, "")[:200])
+            run = await self.run_here(req, prev_host, predicted, seq, headers.get(SOURCE, "")[:64] or source, group,
+                                      headers.get(OPENING, "")[:200])
+            return run.answer(new_parser)
         group, looked_up = req.session, False
         if opening is not None and not self.threads.knows(group) and self.mesh.needs_lookup(group):
             # New to this entry: which of its conversations is the main one, if another entry saw it open.
@@ -141,7 +128,7 @@ class TurnPath:
         req.session = self.threads.key(group, opening, self.mesh.opening_of(group))
         # Without a mesh secret peers cannot vouch for the client: its API key goes along.
         keys = {k: headers[k] for k in CLIENT_KEY_HEADERS if k in headers}
-        turn = EntryTurn(self, req, hop_body, stream, render, source, keys, path, group,
+        turn = EntryTurn(self, req, hop_body, stream, new_parser, source, keys, path, group,
                          self.threads.signature(group, req.session))
         turn.looked_up = looked_up and req.session == group
         return await turn.start()
@@ -161,8 +148,8 @@ class TurnPath:
     async def run_here(self, req: GenerateRequest, prev_host: str | None, predicted: int | None,
                        seq: int, source: str = "digest", group: str = "", opening: str = "") -> HostTurn:
         """Start the turn here; once it holds its slot, the engine is brought up to the best cache
-        this host has (a stored replica imported), so no eviction can slip in between."""
-        self.engine.validate(req)
+        this host has (a stored replica imported), so no eviction can slip in between. The engine
+        validates the turn as it admits it: its refusal is raised here, before any byte is sent."""
         prompt = np.asarray(req.prompt, dtype=np.int32)
         req.prepare = lambda: self.replicas.ensure_imported(req.session, prompt)
         run = HostTurn(self, req, prev_host, predicted, seq, source, group or req.session, opening)
@@ -181,6 +168,16 @@ class HostTurn:
         self.events = cast(AsyncGenerator[TurnBegin | TextDelta | TurnDone, None], path.engine.generate(req))
         self.begin: TurnStats | None = None
         self.handoff_class: HandoffClass | None = None
+
+    def answer(self, new_parser: ParserFactory) -> Answer:
+        """The turn's answer: what it tells the client about itself (peers pass these headers back
+        through the entry), and its events."""
+        b = self.begin
+        prompt, cached = (b.prompt_tokens, b.cached_tokens) if b else (0, 0)
+        headers = {"X-Kvmesh-Host": self.path.name, "X-Session-Id": session_header(self.req.session),
+                   "X-Kvmesh-Handoff": self.handoff_class or "none", "X-Kvmesh-Prompt-Tokens": str(prompt),
+                   "X-Kvmesh-Cached-Tokens": str(cached)}
+        return Answer(headers, prompt, cached, local_events(self.stream(), new_parser))
 
     async def start(self) -> None:
         """Wait for a slot and learn the reused prefix (so errors surface before any byte is sent)."""
@@ -262,6 +259,14 @@ class HostTurn:
         p.replicas.after_turn(session, target, turn_s)
 
 
+def _peer_answer(headers: dict[str, str], events: AsyncIterator[AnswerEvent]) -> Answer:
+    """A peer's answer, with the prompt's token counts it told the client in its headers."""
+    def count(name: str) -> int:
+        value = headers.get(name, "")
+        return int(value) if value.isdigit() else 0
+    return Answer(headers, count("x-kvmesh-prompt-tokens"), count("x-kvmesh-cached-tokens"), events)
+
+
 @dataclass
 class _Here:
     """Placement chose this host."""
@@ -281,29 +286,30 @@ class _There:
 class EntryTurn:
     """What the entry node knows of one client turn: enough to place it, and to place it again."""
 
-    def __init__(self, path: TurnPath, req: GenerateRequest, hop_body: Callable[[], bytes], stream: bool, render: Render,
-                 source: str, client_keys: dict[str, str], hop_path: str, group: str = "", opening: str = ""):
+    def __init__(self, path: TurnPath, req: GenerateRequest, hop_body: Callable[[], bytes], stream: bool,
+                 new_parser: ParserFactory, source: str, client_keys: dict[str, str], hop_path: str, group: str = "", opening: str = ""):
         if req.seed is None and req.temperature >= MIN_TEMPERATURE:
             # The entry picks the seed, so a turn run again elsewhere samples the same answer.
             req.seed = secrets.randbits(63)
         self.path, self.req, self.session, self.group = path, req, req.session, group or req.session
         self.opening = opening  # the conversation's signature within its group (node.mesh.threads)
         self.looked_up = False  # the session was just looked up across the mesh: placing it need not again
-        self.stream, self.render, self.source = stream, render, source
+        self.stream, self.new_parser, self.source = stream, new_parser, source
         self._hop_body, self._body = hop_body, b""
         self.client_keys, self.hop_path = client_keys, hop_path
         self.seq = path.mesh.next_seq(req.session)
         self.unavailable: set[str] = set()
         self.admitted = False  # once a stream has started, placing it again never refuses it
 
-    async def start(self) -> HostTurn | PeerAnswer | PeerStream:
+    async def start(self) -> Answer:
         placed = await self.place()
         if isinstance(placed, _Here):
-            return await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source, self.group,
-                                            self.opening)
+            run = await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source,
+                                           self.group, self.opening)
+            return run.answer(self.new_parser)
         if isinstance(placed, _There):
-            return PeerStream(passed_headers(placed.resp), self.relay(placed))
-        return placed
+            return _peer_answer(passed_headers(placed.resp), self.relay(placed))
+        return _peer_answer(placed.headers, listed(whole_events(placed.status, placed.body)))
 
     async def place(self) -> _Here | _There | PeerAnswer:
         """Place the turn: here, or forwarded to a peer. A peer that fails before answering is
@@ -351,27 +357,28 @@ class EntryTurn:
                                    timeout_s=self.path.forward_timeout_s)
             whole = None
             if not self.stream or resp.status_code != 200:
-                whole = PeerAnswer(await read_whole(d.host, resp))
+                whole = await read_whole(d.host, resp)
         finally:
             peer.pending -= 1
             peer.pending_tokens -= todo
         mesh.note_routed(self.session, d.host, self.seq)
         return whole if whole is not None else _There(d.host, resp)
 
-    async def relay(self, first: _There) -> AsyncIterator[bytes]:
-        """The peer's SSE answer, passed on as it comes. If the serving peer dies (or stops being
+    async def relay(self, first: _There) -> AsyncIterator[AnswerEvent]:
+        """The peer's answer events, passed on as they come. If the serving peer dies (or stops being
         heard from) before the answer is whole, the turn is placed again and the new host's answer
-        continues where the client's text stopped (StreamSplice checks the repeat is identical)."""
+        continues where the client's stopped (StreamSplice checks the repeat is identical)."""
         splice, at = StreamSplice(), first
         peers = self.path.mesh.peers
         try:
             while True:
-                reason = "the stream ended before [DONE]"
+                reason, hop = "the stream ended before [DONE]", HopChunks()
                 try:
                     async for chunk in watched(at.resp, peers.peers[at.host], peers.stale_after_s):
-                        for ev in splice.feed(chunk):
-                            yield ev
-                        if splice.done:
+                        for ev in hop.feed(chunk):
+                            for out in splice.feed(ev):
+                                yield out
+                        if hop.done:
                             return
                 except httpx.HTTPError as e:
                     reason = f"{type(e).__name__}: {e}"
@@ -379,28 +386,30 @@ class EntryTurn:
                     reason = str(e)
                 finally:
                     await at.resp.aclose()
-                if splice.finished:  # only the trailer was lost: the answer is whole
-                    break
+                if hop.finished:  # only the trailer was lost: the answer is whole
+                    for ev in hop.end():
+                        for out in splice.feed(ev):
+                            yield out
+                    return
                 placed = await self._place_again(at.host, reason, splice)
                 if isinstance(placed, PeerAnswer):  # an error status from the new host
-                    msg = bytes(placed.response.body[:300]).decode(errors="replace")
-                    yield sse_error(f"the turn could not be run again elsewhere: {msg}", "server_error", "peer_lost")
-                    break
+                    msg = placed.body[:300].decode(errors="replace")
+                    yield Failed(f"the turn could not be run again elsewhere: {msg}", "server_error", "peer_lost")
+                    return
                 if isinstance(placed, _Here):
                     run = await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source,
                                                    self.group, self.opening)
-                    async for chunk in self.render(run):
-                        for ev in splice.feed(chunk):
-                            yield ev
+                    async for ev in run.answer(self.new_parser).events:
+                        for out in splice.feed(ev):
+                            yield out
                     return
                 at = placed
         except ResumeDiverged as e:
             log.warning("turn of %s could not be resumed identically: %s", self.session, e)
-            yield sse_error(f"the serving host stopped mid-answer and the turn did not repeat identically ({e})",
-                            "server_error", "peer_lost")
+            yield Failed(f"the serving host stopped mid-answer and the turn did not repeat identically ({e})",
+                         "server_error", "peer_lost")
         except KVMeshError as e:
-            yield sse_error(str(e), e.type, e.code)
-        yield b"data: [DONE]\n\n"
+            yield Failed(str(e), e.type, e.code)
 
     async def _place_again(self, lost: str, reason: str, splice: StreamSplice) -> _Here | _There | PeerAnswer:
         """The host serving the stream stopped mid-answer: route around it and run the turn again."""

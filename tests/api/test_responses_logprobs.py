@@ -1,5 +1,5 @@
 """Responses' include message.output_text.logprobs through the official OpenAI client on a real sim node, whole and
-streamed, and a peer's chat answer carrying them back as answer events (what a forwarded turn relies on)."""
+streamed (a peer's answer carrying them back as answer events: tests/mesh/test_hop_read.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import math
 
 import openai
 import pytest
-
-from kvmesh.node.api.answer import ChatChunks, Logprobs, completion_events
 
 INCLUDE = ["message.output_text.logprobs"]
 
@@ -48,23 +46,6 @@ def test_no_responses_logprobs_unless_included(sim, sim_client):
                                                         include=["reasoning.encrypted_content"])
     assert raw.parse().output[0].content[0].logprobs == []
     assert raw.headers["x-kvmesh-ignored"] == "include"
-
-
-ENTRY = {"token": "Hi", "logprob": -0.25, "bytes": [72, 105], "top_logprobs": [{"token": "Hi", "logprob": -0.25,
-                                                                                  "bytes": [72, 105]}]}
-
-
-def test_a_peers_chat_answer_brings_its_logprobs_back() -> None:
-    """A peer's streamed chunk and whole completion with choice.logprobs become Logprobs events after their text."""
-    chunk = (b'data: {"choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":{"content":[' +
-             str(ENTRY).replace("'", '"').encode() + b']},"finish_reason":null}]}\n\n')
-    evs = ChatChunks().feed(chunk)
-    assert isinstance(evs[-1], Logprobs) and evs[-1].entries[0].token == b"Hi" and evs[-1].entries[0].logprob == -0.25
-    whole = completion_events({"choices": [{"message": {"content": "Hi"}, "finish_reason": "stop",
-                                            "logprobs": {"content": [ENTRY]}}]})
-    assert isinstance(whole[1], Logprobs) and whole[1].entries[0].top == ((b"Hi", -0.25),)
-    broken = completion_events({"choices": [{"message": {"content": "Hi"}, "logprobs": {"content": [{"x": 1}]}}]})
-    assert not any(isinstance(e, Logprobs) for e in broken)  # a malformed peer answer loses them, never the turn
 
 
 def test_top_logprobs_without_the_include_is_a_400(sim, sim_client):

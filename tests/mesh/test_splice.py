@@ -1,4 +1,4 @@
-"""StreamSplice (node/mesh/forward.py): one client answer from the SSE streams of the hosts that ran the turn."""
+"""StreamSplice (node/mesh/forward.py): one client answer from the answer events of the hosts that ran the turn."""
 
 from __future__ import annotations
 
@@ -7,7 +7,18 @@ from typing import Any
 
 import pytest
 
-from kvmesh.node.mesh.forward import ResumeDiverged, StreamSplice
+from kvmesh.node.engine.turns import TokenLogprob
+from kvmesh.node.mesh.answer import (
+    AnswerEvent,
+    ContentDelta,
+    Failed,
+    Finish,
+    Logprobs,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from kvmesh.node.mesh.forward import HopChunks, ResumeDiverged, StreamSplice
 
 
 def ev(obj: Any) -> bytes:
@@ -24,85 +35,98 @@ def stream(cid: str, *texts: str, finish: str = "stop") -> list[bytes]:
     return [chunk(cid, role=True), *(chunk(cid, t) for t in texts), chunk(cid, finish=finish), ev(b"[DONE]")]
 
 
-def texts(events: list[bytes]) -> str:
-    out = []
-    for e in events:
-        data = e.strip()[5:].strip()
-        if data != b"[DONE]":
-            for c in json.loads(data).get("choices", []):
-                out.append(c["delta"].get("content") or "")
-    return "".join(out)
+class Relay:
+    """What EntryTurn.relay does: each host's stream read into events (a fresh reader per stream), then spliced."""
+
+    def __init__(self) -> None:
+        self.splice, self.hop = StreamSplice(), HopChunks()
+
+    def feed(self, parts: list[bytes]) -> list[AnswerEvent]:
+        return [out for p in parts for e in self.hop.feed(p) for out in self.splice.feed(e)]
+
+    def resume(self) -> None:
+        self.hop = HopChunks()  # a torn event of the dead stream is dropped with its reader
+        self.splice.resume()
 
 
-def feed_all(s: StreamSplice, parts: list[bytes]) -> list[bytes]:
-    return [e for p in parts for e in s.feed(p)]
+def texts(events: list[AnswerEvent]) -> str:
+    return "".join(e.text for e in events if isinstance(e, ContentDelta))
 
 
-def test_first_stream_passes_through_byte_for_byte() -> None:
-    """Until a resume, every event is relayed unchanged, whatever the read boundaries."""
-    s = StreamSplice()
+def test_first_stream_passes_through_unchanged() -> None:
+    """Until a resume, every event is passed on unchanged, whatever the read boundaries."""
+    r = Relay()
     raw = b"".join(stream("first", "Hel", "lo"))
-    out = feed_all(s, [raw[i:i + 5] for i in range(0, len(raw), 5)])
-    assert b"".join(out) == raw and s.done and s.finished
-
-
-def test_resume_drops_the_repeat_and_keeps_the_first_id() -> None:
-    """After a resume the new stream's role chunk and its repeat of the sent text are dropped, a chunk
-    straddling the boundary is trimmed, and every chunk carries the first stream's id and created."""
+    out = r.feed([raw[i:i + 5] for i in range(0, len(raw), 5)])
+    events = [ContentDelta("Hel"), ContentDelta("lo"), Finish("stop")]
+    assert out == events and r.hop.done
     s = StreamSplice()
+    assert [o for e in events for o in s.feed(e)] == events
+
+
+def test_resume_drops_the_repeat() -> None:
+    """After a resume the new stream's repeat of the sent text is dropped, a chunk straddling the
+    boundary is trimmed, and a torn event of the dead stream is never passed on."""
+    r = Relay()
     first = stream("first", "Hel", "lo, ", "wor")[:4]  # role, "Hel", "lo, ", "wor": then the host died
-    out = feed_all(s, first + [chunk("first", "ld")[:20]])  # a torn event is never relayed
-    assert texts(out) == "Hello, wor" and not s.done
-    s.resume()
-    out2 = feed_all(s, stream("second", "Hello", ", w", "orld", "!"))
+    out = r.feed(first + [chunk("first", "ld")[:20]])
+    assert texts(out) == "Hello, wor" and not r.hop.done
+    r.resume()
+    out2 = r.feed(stream("second", "Hello", ", w", "orld", "!"))
     assert texts(out) + texts(out2) == "Hello, world!"
-    objs = [json.loads(e.strip()[5:]) for e in out2 if not e.strip().endswith(b"[DONE]")]
-    assert {(o["id"], o["created"]) for o in objs} == {("first", 7)}
-    assert all("role" not in o["choices"][0]["delta"] for o in objs)
-    assert objs[-1]["choices"][0]["finish_reason"] == "stop" and s.done
+    assert out2 == [ContentDelta("ld"), ContentDelta("!"), Finish("stop")] and r.hop.done
 
 
 def test_a_second_resume_skips_everything_sent_so_far() -> None:
     """Two hosts die in turn: the third stream resumes after the text of both."""
-    s = StreamSplice()
-    out = feed_all(s, stream("first", "ab", "cd")[:3])
-    s.resume()
-    out += feed_all(s, stream("second", "abc", "de")[:3])
-    s.resume()
-    out += feed_all(s, stream("third", "a", "bcdef", "g"))
-    assert texts(out) == "abcdefg" and s.resumes == 2
+    r = Relay()
+    out = r.feed(stream("first", "ab", "cd")[:3])
+    r.resume()
+    out += r.feed(stream("second", "abc", "de")[:3])
+    r.resume()
+    out += r.feed(stream("third", "a", "bcdef", "g"))
+    assert texts(out) == "abcdefg" and r.splice.resumes == 2
 
 
 def test_a_repeat_that_differs_is_refused() -> None:
     """A resumed stream saying something else than the client was sent raises ResumeDiverged."""
-    s = StreamSplice()
-    feed_all(s, stream("first", "abc", "def")[:3])
-    s.resume()
+    r = Relay()
+    r.feed(stream("first", "abc", "def")[:3])
+    r.resume()
     with pytest.raises(ResumeDiverged):
-        feed_all(s, stream("second", "abX", "def"))
+        r.feed(stream("second", "abX", "def"))
 
 
 def test_a_repeat_that_ends_short_is_refused() -> None:
     """A resumed stream that finishes before reaching the sent text raises ResumeDiverged."""
-    s = StreamSplice()
-    feed_all(s, stream("first", "abc", "def")[:3])
-    s.resume()
+    r = Relay()
+    r.feed(stream("first", "abc", "def")[:3])
+    r.resume()
     with pytest.raises(ResumeDiverged):
-        feed_all(s, stream("second", "ab"))
+        r.feed(stream("second", "ab"))
 
 
 def test_in_band_error_and_usage_chunks() -> None:
-    """An in-band error ends the stream; a usage chunk (no choices) after a resume is relayed with the first id."""
+    """An in-band error ends the stream; a usage chunk after a resume brings the usage with the finish."""
+    r = Relay()
+    out = r.feed([chunk("first", role=True), ev({"error": {"message": "boom", "type": "server_error"}}), chunk("first", "x")])
+    assert r.hop.done and not r.hop.finished and out == [Failed("boom", "server_error", None)]
+    r2 = Relay()
+    r2.feed(stream("first", "ab")[:2])
+    r2.resume()
+    out2 = r2.feed([chunk("second", "ab", finish="length"), ev({"id": "second", "created": 9, "model": "m", "choices": [],
+                                                                "usage": {"prompt_tokens": 3}}), ev(b"[DONE]")])
+    assert out2 == [Finish("length", prompt_tokens=3)] and r2.hop.finished
+
+
+def test_the_log_probabilities_of_repeated_text_are_dropped() -> None:
+    """After a resume, the log probabilities right after a repeated text go with it; those of new text stay."""
+    lp = Logprobs((TokenLogprob(b"a", -0.5, ()),))
     s = StreamSplice()
-    out = feed_all(s, [chunk("first", role=True), ev({"error": {"message": "boom", "type": "server_error"}}), chunk("first", "x")])
-    assert s.done and not s.finished and len(out) == 2
-    s2 = StreamSplice()
-    feed_all(s2, stream("first", "ab")[:2])
-    s2.resume()
-    out2 = feed_all(s2, [chunk("second", "ab", finish="length"), ev({"id": "second", "created": 9, "model": "m", "choices": [],
-                                                                       "usage": {"prompt_tokens": 3}}), ev(b"[DONE]")])
-    usage = json.loads(out2[1].strip()[5:])
-    assert usage["id"] == "first" and usage["usage"] == {"prompt_tokens": 3} and s2.finished
+    s.feed(ContentDelta("ab"))
+    s.resume()
+    assert s.feed(ContentDelta("ab")) == [] and s.feed(lp) == []
+    assert s.feed(ContentDelta("c")) == [ContentDelta("c")] and s.feed(lp) == [lp]
 
 
 def tool_chunk(cid: str, index: int, *, call_id: str | None = None, name: str | None = None, args: str = "") -> bytes:
@@ -122,38 +146,48 @@ def tool_stream(cid: str, content: list[str], calls: list[tuple[str, str, list[s
     return out + [chunk(cid, finish="tool_calls"), ev(b"[DONE]")]
 
 
-def client_view(events: list[bytes]) -> tuple[str, dict[int, dict[str, str]]]:
-    """The content and tool calls a client accumulates from the relayed events; a call's id sent twice fails."""
-    text, calls = [], {}
+def client_view(events: list[AnswerEvent]) -> tuple[str, dict[int, dict[str, str]]]:
+    """The content and tool calls a client accumulates from the events; a call started or ended twice fails."""
+    text, calls, ended = [], {}, set()
     for e in events:
-        data = e.strip()[5:].strip()
-        if data == b"[DONE]":
-            continue
-        for c in json.loads(data).get("choices", []):
-            text.append(c["delta"].get("content") or "")
-            for tc in c["delta"].get("tool_calls") or []:
-                call = calls.setdefault(tc["index"], {"id": "", "name": "", "arguments": ""})
-                if "id" in tc:
-                    assert not call["id"], f"call {tc['index']} started twice: {call['id']} then {tc['id']}"
-                    call["id"] = tc["id"]
-                call["name"] += tc["function"].get("name") or ""
-                call["arguments"] += tc["function"].get("arguments") or ""
+        if isinstance(e, ContentDelta):
+            text.append(e.text)
+        elif isinstance(e, ToolCallStart):
+            assert e.index not in calls, f"call {e.index} started twice: {calls.get(e.index)} then {e.id}"
+            calls[e.index] = {"id": e.id, "name": e.name, "arguments": ""}
+        elif isinstance(e, ToolCallArgs):
+            calls[e.index]["arguments"] += e.text
+        elif isinstance(e, ToolCallEnd):
+            assert e.index not in ended, f"call {e.index} ended twice"
+            ended.add(e.index)
+    assert ended == set(calls)
     return "".join(text), calls
 
 
 def test_resume_does_not_repeat_tool_call_deltas() -> None:
     """A stream that dies mid tool call resumes with each call started once, under its first id, arguments whole."""
-    s = StreamSplice()
+    r = Relay()
     first = tool_stream("first", ["Let me see."], [("call_A", "get_weather", ['{"ci', 'ty": "P', 'aris"}'])])
-    out = feed_all(s, first[:4])  # role, text, call 0's start, '{"ci': then the host died
-    s.resume()
-    out += feed_all(s, tool_stream("second", ["Let me", " see."], [("call_B", "get_weather", ['{"city"', ': "Paris"}']),
-                                                                    ("call_C", "read_file", ["{}"])]))
+    out = r.feed(first[:4])  # role, text, call 0's start, '{"ci': then the host died
+    r.resume()
+    out += r.feed(tool_stream("second", ["Let me", " see."], [("call_B", "get_weather", ['{"city"', ': "Paris"}']),
+                                                             ("call_C", "read_file", ["{}"])]))
     text, calls = client_view(out)
     assert text == "Let me see."
     assert calls == {0: {"id": "call_A", "name": "get_weather", "arguments": '{"city": "Paris"}'},
                      1: {"id": "call_C", "name": "read_file", "arguments": "{}"}}
-    assert b"call_B" not in b"".join(out) and s.done and s.finished
+    assert not any(isinstance(e, ToolCallStart) and e.id == "call_B" for e in out) and r.hop.done and r.hop.finished
+
+
+def test_an_ended_call_is_not_ended_again() -> None:
+    """A call whose end the client was sent before its host died is not ended again by the repeat."""
+    s = StreamSplice()
+    first: list[AnswerEvent] = [ToolCallStart(0, "call_A", "f"), ToolCallArgs(0, "{}"), ToolCallEnd(0), ContentDelta("x")]
+    out = [o for e in first for o in s.feed(e)]
+    s.resume()
+    out += [o for e in [ToolCallStart(0, "call_B", "f"), ToolCallArgs(0, "{}"), ToolCallEnd(0), ContentDelta("xy"),
+                        Finish("stop")] for o in s.feed(e)]
+    assert client_view(out) == ("xy", {0: {"id": "call_A", "name": "f", "arguments": "{}"}})
 
 
 @pytest.mark.parametrize("repeat", [
@@ -162,8 +196,8 @@ def test_resume_does_not_repeat_tool_call_deltas() -> None:
 ], ids=["name", "arguments"])
 def test_a_tool_call_repeat_that_differs_is_refused(repeat: list[tuple[str, str, list[str]]]) -> None:
     """A resumed stream calling another function, or with other arguments, than the client was sent raises ResumeDiverged."""
-    s = StreamSplice()
-    feed_all(s, tool_stream("first", [], [("call_A", "get_weather", ['{"city": "P'])])[:3])
-    s.resume()
+    r = Relay()
+    r.feed(tool_stream("first", [], [("call_A", "get_weather", ['{"city": "P'])])[:3])
+    r.resume()
     with pytest.raises(ResumeDiverged):
-        feed_all(s, tool_stream("second", [], repeat))
+        r.feed(tool_stream("second", [], repeat))
