@@ -1,5 +1,6 @@
-"""The node's HTTP app: the client APIs (OpenAI chat, completions and Responses; Anthropic Messages),
-health, cluster view, events, peer and admin actions, metrics."""
+"""The node's HTTP app, its routes by audience: clients (OpenAI chat, completions and Responses; Anthropic
+Messages), health probes (`health_routes`), observers (`observe_routes`: cluster view, events, stats,
+metrics), peers (`peer_routes`, the mesh secret) and operators (`admin_routes`, the admin token)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from kvmesh.node.api.admin_routes import router as admin_router
 from kvmesh.node.api.anthropic_routes import router as anthropic_router
 from kvmesh.node.api.completions_routes import router as completions_router
 from kvmesh.node.api.errors import BodyLimit, install_error_handlers
 from kvmesh.node.api.health_routes import router as health_router
-from kvmesh.node.api.mesh_routes import router as mesh_router
+from kvmesh.node.api.observe_routes import router as observe_router
 from kvmesh.node.api.openai_routes import router as openai_router
+from kvmesh.node.api.peer_routes import router as peer_router
 from kvmesh.node.api.responses_routes import router as responses_router
 from kvmesh.node.node import Node
 
@@ -38,6 +41,7 @@ def create_app(node: Node) -> FastAPI:
                                                                 "X-Kvmesh-Cached-Tokens", "X-Session-Id"])
     install_error_handlers(app)
     app.state.node = node  # what the routes' node_of dependency hands them
-    for router in (openai_router, completions_router, anthropic_router, responses_router, health_router, mesh_router):
+    for router in (openai_router, completions_router, anthropic_router, responses_router, health_router,
+                   observe_router, peer_router, admin_router):
         app.include_router(router)
     return app
