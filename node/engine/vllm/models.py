@@ -1,0 +1,44 @@
+"""The checkpoint directory vLLM serves for an `engine.model` value: a directory as given, or a packaged
+GGUF converted once (node.engine.vllm.convert, run by vLLM's Python) into the cache folder."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+from kvmesh.node.engine.models import resolve
+from kvmesh.node.errors import ConfigError
+from kvmesh.node.modelnames import is_gguf
+
+log = logging.getLogger("kvmesh.engine.vllm")
+
+CONVERT = Path(__file__).resolve().parent / "convert.py"
+
+
+def checkpoint_dir(model: str, *, python: str, cache_dir: Path) -> Path:
+    """`model` as a Hugging Face checkpoint directory; a GGUF (alias or path) is converted at first use.
+
+    The converted folder's name carries a digest of the GGUF's path, size and mtime, so a changed
+    file is converted again, never served stale."""
+    if not is_gguf(model):
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"engine.model {model!r} is neither a checkpoint directory (no config.json) nor a GGUF")
+        return path
+    gguf = resolve(model)
+    st = gguf.stat()
+    key = hashlib.blake2b(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode(), digest_size=6).hexdigest()
+    out = cache_dir / "models" / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s for vLLM into %s (once)", gguf.name, out)
+    done = subprocess.run([python, str(CONVERT), str(gguf), str(out)], capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if done.returncode != 0 or not (out / "config.json").is_file():
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-6:])
+        raise ConfigError(f"converting {gguf.name} for vLLM failed ({python}): {tail}")
+    return out
