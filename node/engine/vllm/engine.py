@@ -17,7 +17,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -36,7 +35,7 @@ from kvmesh.node.engine.slots import SlotScheduler
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
 from kvmesh.node.engine.turns import EngineCounters, GenerateRequest, TextDelta, TurnBegin, TurnDone
 from kvmesh.node.engine.vllm.layout import kv_bytes_per_token
-from kvmesh.node.engine.vllm.models import checkpoint_dir
+from kvmesh.node.engine.vllm.models import cache_dir, checkpoint_dir
 from kvmesh.node.engine.vllm.pool import ShmPool, pool_path
 from kvmesh.node.engine.vllm.server import Launch, VllmServer, vllm_python
 from kvmesh.node.engine.vllm.turn import NoRunner, SealedImport, VllmTurn
@@ -45,12 +44,6 @@ from kvmesh.node.errors import ConfigError, ContextLengthExceeded, InvalidReques
 log = logging.getLogger("kvmesh.engine.vllm")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _cache_dir(cfg: EngineConfig) -> Path:
-    if cfg.vllm.cache_dir:
-        return Path(cfg.vllm.cache_dir)
-    return Path.home() / ".cache" / "kvmesh" / "vllm"
 
 
 class VllmEngine:
@@ -63,11 +56,13 @@ class VllmEngine:
     swa = None  # no sliding-window mode to choose
 
     def __init__(self, cfg: EngineConfig, *, name: str = "node"):
-        if cfg.block_size % cfg.vllm.vllm_block:
-            raise ConfigError(f"engine.block_size {cfg.block_size} is not a multiple of vLLM's block "
+        # Unset, a block is vLLM's own: the partial last block never moves, so the smaller the warmer a move.
+        self.block_size = cfg.block_size if "block_size" in cfg.model_fields_set else cfg.vllm.vllm_block
+        if self.block_size % cfg.vllm.vllm_block:
+            raise ConfigError(f"engine.block_size {self.block_size} is not a multiple of vLLM's block "
                               f"(engine.vllm.vllm_block = {cfg.vllm.vllm_block})")
-        self.cfg, self.model_name, self.block_size = cfg, cfg.served_model, cfg.block_size
-        python, cache = vllm_python(cfg.vllm.python), _cache_dir(cfg)
+        self.cfg, self.model_name = cfg, cfg.served_model
+        python, cache = vllm_python(cfg.vllm.python), cache_dir(cfg)
         model_dir = checkpoint_dir(cfg.model, python=python, cache_dir=cache)
         ckpt = open_checkpoint(model_dir, max_context=cfg.max_context)
         self.model_cfg, self.max_context = ckpt.config, ckpt.config.max_context
@@ -194,15 +189,11 @@ class VllmEngine:
             adm.release()
 
     async def generate(self, req: GenerateRequest) -> AsyncGenerator[TurnBegin | TextDelta | TurnDone, None]:
+        """Admit and run one turn."""
         adm = await self.admit(req)
-        try:
-            if req.prepare is not None:
-                await req.prepare()
-            async with contextlib.aclosing(self.turns.run(req, adm.tokens, adm.t0)) as events:
-                async for ev in events:
-                    yield ev
-        finally:
-            adm.release()
+        async with contextlib.aclosing(self.run(adm)) as events:
+            async for ev in events:
+                yield ev
 
     def prefill_backlog(self) -> int:
         return self.turns.prefill_backlog

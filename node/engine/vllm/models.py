@@ -9,13 +9,25 @@ import os
 import subprocess
 from pathlib import Path
 
+from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine.models import resolve
+from kvmesh.node.engine.vllm.server import vllm_python
 from kvmesh.node.errors import ConfigError
 from kvmesh.node.modelnames import is_gguf
 
 log = logging.getLogger("kvmesh.engine.vllm")
 
 CONVERT = Path(__file__).resolve().parent / "convert.py"
+
+
+def cache_dir(cfg: EngineConfig) -> Path:
+    """Converted models, vLLM's compile caches and each server's run folder."""
+    return Path(cfg.vllm.cache_dir) if cfg.vllm.cache_dir else Path.home() / ".cache" / "kvmesh" / "vllm"
+
+
+def served_checkpoint(cfg: EngineConfig) -> Path:
+    """The checkpoint directory an engine with this config serves (converted first where it must be)."""
+    return checkpoint_dir(cfg.model, python=vllm_python(cfg.vllm.python), cache_dir=cache_dir(cfg))
 
 
 def checkpoint_dir(model: str, *, python: str, cache_dir: Path) -> Path:
