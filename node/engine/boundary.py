@@ -14,7 +14,8 @@ Grouped by who uses what (grep of node/kvshare, node/mesh, node/api, node/node.p
 - moving KV (kv_share): export (pinned block views), pin (blocks pinned for another thread
   to read), begin_import (an `ImportAPI`),
   and for the store's write-behind, `blocks` (pin by hash) and `pool` (read bytes);
-- turns (mesh): admit (validation, the session's lock, a slot), then run; generate does both;
+- turns (mesh): admit (validation, the session's lock, a slot), then run (the turn path imports a
+  stored replica in between); `Engine.generate`, both at once, is for benches and tests;
 - load (mesh placement): slots, prefill_rate.
 `evict` is not here: nothing outside the engine evicts a session today (the engine
 evicts LRU itself and reports it through the `on_evict` hook the node sets; the node
@@ -189,12 +190,6 @@ class EngineAPI(Protocol):
 
     @property
     def pool(self) -> PoolBytes: ...
-
-    def validate(self, req: GenerateRequest) -> np.ndarray:
-        """The request's prompt as token ids; raises the API's errors for a bad request."""
-
-    def generate(self, req: GenerateRequest) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
-        """Run one turn: TurnBegin once the slot is held, TextDeltas, then TurnDone."""
 
     async def admit(self, req: GenerateRequest) -> Admission:
         """Validate the turn (raising the API's errors), then wait for its session's lock and a slot."""

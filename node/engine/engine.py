@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import numpy as np
 import torch
@@ -165,7 +165,7 @@ class Engine:
             self._locks.release(req.session)
         return Admission(req, tokens, slot, t0, release)
 
-    async def run(self, adm: Admission) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
+    async def run(self, adm: Admission) -> AsyncGenerator[TurnBegin | TextDelta | TurnDone, None]:
         """Run an admitted turn: reuse what is cached, prefill the rest, decode; the admission is released
         when it ends, however it ends."""
         try:
@@ -177,13 +177,9 @@ class Engine:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
         """Admit and run one turn."""
         adm = await self.admit(req)
-        try:
-            if req.prepare is not None:
-                await req.prepare()
-            async for ev in self._turn(adm.slot, req, adm.tokens, adm.t0):
+        async with contextlib.aclosing(self.run(adm)) as events:
+            async for ev in events:
                 yield ev
-        finally:
-            adm.release()
 
     async def _turn(self, slot: int, req: GenerateRequest, tokens: np.ndarray, t0: float) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
         bs = self.block_size

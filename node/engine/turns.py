@@ -8,7 +8,6 @@ the engine's machinery (they are importable from `node.engine.engine` too).
 from __future__ import annotations
 
 import collections
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,9 +26,6 @@ class GenerateRequest:
     ignore_eos: bool = False  # decode past end-of-turn tokens, to max_tokens (benchmarks: fixed lengths)
     constraint: str | None = None  # an llguidance grammar every token follows (node.engine.constraint); None: free
     top_logprobs: int | None = None  # None: no log probabilities; k: each token's and its k likeliest alternatives'
-    # Awaited once the slot and the session are held, just before the cache is matched:
-    # the node imports a stored replica here, so nothing can evict it in between.
-    prepare: Callable[[], Awaitable[object]] | None = None
 
 
 @dataclass

@@ -147,11 +147,9 @@ class TurnPath:
 
     async def run_here(self, req: GenerateRequest, prev_host: str | None, predicted: int | None,
                        seq: int, source: str = "digest", group: str = "", opening: str = "") -> HostTurn:
-        """Start the turn here; once it holds its slot, the engine is brought up to the best cache
-        this host has (a stored replica imported), so no eviction can slip in between. The engine
-        validates the turn as it admits it: its refusal is raised here, before any byte is sent."""
-        prompt = np.asarray(req.prompt, dtype=np.int32)
-        req.prepare = lambda: self.replicas.ensure_imported(req.session, prompt)
+        """Start the turn here (HostTurn.start): admitted, brought up to the best cache this host has, run
+        to its reused prefix. The engine validates the turn as it admits it: its refusal is raised here,
+        before any byte is sent."""
         run = HostTurn(self, req, prev_host, predicted, seq, source, group or req.session, opening)
         await run.start()
         self.mesh.note_routed(req.session, self.name, seq)
@@ -165,7 +163,7 @@ class HostTurn:
                  source: str = "digest", group: str = "", opening: str = ""):
         self.path, self.req, self.prev_host, self.predicted, self.seq = path, req, prev_host, predicted, seq
         self.source, self.group, self.opening = source, group or req.session, opening
-        self.events = cast(AsyncGenerator[TurnBegin | TextDelta | TurnDone, None], path.engine.generate(req))
+        self.events: AsyncGenerator[TurnBegin | TextDelta | TurnDone, None]  # the engine's run, from `start`
         self.begin: TurnStats | None = None
         self.handoff_class: HandoffClass | None = None
 
@@ -180,11 +178,22 @@ class HostTurn:
         return Answer(headers, prompt, cached, local_events(self.stream(), new_parser))
 
     async def start(self) -> None:
-        """Wait for a slot and learn the reused prefix (so errors surface before any byte is sent)."""
+        """Admit the turn (its session's lock, then a slot), bring the engine up to the best cache this host
+        holds (kv_share imports a stored replica: holding the slot, nothing can evict it in between), then run
+        it to its reused prefix, so errors surface before any byte is sent."""
+        p, req = self.path, self.req
+        admitted = await p.engine.admit(req)
+        try:
+            await p.replicas.ensure_imported(req.session, np.asarray(req.prompt, dtype=np.int32))
+        except Exception:  # an optimisation failed: the turn runs with what the engine holds
+            log.exception("import before the turn of %s failed; running without it", req.session)
+        except BaseException:
+            admitted.release()
+            raise
+        self.events = cast(AsyncGenerator[TurnBegin | TextDelta | TurnDone, None], p.engine.run(admitted))
         ev = await anext(self.events)
         assert isinstance(ev, TurnBegin)
         self.begin = ev.stats
-        p = self.path
         p.publish(TurnStarted(session=self.req.session, host=p.name, prompt_tokens=ev.stats.prompt_tokens,
                               cached_tokens=ev.stats.cached_tokens, turn_seq=self.seq))
         if self.prev_host and self.prev_host != p.name:
