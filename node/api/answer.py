@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
-from kvmesh.node.engine.turns import TokenLogprob
+from kvmesh.node.engine.boundary import TokenLogprob
 from kvmesh.node.mesh.answer import AnswerError, AnswerEvent, Failed, Finish, Logprobs, ToolEvent
 
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvmesh.node.api.toolevents import assemble
-from kvmesh.node.engine.turns import TokenLogprob
+from kvmesh.node.engine.boundary import TokenLogprob
 from kvmesh.node.mesh.answer import AnswerEvent, ContentDelta, Failed, Finish, Logprobs, ToolCallArgs, ToolCallStart, ToolEvent
 
 Ident = tuple[str, int, str]  # the completion's id, created time and model, on every chunk

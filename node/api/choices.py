@@ -23,7 +23,7 @@ from kvmesh.node.api.chat_format import Ident, chat_choice, choice_chunks, sse_e
 from kvmesh.node.api.schema import ChatCompletionRequest
 from kvmesh.node.api.serving import chat_hop, open_answer, parser_factory, sse_response
 from kvmesh.node.api.sessionid import SessionName
-from kvmesh.node.engine.turns import GenerateRequest
+from kvmesh.node.engine.boundary import GenerateRequest
 from kvmesh.node.errors import KVMeshError
 from kvmesh.node.mesh.answer import Answer, Finish
 from kvmesh.node.node import Node

@@ -31,8 +31,8 @@ from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.schema import MAX_STOPS, StreamOptions, refuse_unhonoured
 from kvmesh.node.api.serving import check_model, open_answer, sse_response
 from kvmesh.node.api.sessionid import Named, SessionName, name_session
+from kvmesh.node.engine.boundary import TokenLogprob
 from kvmesh.node.engine.engine import GenerateRequest
-from kvmesh.node.engine.turns import TokenLogprob
 from kvmesh.node.errors import InvalidRequest
 from kvmesh.node.mesh.answer import AnswerEvent, ContentDelta, Failed, Finish, Logprobs
 from kvmesh.node.node import Node

@@ -22,8 +22,8 @@ from typing import Any
 
 from kvmesh.node.api.schema import ChatCompletionRequest, NamedToolChoice
 from kvmesh.node.engine import constraint
+from kvmesh.node.engine.boundary import GenerateRequest
 from kvmesh.node.engine.chat import tools_for_prompt
-from kvmesh.node.engine.turns import GenerateRequest
 from kvmesh.node.errors import InvalidRequest
 
 

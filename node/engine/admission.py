@@ -1,4 +1,4 @@
-"""Admission: a turn holds its session's lock, then a slot, before it touches the cache.
+"""Admission: a turn holds its session's lock, then a slot, before it touches the cache (an `Admission`).
 
 The lock comes first, so a turn waiting for its session's previous turn holds no slot another
 could use. Between `Engine.admit` and `Engine.run` the turn path may bring the cache up to date
@@ -9,12 +9,6 @@ of the session runs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import numpy as np
-
-from kvmesh.node.engine.turns import GenerateRequest
 
 
 class SessionLocks:
@@ -46,22 +40,3 @@ class SessionLocks:
             del self._locks[session]
         else:
             self._locks[session] = (lock, users - 1)
-
-
-@dataclass
-class Admission:
-    """An admitted turn: its validated prompt, its slot, when it asked. Holds the session's lock and the
-    slot until `release` (idempotent), which `Engine.run` calls when the turn ends; a caller that does not
-    run it calls it."""
-
-    req: GenerateRequest
-    tokens: np.ndarray
-    slot: int
-    t0: float
-    _release: Callable[[], None]
-    _released: bool = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._release()

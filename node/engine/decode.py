@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from kvmesh.node.engine.batcher import DecodeBatcher
+from kvmesh.node.engine.boundary import GenerateRequest, TextDelta, TurnStats
 from kvmesh.node.engine.constraint import Grammars
 from kvmesh.node.engine.picker import LogprobFeed, Picker
 from kvmesh.node.engine.runner import Runner
 from kvmesh.node.engine.tokenizer import Tokenizer
-from kvmesh.node.engine.turns import GenerateRequest, TextDelta, TurnStats
 
 
 class DecodeLoop:

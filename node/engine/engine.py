@@ -22,10 +22,20 @@ import numpy as np
 import torch
 
 from kvmesh.node.config import EngineConfig
-from kvmesh.node.engine.admission import Admission, SessionLocks
+from kvmesh.node.engine.admission import SessionLocks
 from kvmesh.node.engine.backends import make_runner, open_backend
 from kvmesh.node.engine.blocks import BlockManager, BlockPool
-from kvmesh.node.engine.boundary import ExportedBlock, PinnedBlocks
+from kvmesh.node.engine.boundary import (
+    Admission,
+    EngineCounters,
+    ExportedBlock,
+    GenerateRequest,
+    PinnedBlocks,
+    TextDelta,
+    TurnBegin,
+    TurnDone,
+    TurnStats,
+)
 from kvmesh.node.engine.decode import DecodeLoop
 from kvmesh.node.engine.export_import import BlockTransfers, ImportTxn
 from kvmesh.node.engine.hashing import as_tokens, chain_seed
@@ -40,7 +50,6 @@ from kvmesh.node.engine.sequence import Match
 from kvmesh.node.engine.sessiontable import SessionTable
 from kvmesh.node.engine.slots import SlotScheduler
 from kvmesh.node.engine.tokenizer import Tokenizer
-from kvmesh.node.engine.turns import EngineCounters, GenerateRequest, TextDelta, TurnBegin, TurnDone, TurnStats
 from kvmesh.node.errors import ContextLengthExceeded, InvalidRequest
 
 __all__ = ["Engine", "EngineCounters", "ExportedBlock", "GenerateRequest", "ImportTxn", "PinnedBlocks", "TextDelta",

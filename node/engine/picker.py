@@ -14,9 +14,9 @@ from collections.abc import Callable
 import torch
 import xxhash
 
+from kvmesh.node.engine.boundary import GenerateRequest, TokenLogprob
 from kvmesh.node.engine.constraint import TokenMask
 from kvmesh.node.engine.sampling import sample
-from kvmesh.node.engine.turns import GenerateRequest, TokenLogprob
 
 
 def generator(seed: int | None) -> torch.Generator | None:

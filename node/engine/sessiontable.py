@@ -10,8 +10,8 @@ import collections
 from collections.abc import Callable
 
 from kvmesh.node.engine.blocks import BlockManager
+from kvmesh.node.engine.boundary import EngineCounters
 from kvmesh.node.engine.sequence import Sequence
-from kvmesh.node.engine.turns import EngineCounters
 
 
 class SessionTable:

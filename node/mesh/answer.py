@@ -15,8 +15,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvmesh.node.engine.boundary import TokenLogprob
 from kvmesh.node.engine.engine import TextDelta, TurnDone
-from kvmesh.node.engine.turns import TokenLogprob
 from kvmesh.node.errors import KVMeshError
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from kvmesh.node.engine.turns import TokenLogprob
+from kvmesh.node.engine.boundary import TokenLogprob
 from kvmesh.node.mesh.answer import (
     AnswerError,
     AnswerEvent,

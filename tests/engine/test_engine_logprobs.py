@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvmesh.node.engine.turns import TextDelta
+from kvmesh.node.engine.boundary import TextDelta
 
 
 def _capturing(engine):  # type: ignore[no-untyped-def]

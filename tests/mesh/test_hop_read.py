@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from kvmesh.node.api.answer import collect
 from kvmesh.node.api.chat_format import chat_completion, chat_sse
 from kvmesh.node.api.completions_routes import _sse as legacy_sse
-from kvmesh.node.engine.turns import TokenLogprob
+from kvmesh.node.engine.boundary import TokenLogprob
 from kvmesh.node.mesh.answer import (
     AnswerEvent,
     ContentDelta,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvmesh.node.engine.turns import TokenLogprob
+from kvmesh.node.engine.boundary import TokenLogprob
 from kvmesh.node.mesh.answer import (
     AnswerEvent,
     ContentDelta,
