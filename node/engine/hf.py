@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import xxhash
 
-from kvmesh.node.engine.model import Decoder, ModelConfig
+from kvmesh.node.engine.decoder import Decoder, ModelConfig
 from kvmesh.node.errors import CheckpointError
 
 log = logging.getLogger(__name__)

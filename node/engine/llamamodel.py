@@ -25,7 +25,7 @@ import xxhash
 from kvmesh.node.config import LlamaCppConfig
 from kvmesh.node.engine import llamastate, repack
 from kvmesh.node.engine.llamatok import LlamaTokenizer
-from kvmesh.node.engine.models import resolve as resolve_model
+from kvmesh.node.engine.modelfiles import resolve as resolve_model
 from kvmesh.node.errors import CheckpointError, ConfigError
 from kvmesh.node.modelnames import GENERATED, PACKAGED
 

@@ -20,8 +20,8 @@ import xxhash
 
 from kvmesh.node.engine.batcher import DecodeBatcher, DecodeStep
 from kvmesh.node.engine.blocks import BlockPool
+from kvmesh.node.engine.decoder import Decoder, ModelConfig
 from kvmesh.node.engine.hashing import TOKEN_DTYPE, block_hashes
-from kvmesh.node.engine.model import Decoder, ModelConfig
 from kvmesh.node.engine.simkv import fill_block, kv_words, update_digest
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from kvmesh.node.engine.decoder import Decoder
 from kvmesh.node.engine.hf import INDEX_FILE, SINGLE_FILE, config_from_hf, hf_name
-from kvmesh.node.engine.model import Decoder
 
 
 def write_random_checkpoint(

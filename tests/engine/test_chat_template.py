@@ -188,7 +188,7 @@ def test_smollm2_real_template_renders_tools_calls_and_results() -> None:
     the calls as <tool_call> text, the results as one user turn of <tool_response> blocks, in ChatML."""
     import gguf
 
-    from kvmesh.node.engine.models import resolve
+    from kvmesh.node.engine.modelfiles import resolve
 
     src = str(gguf.GGUFReader(str(resolve("smollm2"))).fields["tokenizer.chat_template"].contents())
     assert "tools" not in src  # a template that knows no tools

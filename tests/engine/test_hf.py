@@ -26,7 +26,7 @@ from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine import hf
 from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.hf import open_checkpoint
-from kvmesh.node.engine.model import fingerprint, preset
+from kvmesh.node.engine.decoder import fingerprint, preset
 from kvmesh.node.engine.tokenizer import HFTokenizer
 from kvmesh.node.errors import CheckpointError, ConfigError, ImportRefused
 from kvmesh.node.lab.checkpoints import write_random_checkpoint

@@ -12,7 +12,7 @@ import xxhash
 
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.hashing import block_hashes
-from kvmesh.node.engine.model import preset
+from kvmesh.node.engine.decoder import preset
 from kvmesh.node.engine.runner import SimCost, SimRunner, TorchRunner, blocks_for
 from kvmesh.node.engine.simkv import block_bytes, kv_words
 

@@ -93,7 +93,7 @@ def _start(who: str, work: Path, model: Path, slots: int, ctx: int, threads: int
 
 
 def run_engine(args: argparse.Namespace) -> int:
-    from kvmesh.node.engine.models import resolve
+    from kvmesh.node.engine.modelfiles import resolve
 
     model = resolve(args.model or "smollm2")
     per_token, n_ctx_train = chars_per_token(model)

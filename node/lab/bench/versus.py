@@ -103,7 +103,7 @@ def _servers(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, po
 
 
 def run_versus(args: argparse.Namespace) -> int:
-    from kvmesh.node.engine.models import resolve
+    from kvmesh.node.engine.modelfiles import resolve
 
     model = resolve(args.model or "smollm2")
     overrides, said = llama_shape(str(model))
