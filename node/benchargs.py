@@ -34,7 +34,7 @@ def add_bench_control(bsub: Subparsers) -> None:
     c.add_argument("--seed", type=int, default=1)
     g = bsub.add_parser("exactness", help="the exactness gate per model kind: a moved turn against the home's")
     g.add_argument("--json", action="store_true")
-    g.add_argument("--kinds", help="comma-separated: dense, dense-q8_0, swa-full, swa-window, moe, hybrid, "
+    g.add_argument("--kinds", help="comma-separated: dense, dense-q8_0, swa-full, swa-window, moe, hybrid, vllm, "
                    "recurrent (default: all)")
     g.add_argument("--steps", type=int, default=64, help="greedy tokens compared")
 

@@ -191,7 +191,8 @@ def _add_bench(sub: Subparsers) -> None:
     t = bsub.add_parser("ttft", help="cold vs warm (replica-imported) time to first token")
     t.add_argument("--json", action="store_true")
     t.add_argument("--tokens", type=int, default=16384)
-    t.add_argument("--engine", choices=["tiny", "sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else tiny")
+    t.add_argument("--engine", choices=["tiny", "sim", "llamacpp", "vllm"], help="default: llamacpp for a GGUF --model, "
+                   "else tiny; vllm: a vLLM server each side on --model (default: smollm2, converted)")
     t.add_argument("--store-dir", type=Path, help="where the replica file goes (default: a temp dir)")
     t.add_argument("--model", type=Path, help="a local Hugging Face checkpoint directory: run the torch engine on it; "
                    "a GGUF file or a packaged model's alias (smollm2, gemma3-270m): llama.cpp (default: a generated GGUF)")
@@ -216,8 +217,9 @@ def _add_bench(sub: Subparsers) -> None:
     h.add_argument("--max-duration", type=float, default=1500.0, help="seconds at most, with --min-handoffs")
     h.add_argument("--event-loop", choices=["asyncio", "uvloop"], default="asyncio", help="the nodes' api.event_loop")
     h.add_argument("--replicate-min-tokens", type=int, help="kvshare.replicate_min_tokens (default: the node's, from its context)")
-    h.add_argument("--engine", choices=["sim", "llamacpp"], help="default: llamacpp for a GGUF --model, else sim; "
-                   "llamacpp: both nodes run llama.cpp on --model (default: a generated GGUF)")
+    h.add_argument("--engine", choices=["sim", "llamacpp", "vllm"], help="default: llamacpp for a GGUF --model, else "
+                   "sim; llamacpp: both nodes run llama.cpp on --model (default: a generated GGUF); vllm: each node "
+                   "drives a vLLM pinned to its own core (--model default: smollm2)")
     h.add_argument("--model", type=Path, help=GGUF_HELP + " (the same on both nodes)")
     h.set_defaults(engine_default="sim")
     ag = bsub.add_parser("agents", help="one scripted agent session per API dialect on two nodes: warm moves, reuse")

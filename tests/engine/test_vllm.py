@@ -9,7 +9,9 @@ matches it is loaded and changes the answer (so loads are really used).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import httpx
 import pytest
 
 from kvmesh.node.config import EngineConfig, VllmConfig
-from kvmesh.node.engine.turns import GenerateRequest, TextDelta, TurnDone, TurnStats
+from kvmesh.node.engine.boundary import EngineAPI, GenerateRequest, TextDelta, TurnDone, TurnStats
 from kvmesh.node.engine.vllm.engine import VllmEngine
 from kvmesh.node.engine.vllm.layout import SEALED
 
@@ -81,6 +83,7 @@ def metric(e: VllmEngine, name: str) -> float:
 def test_vllm_serves_smollm2_and_its_connector_stores_blocks(engines: tuple[VllmEngine, VllmEngine]) -> None:
     """A vLLM process serves SmolLM2 (converted from the packaged GGUF); the turn's full blocks land in the pool, sealed."""
     a, b = engines
+    assert isinstance(a, EngineAPI)  # what kv_share, the mesh and the API program against
     assert a.fingerprint == b.fingerprint  # same model, dtype, vLLM version and KV layout
     prompt = a.tokenizer.apply_chat_template(QUESTION)
     text, logprobs, stats = turn(a, "rome", prompt)
@@ -138,3 +141,18 @@ def test_a_corrupted_block_is_refused_and_recomputed(engines: tuple[VllmEngine, 
     b.pool.file.seal(seq.block_ids[0])
     garbled, _, _ = turn(b, "zeroed", prompt, 24)
     assert garbled != want
+
+
+def test_a_vllm_that_died_is_started_again_and_its_sessions_stay_warm(engines: tuple[VllmEngine, VllmEngine]) -> None:
+    """vLLM killed under the node: the next turn starts it again, and the session's blocks, still in the shared
+    pool, are loaded by the new process (warm, though vLLM's own prefix cache died with the old one)."""
+    a, _ = engines
+    prompt = a.tokenizer.apply_chat_template(QUESTION)
+    want, _, _ = turn(a, "crash", prompt, 8)
+    proc = a.server.proc
+    assert proc is not None
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    got, _, stats = turn(a, "crash", prompt, 8)
+    assert got == want and a.restarts == 1 and a.server.alive()
+    assert stats.cached_tokens == (len(prompt) - 1) // a.block_size * a.block_size

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import AsyncGenerator, Callable
 
@@ -23,9 +24,18 @@ import numpy as np
 import torch
 
 from kvmesh.node.config import EngineConfig
-from kvmesh.node.engine.admission import Admission, SessionLocks
+from kvmesh.node.engine.admission import SessionLocks
 from kvmesh.node.engine.blocks import BlockManager
-from kvmesh.node.engine.boundary import ExportedBlock, PinnedBlocks
+from kvmesh.node.engine.boundary import (
+    Admission,
+    EngineCounters,
+    ExportedBlock,
+    GenerateRequest,
+    PinnedBlocks,
+    TextDelta,
+    TurnBegin,
+    TurnDone,
+)
 from kvmesh.node.engine.export_import import BlockTransfers
 from kvmesh.node.engine.hashing import as_tokens, chain_seed
 from kvmesh.node.engine.hf import open_checkpoint
@@ -33,7 +43,6 @@ from kvmesh.node.engine.prefix import BlockPrefix
 from kvmesh.node.engine.sessiontable import SessionTable
 from kvmesh.node.engine.slots import SlotScheduler
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
-from kvmesh.node.engine.turns import EngineCounters, GenerateRequest, TextDelta, TurnBegin, TurnDone
 from kvmesh.node.engine.vllm.layout import kv_bytes_per_token
 from kvmesh.node.engine.vllm.models import cache_dir, checkpoint_dir
 from kvmesh.node.engine.vllm.pool import ShmPool, pool_path
@@ -95,6 +104,7 @@ class VllmEngine:
         self.transfers = BlockTransfers(self.table, self.pool, seed_hash=self.seed_hash, fingerprint=self.fingerprint,
                                         cached_prefix=self.cached_prefix, inexact_reason=None)
         self._locks = SessionLocks()
+        self._restart, self.restarts = asyncio.Lock(), 0
         self.turns = VllmTurn(self.table, self.prefix, self.pool, seed_hash=self.seed_hash, model_name=self.model_name,
                               url=self.server.url, tokenizer=self.tokenizer)
 
@@ -180,8 +190,21 @@ class VllmEngine:
             self._locks.release(req.session)
         return Admission(req, tokens, slot, t0, release)
 
+    async def _supervise(self) -> None:
+        """vLLM exited (crashed, killed): start it again before this turn, one restart at a time. The pool
+        and its index outlive it, so sessions stay warm; only vLLM's own prefix cache is gone."""
+        async with self._restart:
+            if self.server.alive():
+                return
+            log.warning("vLLM exited (%s); starting it again", self.server.log_tail(3))
+            self.restarts += 1
+            await asyncio.to_thread(self.server.start, self.cfg.vllm.start_timeout_s)
+            await self.turns.moved(self.server.url)
+
     async def run(self, adm: Admission) -> AsyncGenerator[TurnBegin | TextDelta | TurnDone, None]:
         try:
+            if not self.server.alive():
+                await self._supervise()
             async with contextlib.aclosing(self.turns.run(adm.req, adm.tokens, adm.t0)) as events:
                 async for ev in events:
                     yield ev
@@ -226,8 +249,9 @@ class VllmEngine:
             raise
 
     def close(self) -> None:
-        """Stop vLLM (its whole process group) and remove the pool's file."""
+        """Stop vLLM (its whole process group), remove the pool's file and the server's run folder."""
         self.server.stop()
+        shutil.rmtree(self.server.launch.run_dir, ignore_errors=True)
         turns = getattr(self, "turns", None)
         if turns is not None:
             with contextlib.suppress(RuntimeError):  # without a running loop, its connections go with it

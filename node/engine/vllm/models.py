@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 from kvmesh.node.config import EngineConfig
-from kvmesh.node.engine.models import resolve
+from kvmesh.node.engine.modelfiles import resolve
 from kvmesh.node.engine.vllm.server import vllm_python
 from kvmesh.node.errors import ConfigError
 from kvmesh.node.modelnames import is_gguf

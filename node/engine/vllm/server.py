@@ -118,6 +118,9 @@ class VllmServer:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self, timeout_s: float) -> None:
+        """Start it (again: the exited one is reaped first) and wait until it serves."""
+        if self.proc is not None:
+            self.stop()
         self.port = free_port()
         self.launch.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from kvmesh.node.engine.turns import GenerateRequest, TokenLogprob
+from kvmesh.node.engine.boundary import GenerateRequest, TokenLogprob
 from kvmesh.node.errors import InvalidRequest, KVMeshError
 
 

@@ -20,13 +20,13 @@ import httpx
 import numpy as np
 import torch
 
+from kvmesh.node.engine.boundary import GenerateRequest, TextDelta, TurnBegin, TurnDone, TurnStats
 from kvmesh.node.engine.export_import import ImportTxn
 from kvmesh.node.engine.hashing import block_hashes
 from kvmesh.node.engine.prefix import BlockPrefix
 from kvmesh.node.engine.sequence import Sequence
 from kvmesh.node.engine.sessiontable import SessionTable
 from kvmesh.node.engine.tokenizer import Tokenizer
-from kvmesh.node.engine.turns import GenerateRequest, TextDelta, TurnBegin, TurnDone, TurnStats
 from kvmesh.node.engine.vllm.layout import BAD
 from kvmesh.node.engine.vllm.pool import ShmPool
 from kvmesh.node.engine.vllm.stream import request_body, stream
@@ -97,6 +97,14 @@ class VllmTurn:
         if (c := self._clients.get(loop)) is None:
             c = self._clients[loop] = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0))
         return c
+
+    async def moved(self, url: str) -> None:
+        """vLLM serves at a new address (it was started again): the old clients go."""
+        self.url, old = url, list(self._clients.values())
+        self._clients.clear()
+        for c in old:
+            with contextlib.suppress(RuntimeError):
+                await c.aclose()
 
     async def aclose(self) -> None:
         if (c := self._clients.pop(asyncio.get_running_loop(), None)) is not None:

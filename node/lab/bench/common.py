@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -49,7 +50,8 @@ def emit(result: dict[str, Any], args: argparse.Namespace) -> int:
 
 
 def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cache_bytes: int,
-               extra: dict[str, Any] | None = None, engine: dict[str, Any] | None = None) -> list[NodeProcess]:
+               extra: dict[str, Any] | None = None, engine: dict[str, Any] | None = None,
+               overrides: dict[str, dict[str, Any]] | None = None, ready_timeout: float = 60.0) -> list[NodeProcess]:
     """The benchmarks' mesh on loopback (`launcher.write_mesh`), started: every node ready.
 
     The sim engine unless `engine` names another (its keys replace the sim's)."""
@@ -59,7 +61,8 @@ def start_mesh(work: Path, names: list[str], *, slots: int, kv_scale: float, cac
     base: dict[str, Any] = {"kvshare": {"fsync": "never", "store_budget_bytes": 4 * cache_bytes},
                             "mesh": {"poll_interval_s": 0.25}}
     merge_config(base, extra or {})
-    return list(write_mesh(work, names, engine=engine, extra=base).start(peers_timeout=None).nodes.values())
+    mesh = write_mesh(work, names, engine=engine, extra=base, overrides=overrides)
+    return list(mesh.start(ready_timeout, peers_timeout=None).nodes.values())
 
 
 def llamacpp_engine(args: argparse.Namespace, max_context: int | None) -> dict[str, Any] | None:
@@ -73,6 +76,16 @@ def llamacpp_engine(args: argparse.Namespace, max_context: int | None) -> dict[s
     # The nodes share the box's cores: one thread each.
     context = {} if max_context is None else {"max_context": max_context}
     return {"kind": "llamacpp", "model": str(model), **context, "llamacpp": {"threads": 1}}
+
+
+def vllm_engine(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]] | None:
+    """`--engine vllm`: every node's engine config (--model, default smollm2) and each node's own core
+    (one vLLM per node, pinned: two hosts on this box buy no capacity unless each has its core)."""
+    if getattr(args, "engine", "sim") != "vllm":
+        return None
+    engine = {"kind": "vllm", "model": str(getattr(args, "model", None) or "smollm2"), "vllm": {"kvcache_gib": 1}}
+    cores = os.cpu_count() or 1
+    return engine, {n: {"engine": {"vllm": {"cpu_cores": str(i % cores)}}} for i, n in enumerate(names)}
 
 
 # `--extra-bufts` of the llama.cpp benches: engine.llamacpp.extra_bufts's values (node.engine.repack).

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,8 +24,11 @@ import torch
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest, TextDelta, TurnDone
+from kvmesh.node.engine.vllm.engine import VllmEngine
+from kvmesh.node.engine.vllm.server import vllm_python
 from kvmesh.node.kvshare import wire
 from kvmesh.node.lab.bench.common import emit
+from kvmesh.node.lab.bench.exactness_vllm import gate_vllm
 from kvmesh.node.lab.workload import text
 
 MAX_LOGIT_DIFF = 0.05
@@ -101,7 +105,7 @@ def _push(offer: wire.Offer, tokens: np.ndarray, hashes: list[bytes], payloads: 
     return blocks, next((e for e in events if isinstance(e, wire.SnapshotReceived)), None)
 
 
-def move_replica(home: Engine, away: Engine, session: str = "gate") -> tuple[np.ndarray, int]:
+def move_replica(home: Engine | VllmEngine, away: Engine | VllmEngine, session: str = "gate") -> tuple[np.ndarray, int]:
     """A's whole blocks of the session and A's newest snapshot they reach into B, as one kv_share push carries
     them (the snapshot a frame after the blocks) and its landing keeps them. Returns the blocks' tokens and the
     snapshot's position (0: none)."""
@@ -148,11 +152,12 @@ def gate(kind: str, steps: int) -> dict[str, object]:
 
 
 def run_exactness(args: argparse.Namespace) -> int:
-    kinds = args.kinds.split(",") if args.kinds else list(KINDS)
-    unknown = [k for k in kinds if k not in KINDS]
+    # "vllm": the same gate on two vLLM servers (node.lab.bench.exactness_vllm), by default where vLLM's venv is.
+    kinds = args.kinds.split(",") if args.kinds else [*KINDS, *(["vllm"] if vllm_python("") != sys.executable else [])]
+    unknown = [k for k in kinds if k not in KINDS and k != "vllm"]
     if unknown:
-        raise SystemExit(f"unknown kinds {unknown}; choose from {', '.join(KINDS)}")
-    rows = [gate(k, args.steps) for k in kinds]
+        raise SystemExit(f"unknown kinds {unknown}; choose from {', '.join(KINDS)}, vllm")
+    rows = [gate_vllm(args.steps, MAX_LOGIT_DIFF, move_replica) if k == "vllm" else gate(k, args.steps) for k in kinds]
     errors = [f"{r['kind']}: {r['tokens_identical']} of {args.steps} tokens identical, max logit diff {r['max_logit_diff']}"
               for r in rows if not r["passed"]]
     return emit({"table": rows, "max_logit_diff_allowed": MAX_LOGIT_DIFF, "errors": len(errors),

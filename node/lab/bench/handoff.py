@@ -1,4 +1,5 @@
-"""`kvmesh bench handoff`: two sim nodes on loopback, 16 coding-agent sessions, handoffs counted.
+"""`kvmesh bench handoff`: two sim nodes on loopback, 16 coding-agent sessions, handoffs counted
+(`--engine llamacpp` / `vllm`: each node computes with a real model).
 
 The counters are the mesh's own (GET /v1/cluster), not the load generator's
 view; decision time is the placement function's, measured inside the nodes.
@@ -19,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from kvmesh.node.lab.bench.common import emit, llama_shape, llamacpp_engine, start_mesh
+from kvmesh.node.lab.bench.common import emit, llama_shape, llamacpp_engine, start_mesh, vllm_engine
 from kvmesh.node.lab.launcher import wait_peers
 from kvmesh.node.lab.load import LoadRunner, LoadShape
 
@@ -35,16 +36,21 @@ def _reached(api: str, want: int) -> Callable[[], Awaitable[bool]]:
 
 
 def run_handoff(args: argparse.Namespace) -> int:
+    names = ["node-a", "node-b"]
     engine = llamacpp_engine(args, max_context=None)
+    per_node: dict[str, dict[str, Any]] | None = None
+    if (vllm := vllm_engine(args, names)) is not None:
+        engine, per_node = vllm
     overrides: dict[str, Any] = {}
     said: dict[str, Any] = {"target_tokens": args.target_tokens}
-    if engine is not None:
+    if engine is not None:  # the workload in the model's own tokens (vLLM's: a GGUF's alias, or llama.cpp's tiny)
         overrides, said = llama_shape(engine["model"])
         engine["max_context"] = said["context"]
     kvshare = {} if args.replicate_min_tokens is None else {"replicate_min_tokens": args.replicate_min_tokens}
     with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
-        nodes = start_mesh(Path(tmp), ["node-a", "node-b"], slots=args.slots, kv_scale=args.kv_scale,
-                           cache_bytes=args.cache_bytes, engine=engine,
+        nodes = start_mesh(Path(tmp), names, slots=args.slots, kv_scale=args.kv_scale,
+                           cache_bytes=args.cache_bytes, engine=engine, overrides=per_node,
+                           ready_timeout=600.0 if per_node else 60.0,
                            extra={"mesh": {"cold_move_after_s": args.cold_move_after}, "kvshare": kvshare,
                                   "api": {"event_loop": getattr(args, "event_loop", "asyncio")}})
         try:

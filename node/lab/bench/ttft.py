@@ -7,7 +7,8 @@ TTFT is from request to first token; the warm figure includes the import.
 With `--model DIR` both engines run a local Hugging Face checkpoint (kind "torch"),
 and the conversation is grown until the checkpoint's tokenizer counts ~--tokens.
 With `--engine llamacpp` both run llama.cpp on `--model X.gguf`, or without it on the
-generated GGUF with a real model's proportions (node.lab.testmodels preset "bench").
+generated GGUF with a real model's proportions (node.lab.testmodels preset "bench"). With
+`--engine vllm` each side is a fresh vLLM server (node.engine.vllm) on `--model` (default smollm2).
 Exit status non-zero when the warm turn reused none of the imported replica.
 """
 
@@ -29,9 +30,11 @@ from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.engine.hf import open_checkpoint
 from kvmesh.node.engine.llamacpp import LlamaRunner
 from kvmesh.node.engine.llamamodel import LlamaModel
-from kvmesh.node.engine.models import resolve as resolve_model
+from kvmesh.node.engine.modelfiles import resolve as resolve_model
 from kvmesh.node.engine.snapshots import Snapshot
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
+from kvmesh.node.engine.vllm.engine import VllmEngine
+from kvmesh.node.engine.vllm.models import served_checkpoint
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.lab.bench.common import emit
 from kvmesh.node.lab.testmodels import ensure_model, spec_for
@@ -39,7 +42,11 @@ from kvmesh.node.lab.workload import grow_conversation, text
 
 SESSION = "bench-ttft"
 
-async def _ttft(engine: Engine, prompt: list[int], max_tokens: int = 1) -> tuple[float, str]:
+def _open(cfg: EngineConfig) -> Engine | VllmEngine:
+    return VllmEngine(cfg) if cfg.kind == "vllm" else Engine(cfg)
+
+
+async def _ttft(engine: Engine | VllmEngine, prompt: list[int], max_tokens: int = 1) -> tuple[float, str]:
     """Request to first token, as the engine measured it (queue + reuse + prefill + first sample)."""
     out = []
     ttft = None
@@ -55,6 +62,9 @@ async def _ttft(engine: Engine, prompt: list[int], max_tokens: int = 1) -> tuple
 def _engine_cfg(kind: str, tokens: int, model: Path | None = None, block_size: int | None = None,
                 swa: str = "full") -> EngineConfig:
     ctx = max(4096, tokens + 2048)
+    if kind == "vllm":  # a fresh vLLM each side (its own prefix cache empty): --model a checkpoint or an alias
+        return EngineConfig(kind="vllm", model=str(model or "smollm2"), slots=1, max_context=ctx, cache_tokens=ctx + 1024,
+                            **({"block_size": block_size} if block_size else {}))  # type: ignore[arg-type]
     if kind == "llamacpp":
         # --model: a GGUF file; without it, the generated GGUF with a real model's proportions.
         gguf = model if model is not None else ensure_model(spec_for("bench"))
@@ -76,9 +86,9 @@ def _engine_cfg(kind: str, tokens: int, model: Path | None = None, block_size: i
                         sim=SimConfig(max_context=ctx))
 
 
-def _swa_facts(engine: Engine, tokens: int) -> dict[str, object]:
+def _swa_facts(engine: Engine | VllmEngine, tokens: int) -> dict[str, object]:
     """A sliding-window model's mode and what its replica costs against the windowed cache llama.cpp would keep."""
-    runner = engine.runner
+    runner = getattr(engine, "runner", None)
     if not isinstance(runner, LlamaRunner) or not runner.model.n_swa:
         return {"swa_mode": None}
     full, *window = runner.layout.sections
@@ -92,7 +102,10 @@ def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict
     target = tokens
     tok: Tokenizer | None = None
     if model is not None:
-        tok = LlamaModel.open(model, LlamaCppConfig()).tokenizer if kind == "llamacpp" else HFTokenizer.from_dir(model)
+        if kind == "vllm":
+            tok = HFTokenizer.from_dir(served_checkpoint(EngineConfig(kind="vllm", model=str(model))))
+        else:
+            tok = LlamaModel.open(model, LlamaCppConfig()).tokenizer if kind == "llamacpp" else HFTokenizer.from_dir(model)
     for _ in range(4):
         rng = random.Random(7)
         msgs = grow_conversation(rng, target)
@@ -105,7 +118,7 @@ def _conversation(tokens: int, model: Path | None, kind: str) -> tuple[list[dict
     return msgs, rng
 
 
-def _export(home: Engine, store: ReplicaStore) -> tuple[np.ndarray, int, Snapshot | None]:
+def _export(home: Engine | VllmEngine, store: ReplicaStore) -> tuple[np.ndarray, int, Snapshot | None]:
     """The home engine's cache of the conversation to a replica file: (its tokens, whole blocks written, and in
     window mode or with recurrent state the newest snapshot those blocks reach, the rest of the replica:
     node.engine.snapshots)."""
@@ -132,6 +145,8 @@ def _no_replicas(cfg: EngineConfig, reason: str) -> dict[str, object]:
 
 def run_ttft(args: argparse.Namespace) -> int:
     model = getattr(args, "model", None)
+    if args.engine == "vllm" and model is None:
+        model = Path("smollm2")
     msgs, rng = _conversation(args.tokens, model, args.engine)
     cfg = _engine_cfg(args.engine, args.tokens, model, getattr(args, "block_size", None), getattr(args, "swa", "full"))
     with tempfile.TemporaryDirectory(prefix="kvmesh-ttft-") as tmp:
@@ -139,7 +154,7 @@ def run_ttft(args: argparse.Namespace) -> int:
         store = ReplicaStore(root, budget_bytes=1 << 40)
 
         async def scenario() -> dict[str, object]:
-            home = Engine(cfg)
+            home = _open(cfg)
             if home.inexact_reason is not None:  # nothing to measure, and the JSON says why
                 home.close()
                 return _no_replicas(cfg, home.inexact_reason)
@@ -150,7 +165,7 @@ def run_ttft(args: argparse.Namespace) -> int:
             home.close()
             del home
             follow = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": text(rng, 256)}]
-            away = Engine(cfg)
+            away = _open(cfg)
             prompt2 = away.tokenizer.apply_chat_template(follow)
             t0 = time.monotonic()
             store.import_into(away, SESSION)
@@ -178,7 +193,7 @@ def run_ttft(args: argparse.Namespace) -> int:
                 **({"snapshot_bytes": snapshot.nbytes, "snapshot_pos": snapshot.pos} if snapshot is not None else {}),
                 "errors": len(errors), "error_samples": errors,
                 **({"model": cfg.served_model, "device": str(away.device), "dtype": str(away.dtype).removeprefix("torch.")}
-                   if model is not None or cfg.kind == "llamacpp" else {}),
+                   if model is not None or cfg.kind in ("llamacpp", "vllm") else {}),
             }
 
         result = asyncio.run(scenario())
