@@ -35,8 +35,9 @@ def _reached(api: str, want: int) -> Callable[[], Awaitable[bool]]:
     return reached
 
 
-def run_handoff(args: argparse.Namespace) -> int:
-    names = ["node-a", "node-b"]
+def _engines(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, Any] | None, dict[str, dict[str, Any]] | None,
+                                                                 dict[str, Any], dict[str, Any]]:
+    """The nodes' engine (None: the sim), each node's own settings, the workload's shape and what the JSON says of it."""
     engine = llamacpp_engine(args, max_context=None)
     per_node: dict[str, dict[str, Any]] | None = None
     if (vllm := vllm_engine(args, names)) is not None:
@@ -46,6 +47,12 @@ def run_handoff(args: argparse.Namespace) -> int:
     if engine is not None:  # the workload in the model's own tokens (vLLM's: a GGUF's alias, or llama.cpp's tiny)
         overrides, said = llama_shape(engine["model"])
         engine["max_context"] = said["context"]
+    return engine, per_node, overrides, said
+
+
+def run_handoff(args: argparse.Namespace) -> int:
+    names = ["node-a", "node-b"]
+    engine, per_node, overrides, said = _engines(args, names)
     kvshare = {} if args.replicate_min_tokens is None else {"replicate_min_tokens": args.replicate_min_tokens}
     with tempfile.TemporaryDirectory(prefix="kvmesh-handoff-") as tmp:
         nodes = start_mesh(Path(tmp), names, slots=args.slots, kv_scale=args.kv_scale,
