@@ -170,10 +170,7 @@ class Listener:
     def _on_event(self, conn: socket.socket, st: _Conn, ev: wire.ReceiverEvent) -> bool:
         """Act on one receiver event; False once the connection is done (refused)."""
         if isinstance(ev, wire.Refused):
-            conn.sendall(ev.reply)
-            _linger_close(conn)
-            self._call(self._landing.refused, st.offer, st.src, ev.reason, ev.message)
-            return False
+            return self._refuse(conn, st, ev.reason, ev.message, ev.reply)
         if isinstance(ev, wire.OfferReceived):
             return self._accept_offer(conn, st, ev)
         if isinstance(ev, wire.BlockHeader) and not st.first_block_seen:
@@ -195,16 +192,27 @@ class Listener:
             last_byte = time.monotonic()
             assert st.offer is not None
             if (why := self._keep_snapshot(st)) is not None:
-                conn.sendall(st.rx.refuse(wire.Reason.SNAPSHOT, why))
-                _linger_close(conn)
-                self._call(self._landing.refused, st.offer, st.src, wire.Reason.SNAPSHOT, why)
-                return False
+                return self._refuse(conn, st, wire.Reason.SNAPSHOT, why, st.rx.refuse(wire.Reason.SNAPSHOT, why))
             committed = self._land(st)
             tokens = self._call(self._landing.on_complete, st.offer, st.plan, st.received, last_byte, st.t_first,
                                 committed, st.offer.snapshot_bytes)
             st.txn = st.writer = None  # committed
             conn.sendall(st.rx.result_ok(tokens))
         return True
+
+    def _refuse(self, conn: socket.socket, st: _Conn, reason: str, message: str, reply: bytes) -> bool:
+        """Refuse the transfer: undo what it reserved and count the refusal, then tell the sender, so a sender that
+        reads the refusal finds this host's state already without it. Returns False: the connection is done."""
+        if st.txn is not None:
+            self._call(self._landing.abort, st.offer, st.txn)
+            st.txn = None
+        if st.writer is not None:
+            st.writer.abort()
+            st.writer = None
+        self._call(self._landing.refused, st.offer, st.src, reason, message)
+        conn.sendall(reply)
+        _linger_close(conn)
+        return False
 
     def _accept_offer(self, conn: socket.socket, st: _Conn, ev: wire.OfferReceived) -> bool:
         """Let the loop decide on the offer, open the store write here if it goes to the store,
@@ -222,10 +230,7 @@ class Listener:
                 refuse = (getattr(err, "reason", "store"), str(err))
         if refuse is not None:
             reason, message = refuse
-            conn.sendall(st.rx.refuse(reason, message))
-            _linger_close(conn)
-            self._call(self._landing.refused, st.offer, st.src, reason, message)
-            return False
+            return self._refuse(conn, st, reason, message, st.rx.refuse(reason, message))
         st.txn = txn = plan.txn
         target = (lambda h, t=txn: t.buffer(h.index)) if txn is not None else None
         conn.sendall(st.rx.accept(plan.first_missing, payload_target=target))
