@@ -20,7 +20,7 @@ def test_the_wheel_has_one_top_level_package(kvmesh_wheel: Path) -> None:
         tops = {n.split("/", 1)[0] for n in z.namelist() if not n.startswith("kvmesh-")}
         top_level = next(n for n in z.namelist() if n.endswith(".dist-info/top_level.txt"))
         assert z.read(top_level).decode().split() == ["kvmesh"]
-        assert {"kvmesh/node/cli.py", "kvmesh/console/app.py", "kvmesh/node/kvshare/wire.py"} <= set(z.namelist())
+        assert {"kvmesh/node/cli.py", "kvmesh/console/app.py", "kvmesh/node/kvshare/wire/__init__.py"} <= set(z.namelist())
     assert tops == {"kvmesh"}
 
 

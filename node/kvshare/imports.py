@@ -30,7 +30,7 @@ from kvmesh.node.kvshare.explain import HandoffNotes, store_match_blocks
 from kvmesh.node.kvshare.hosttier import HostTier
 from kvmesh.node.kvshare.landing import _Inbound
 from kvmesh.node.kvshare.store import ReplicaStore
-from kvmesh.node.kvshare.storeimport import StoreImport
+from kvmesh.node.kvshare.store.restore import StoreImport
 from kvmesh.node.kvshare.stream import _Job
 from kvmesh.node.protocol import Event, ReplicaImported
 

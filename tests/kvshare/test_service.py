@@ -42,7 +42,7 @@ from .service_helpers import (
 
 E = TypeVar("E", bound=BaseModel)
 
-# Framing of one transfer (node/kvshare/wire.py): OFFER prefix 18 B + header JSON + 4 B per token + 16 B per hash
+# Framing of one transfer (node/kvshare/wire): OFFER prefix 18 B + header JSON + 4 B per token + 16 B per hash
 # + 32 B mac; 37 B before each block's payload; END 37 B.
 PREFIX, MAC, BLOCK_HDR, END = 18, 32, 37, 37
 

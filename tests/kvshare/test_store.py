@@ -13,11 +13,11 @@ import pytest
 from kvmesh.node.engine.engine import Engine
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.errors import ImportRefused
-from kvmesh.node.kvshare import storewrite as store_module
-from kvmesh.node.kvshare.manifest import Manifest
-from kvmesh.node.kvshare.segment import SegmentWriter, StoreError
+from kvmesh.node.kvshare.store import write as store_module
+from kvmesh.node.kvshare.store.manifest import Manifest
+from kvmesh.node.kvshare.store.segment import SegmentWriter, StoreError
 from kvmesh.node.kvshare.store import ReplicaStore
-from kvmesh.node.kvshare.storewrite import MAX_SEGMENTS
+from kvmesh.node.kvshare.store.write import MAX_SEGMENTS
 from kvmesh.node.kvshare.wire import InvalidSessionId
 from kvmesh.node.protocol import session_key
 

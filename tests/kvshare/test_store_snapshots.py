@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from kvmesh.node.engine.hashing import payload_digest
-from kvmesh.node.kvshare.manifest import MANIFEST
-from kvmesh.node.kvshare.segment import StoreError
+from kvmesh.node.kvshare.store.manifest import MANIFEST
+from kvmesh.node.kvshare.store.segment import StoreError
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.protocol import session_key
 

@@ -37,7 +37,7 @@ from kvmesh.node.kvshare.wire import (
     encode_block_header,
     encode_end,
 )
-from kvmesh.node.kvshare.wire_frames import _mac
+from kvmesh.node.kvshare.wire.frames import _mac
 
 from .helpers import Replica, make_replica
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvmesh.node.config import NodeConfig
-from kvmesh.node.kvshare.segment import SegmentWriter
+from kvmesh.node.kvshare.store.segment import SegmentWriter
 from kvmesh.node.kvshare.store import ReplicaStore
 from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
 from kvmesh.node.lab.launcher import wait_for

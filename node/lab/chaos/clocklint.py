@@ -19,7 +19,7 @@ from typing import Any
 WALL_CLOCK_ALLOWED: dict[tuple[str, str, str], str] = {
     ("node/kvshare/explain.py", "explain", "time.time() - m.updated"):
         "display: replica age in Handoff events; the manifest's stamp must survive restarts",
-    ("node/kvshare/index.py", "_scan", "sorted(found, key=lambda e: e.manifest.updated)"):
+    ("node/kvshare/store/index.py", "_scan", "sorted(found, key=lambda e: e.manifest.updated)"):
         "persisted: LRU order rebuilt at start from stamps that must survive restarts; a jump only reorders evictions",
     ("node/mesh/mesh.py", "_session_info", "now - rep.store_updated"):
         "display: the cluster view's replica age",

@@ -20,8 +20,8 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvmesh.node.kvshare.manifest import common_prefix
 from kvmesh.node.kvshare.pushorder import PushFacts, push_key
+from kvmesh.node.kvshare.store.manifest import common_prefix
 from kvmesh.node.lab.sim.cluster import BlockLRU, Cluster, SimHost, StoreLRU
 from kvmesh.node.lab.sim.control import Sizes, load_stream_bytes
 from kvmesh.node.lab.sim.params import SimParams

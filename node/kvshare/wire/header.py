@@ -1,6 +1,6 @@
 """kv_share's signed OFFER header and the limits a receiver holds an offer to.
 
-`Offer` is the JSON the sender signs (the frame layouts are in `wire_frames`); a session id is
+`Offer` is the JSON the sender signs (the frame layouts are in `frames`); a session id is
 checked here before anything names a file by it. Public through `kvmesh.node.kvshare.wire`.
 """
 

@@ -1,7 +1,7 @@
 """kv_share v2 frame layouts: constants, reason codes, the HMACs, encoders and keyless peeks.
 
 Everything both sides share about the bytes: the sender and receiver state machines
-(`wire_sender`, `wire_receiver`) build and parse frames with these layouts, and fault proxies
+(`sender`, `receiver`) build and parse frames with these layouts, and fault proxies
 read offers and answers without the key. No I/O. Public through `kvmesh.node.kvshare.wire`.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 
 from kvmesh.node.engine.hashing import HASH_BYTES, TOKEN_DTYPE
 from kvmesh.node.errors import KVMeshError
-from kvmesh.node.kvshare.wire_header import Offer
+from kvmesh.node.kvshare.wire.header import Offer
 
 MAGIC = b"KVSH"
 VERSION = 2  # 2: a state snapshot may follow the blocks (SNAPSHOT); 1 had blocks alone

@@ -20,8 +20,8 @@ import numpy as np
 
 from kvmesh.node.errors import ImportRefused
 from kvmesh.node.kvshare.hosttier import HostTier
-from kvmesh.node.kvshare.index import Entry, ReplicaIndex
-from kvmesh.node.kvshare.manifest import common_prefix
+from kvmesh.node.kvshare.store.index import Entry, ReplicaIndex
+from kvmesh.node.kvshare.store.manifest import common_prefix
 
 if TYPE_CHECKING:
     from kvmesh.node.engine.boundary import EngineAPI, ImportAPI

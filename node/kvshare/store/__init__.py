@@ -45,7 +45,7 @@ The store is composed of parts, each in its own module: `files` (temp names, wri
 directory fsync), `manifest` (what is held of a session, manifest.json, the checks at start),
 `segment` (a delta's segment file being written; the open mappings reads are served from),
 `index` (the held sessions in LRU order under the budget, reads, evictions, the scan at start),
-`storewrite` (the checks and delta plan of a write, its commit) and `storeimport` (store ->
+`write` (the checks and delta plan of a write, its commit) and `restore` (store ->
 engine imports). `ReplicaStore` here composes them.
 """
 
@@ -57,12 +57,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvmesh.node.kvshare import storeimport
-from kvmesh.node.kvshare.index import Entry, ReplicaIndex
-from kvmesh.node.kvshare.manifest import Manifest, common_prefix
-from kvmesh.node.kvshare.segment import MAX_OPEN_MAPS, TRIM_BYTES, SegmentMaps, SegmentWriter
-from kvmesh.node.kvshare.storeimport import StoreImport, copy_block
-from kvmesh.node.kvshare.storewrite import FsyncPolicy, ReplicaWrites
+from kvmesh.node.kvshare.store import restore
+from kvmesh.node.kvshare.store.index import Entry, ReplicaIndex
+from kvmesh.node.kvshare.store.manifest import Manifest, common_prefix
+from kvmesh.node.kvshare.store.restore import StoreImport, copy_block
+from kvmesh.node.kvshare.store.segment import MAX_OPEN_MAPS, TRIM_BYTES, SegmentMaps, SegmentWriter
+from kvmesh.node.kvshare.store.write import FsyncPolicy, ReplicaWrites
 from kvmesh.node.kvshare.wire import check_session_id
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from kvmesh.node.engine.boundary import EngineAPI
     from kvmesh.node.kvshare.hosttier import HostTier
 
-# SegmentWriter and copy_block live in `segment` and `storeimport`; kv_share's service imports them from here.
+# SegmentWriter and copy_block live in `segment` and `restore`; kv_share's service imports them from here.
 __all__ = ["ReplicaStore", "SegmentWriter", "copy_block"]
 
 
@@ -234,14 +234,14 @@ class ReplicaStore:
         All in the calling thread: an event loop uses `begin_import` instead.
         """
         check_session_id(session)
-        return storeimport.import_into(self._index, engine, session, upto_blocks=upto_blocks)
+        return restore.import_into(self._index, engine, session, upto_blocks=upto_blocks)
 
     def begin_import(self, engine: EngineAPI, session: str, *, upto_blocks: int | None = None) -> StoreImport | None:
         """Reserve the engine's blocks for the session's replica (or its first `upto_blocks`); None when
         there is nothing to import. Call it where the engine's bookkeeping lives (its event loop); then
         `copy()` on any thread, then `txn.commit()` or `txn.abort()` back where it began."""
         check_session_id(session)
-        return storeimport.begin_import(self._index, engine, session, upto_blocks=upto_blocks)
+        return restore.begin_import(self._index, engine, session, upto_blocks=upto_blocks)
 
     def begin_restore(self, engine: EngineAPI, session: str, tier: HostTier, *, tokens: np.ndarray,
                       hashes: list[bytes]) -> StoreImport:
@@ -249,7 +249,7 @@ class ReplicaStore:
         host-memory tier or the session's replica here holds, each to be copied from the tier where it holds
         it, else from the replica; as `begin_import`, on the engine's loop, then `copy()` on any thread."""
         check_session_id(session)
-        return storeimport.begin_restore(self._index, tier, engine, session, tokens, hashes)
+        return restore.begin_restore(self._index, tier, engine, session, tokens, hashes)
 
     # ---- eviction ----------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ from typing import Literal
 import numpy as np
 
 from kvmesh.node.engine.hashing import HASH_BYTES, as_tokens, block_hashes, chain_seed
-from kvmesh.node.kvshare.files import bytes_of, fsync_dir, unlink_quietly, write_file
-from kvmesh.node.kvshare.index import Entry, ReplicaIndex
-from kvmesh.node.kvshare.manifest import (
+from kvmesh.node.kvshare.store.files import bytes_of, fsync_dir, unlink_quietly, write_file
+from kvmesh.node.kvshare.store.index import Entry, ReplicaIndex
+from kvmesh.node.kvshare.store.manifest import (
     MANIFEST,
     Manifest,
     Segment,
@@ -29,7 +29,7 @@ from kvmesh.node.kvshare.manifest import (
     manifest_json,
     readonly,
 )
-from kvmesh.node.kvshare.segment import SegmentWriter, StoreError
+from kvmesh.node.kvshare.store.segment import SegmentWriter, StoreError
 
 FsyncPolicy = Literal["always", "never"]
 MAX_SEGMENTS = 16

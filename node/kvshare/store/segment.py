@@ -22,8 +22,8 @@ import numpy as np
 
 from kvmesh.node.engine.hashing import payload_digest
 from kvmesh.node.errors import KVMeshError
-from kvmesh.node.kvshare.files import bytes_of, temp_name, unlink_quietly
-from kvmesh.node.kvshare.manifest import Manifest, Segment
+from kvmesh.node.kvshare.store.files import bytes_of, temp_name, unlink_quietly
+from kvmesh.node.kvshare.store.manifest import Manifest, Segment
 
 MAX_OPEN_MAPS = 64  # mapped segment files open at once, across the store
 TRIM_BYTES = 4 << 20  # bytes of views handed out between two MADV_DONTNEED passes

@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvmesh.node.engine.hashing import TOKEN_DTYPE, block_hashes, chain_seed
-from kvmesh.node.kvshare.files import TEMP_PREFIX, unlink_quietly
+from kvmesh.node.kvshare.store.files import TEMP_PREFIX, unlink_quietly
 from kvmesh.node.protocol import is_valid_session_id, session_key
 
 # One logger for every part of the store, so what operators filter on did not change with the split.

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from kvmesh.node.engine.hashing import payload_digest
-from kvmesh.node.kvshare.wire_events import Accepted, Completed, PeerRefused, SenderEvent
-from kvmesh.node.kvshare.wire_frames import (
+from kvmesh.node.kvshare.wire.events import Accepted, Completed, PeerRefused, SenderEvent
+from kvmesh.node.kvshare.wire.frames import (
     _ANSWER_FIXED,
     _RESULT_FIXED,
     _STATUS_OK,
@@ -38,7 +38,7 @@ from kvmesh.node.kvshare.wire_frames import (
     encode_offer,
     encode_snapshot_header,
 )
-from kvmesh.node.kvshare.wire_header import Offer
+from kvmesh.node.kvshare.wire.header import Offer
 
 # ---- sender ----------------------------------------------------------------------------
 

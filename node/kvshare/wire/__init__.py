@@ -72,14 +72,14 @@ simple, and one copy more than the pool path. The sender's payload path is zero-
 returns only the 37 header bytes; the caller sends the payload view itself.
 
 This module is the public face and the one to import from; the code lives behind it, one
-concern a module: `wire_header` (the signed `Offer`, `Limits`, session ids), `wire_frames` (layouts,
-reason codes, HMACs, encoders, the keyless peeks), `wire_events`, and the two state machines
-`wire_receiver` and `wire_sender`.
+concern a module: `header` (the signed `Offer`, `Limits`, session ids), `frames` (layouts,
+reason codes, HMACs, encoders, the keyless peeks), `events`, and the two state machines
+`receiver` and `sender`.
 """
 
 from __future__ import annotations
 
-from kvmesh.node.kvshare.wire_events import (
+from kvmesh.node.kvshare.wire.events import (
     Accepted,
     BlockHeader,
     BlockReceived,
@@ -93,7 +93,7 @@ from kvmesh.node.kvshare.wire_events import (
     SenderEvent,
     SnapshotReceived,
 )
-from kvmesh.node.kvshare.wire_frames import (
+from kvmesh.node.kvshare.wire.frames import (
     BLOCK_HEADER_BYTES,
     DIGEST_BYTES,
     MAC_BYTES,
@@ -115,9 +115,9 @@ from kvmesh.node.kvshare.wire_frames import (
     peek_answer,
     peek_offer,
 )
-from kvmesh.node.kvshare.wire_header import InvalidSessionId, Limits, Offer, check_session_id
-from kvmesh.node.kvshare.wire_receiver import Receiver
-from kvmesh.node.kvshare.wire_sender import Sender
+from kvmesh.node.kvshare.wire.header import InvalidSessionId, Limits, Offer, check_session_id
+from kvmesh.node.kvshare.wire.receiver import Receiver
+from kvmesh.node.kvshare.wire.sender import Sender
 
 __all__ = [
     # constants and frame layouts

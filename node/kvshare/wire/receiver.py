@@ -15,7 +15,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from kvmesh.node.engine.hashing import HASH_BYTES, TOKEN_DTYPE, payload_digest
-from kvmesh.node.kvshare.wire_events import (
+from kvmesh.node.kvshare.wire.events import (
     BlockHeader,
     BlockReceived,
     EndReceived,
@@ -25,7 +25,7 @@ from kvmesh.node.kvshare.wire_events import (
     Refused,
     SnapshotReceived,
 )
-from kvmesh.node.kvshare.wire_frames import (
+from kvmesh.node.kvshare.wire.frames import (
     _BLOCK_REST,
     _END_REST,
     _OFFER_PREFIX,
@@ -42,7 +42,7 @@ from kvmesh.node.kvshare.wire_frames import (
     encode_answer,
     encode_result,
 )
-from kvmesh.node.kvshare.wire_header import Limits, Offer
+from kvmesh.node.kvshare.wire.header import Limits, Offer
 
 # ---- receiver --------------------------------------------------------------------------
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from kvmesh.node.engine.hashing import payload_digest
-from kvmesh.node.kvshare.files import TEMP_PREFIX, remove_tree, unlink_quietly
-from kvmesh.node.kvshare.manifest import Corrupt, Manifest, disk_bytes, load_dir, manifest_session
-from kvmesh.node.kvshare.segment import SegmentMaps, StoreError
+from kvmesh.node.kvshare.store.files import TEMP_PREFIX, remove_tree, unlink_quietly
+from kvmesh.node.kvshare.store.manifest import Corrupt, Manifest, disk_bytes, load_dir, manifest_session
+from kvmesh.node.kvshare.store.segment import SegmentMaps, StoreError
 from kvmesh.node.protocol import is_valid_session_id, session_key
 
 # One logger for every part of the store, so what operators filter on did not change with the split.

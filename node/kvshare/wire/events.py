@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmesh.node.kvshare.wire_header import Offer
+from kvmesh.node.kvshare.wire.header import Offer
 
 # ---- events ----------------------------------------------------------------------
 
