@@ -249,9 +249,10 @@ class VllmEngine:
             raise
 
     def close(self) -> None:
-        """Stop vLLM (its whole process group), remove the pool's file and the server's run folder."""
+        """Stop vLLM (its whole process group), remove the pool's file and the server's run folder (its log)."""
         self.server.stop()
-        shutil.rmtree(self.server.launch.run_dir, ignore_errors=True)
+        if not getattr(self, "restarts", 0):  # a vLLM that died leaves its log behind, for whoever asks why
+            shutil.rmtree(self.server.launch.run_dir, ignore_errors=True)
         turns = getattr(self, "turns", None)
         if turns is not None:
             with contextlib.suppress(RuntimeError):  # without a running loop, its connections go with it

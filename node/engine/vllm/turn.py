@@ -95,7 +95,10 @@ class VllmTurn:
         for other in [lp for lp in self._clients if lp.is_closed()]:
             del self._clients[other]
         if (c := self._clients.get(loop)) is None:
-            c = self._clients[loop] = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0))
+            # No kept-alive connections: vLLM's server closes an idle one after 5 s, and a turn that picked one as
+            # it closed failed with ReadError under load (2 of 113 turns in bench handoff). Loopback connects are cheap.
+            c = self._clients[loop] = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0),
+                                                        limits=httpx.Limits(max_keepalive_connections=0))
         return c
 
     async def moved(self, url: str) -> None:
