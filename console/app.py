@@ -6,8 +6,9 @@
   widgets are patched, never rebuilt. Each refresh's time to paint is recorded
   (the bench reports its p95).
 - Every mesh-changing action (keys, palette, batch marks) goes through
-  `request_action`: refused in read-only mode, a target picker for migrate, the one
-  confirm modal, then the admin API; requests and results land in the event log.
+  `request_action` (`action_path.py`, mixed in): refused in read-only mode, a target
+  picker for migrate, the one confirm modal, then the admin API; requests and results
+  land in the event log.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from textual.app import App
 from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 
-from kvmesh.console.actions import MeshAction
+from kvmesh.console.action_path import ActionPath
 from kvmesh.console.admin import AdminClient, TokenSource
 from kvmesh.console.config import ConsoleConfig
 from kvmesh.console.format import glyphs_for
@@ -30,20 +31,15 @@ from kvmesh.console.heap import HeapSettler
 from kvmesh.console.host import PaletteCommand
 from kvmesh.console.ingest import stream_node
 from kvmesh.console.palette import MeshCommands
-from kvmesh.console.screens.confirm import ConfirmScreen
 from kvmesh.console.screens.demo import DemoScreen
 from kvmesh.console.screens.main import VIEWS, MainScreen
-from kvmesh.console.screens.picker import TargetPicker
 from kvmesh.console.state import ConsoleState
 from kvmesh.console.theme import DEFAULT_THEME, THEME_NAMES, Palette, css_path, fill_kvm_variables, load_themes
-from kvmesh.console.widgets.hosts import HostsTable
-from kvmesh.console.widgets.sessions import SessionsTable
-from kvmesh.node.protocol import ActionResult
 
 Source = Callable[[ConsoleState], Awaitable[None]]
 
 
-class KvmeshConsole(App[None]):
+class KvmeshConsole(ActionPath, App[None]):
     CSS_PATH = str(css_path())
     TITLE = "kvmesh-console"
     COMMANDS = App.COMMANDS | {MeshCommands}
@@ -232,134 +228,13 @@ class KvmeshConsole(App[None]):
             self.state.log_console("paused: updates are queued, none dropped (p resumes)")
         self.schedule_refresh()
 
-    # ---- mesh-changing actions: the one path ---------------------------------------------
-
-    def selected_hosts(self) -> list[str]:
-        table = self.main.query_one(HostsTable)
-        marked = sorted(k for k in table.marked if k in self.state.hosts)
-        if marked:
-            return marked
-        key = table.cursor_key
-        return [key] if key else []
-
-    def selected_sessions(self) -> list[str]:
-        table = self.main.query_one(SessionsTable)
-        marked = sorted(k for k in table.marked if k in self.state.sessions)
-        if marked:
-            return marked
-        key = table.cursor_key
-        return [key] if key else []
-
-    def refuse_readonly(self, kind: str) -> None:
-        self.state.log_console(f"refused {kind}: this console is read-only", level="warn", kind="action")
-        self.notify(f"{kind} refused: read-only console", severity="warning", timeout=3)
-        self.schedule_refresh()
-
-    def request_action(self, kind: str, targets: list[str] | None = None, target_host: str | None = None) -> None:
-        """Entry point for drain/undrain/migrate/replicate from keys, palette or tests."""
-        if self.config.readonly:
-            self.refuse_readonly(kind)
-            return
-        if kind not in ("drain", "undrain", "migrate", "replicate"):
-            raise ValueError(kind)
-        if targets is None:
-            targets = self.selected_hosts() if kind in ("drain", "undrain") else self.selected_sessions()
-        if not targets:
-            what = "host" if kind in ("drain", "undrain") else "session"
-            self.notify(f"select a {what} first (h focuses hosts, space marks rows)", timeout=3)
-            return
-        if kind == "migrate" and target_host is None:
-            self._pick_target(targets)
-            return
-        self.confirm(MeshAction(kind, tuple(targets), target_host))  # type: ignore[arg-type]
-
-    def _pick_target(self, sessions: list[str]) -> None:
-        homes = {self.state.sessions[s].home or "" for s in sessions if s in self.state.sessions}
-        hosts = []
-        for name in self.state.host_names():
-            word = self.state.host_state(name)[0]
-            ok = word == "UP" and not (len(homes) == 1 and name in homes)
-            hosts.append((name, word, ok))
-
-        def picked(target: str | None) -> None:
-            if target:
-                self.confirm(MeshAction("migrate", tuple(sessions), target))
-            else:
-                self.state.log_console("migrate cancelled (no target picked)", kind="action")
-                self.schedule_refresh()
-
-        self.push_modal(TargetPicker(sessions, homes, hosts), callback=picked)
-
-    def confirm(self, action: MeshAction) -> None:
-        """The one confirm modal; on yes the action runs, on no it is logged as cancelled."""
-        if self.config.readonly:
-            self.refuse_readonly(action.kind)
-            return
-
-        def decided(ok: bool | None) -> None:
-            if ok:
-                self.run_worker(self.execute(action), group="admin", exit_on_error=False)
-            else:
-                self.state.log_console(f"cancelled {action.describe()}", kind="action")
-                self.schedule_refresh()
-
-        self.push_modal(ConfirmScreen(action), callback=decided)
+    # ---- modals ----------------------------------------------------------------------------
 
     def push_modal(self, screen: ModalScreen[Any], callback: Callable[[Any], object] | None = None) -> None:
         """Push a modal, carrying the ASCII class so its borders and buttons stay ASCII too."""
         if self.config.ascii:
             screen.add_class("-ascii")
         self.push_screen(screen, callback=callback)  # type: ignore[arg-type]
-
-    async def execute(self, action: MeshAction) -> list[ActionResult]:
-        if self.config.readonly:
-            self.refuse_readonly(action.kind)
-            return []
-        if self.admin is None:
-            self.state.log_console(f"cannot {action.describe()}: no admin client", level="error", kind="action")
-            return []
-        self.state.log_console(f"requested {action.describe()}", kind="action")
-        self.schedule_refresh()
-        results = []
-        for target in action.targets:
-            try:
-                res = await self._call_admin(action, target)
-            except Exception as exc:  # noqa: BLE001 - a failed call is a logged result, never a crash
-                res = ActionResult(ok=False, message=f"{type(exc).__name__}: {exc}"[:300])
-            results.append(res)
-            word = "accepted" if res.ok else "FAILED"
-            self.state.log_console(
-                f"{action.kind} {target}: {word}: {res.message}", level="ok" if res.ok else "error", kind="action"
-            )
-        failed = sum(1 for r in results if not r.ok)
-        summary = f"{action.kind}: {len(results) - failed} accepted, {failed} failed (see event log)"
-        self.notify(summary, severity="error" if failed else "information", timeout=4, markup=False)
-        self._clear_marks(action)
-        self.schedule_refresh()
-        return results
-
-    async def _call_admin(self, action: MeshAction, target: str) -> ActionResult:
-        assert self.admin is not None
-        if action.kind == "drain":
-            return await self.admin.drain(target)
-        if action.kind == "undrain":
-            return await self.admin.undrain(target)
-        if action.kind == "migrate":
-            assert action.target_host is not None
-            return await self.admin.migrate(target, action.target_host)
-        return await self.admin.replicate(target)
-
-    def _clear_marks(self, action: MeshAction) -> None:
-        if action.kind in ("drain", "undrain"):
-            table = self.main.query_one(HostsTable)
-            for key in list(table.marked):
-                table.marked.discard(key)
-                self.state.touch_host(key)
-        else:
-            stable = self.main.query_one(SessionsTable)
-            for key in list(stable.marked):
-                stable.marked.discard(key)
-                self.state.touch_session(key)
 
     # ---- command palette -----------------------------------------------------------------------
 

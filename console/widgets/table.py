@@ -4,12 +4,13 @@ Rows are never cleared and refilled. Each refresh renders a row's cells, compare
 them with what the table already shows, and calls `update_cell` only for cells
 that differ; new rows are added, vanished rows removed, and the cursor is put back
 on the same row key if the order moved under it. That keeps a slow SSH link quiet
-and the operator's selection where they left it.
+and the operator's selection where they left it. What each row shows and which of
+its cells a new rendering changes is `shown.py` (no widget); the render caches
+under it are `render_cache.py`.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -18,31 +19,10 @@ from rich.text import Text
 from textual._two_way_dict import TwoWayDict
 from textual.coordinate import Coordinate
 from textual.geometry import Region
-from textual.widgets import DataTable
 from textual.widgets.data_table import CellKey, ColumnKey, RowDoesNotExist, RowKey
 
-# DataTable keys its render caches on a table-wide update counter, so one
-# update_cell re-renders every visible cell (~0.3 ms each through Rich). With a
-# cell changing somewhere every tick, that was most of a refresh. KeyedTable adds
-# a cache keyed on the cell object itself (cells are immutable here: a changed
-# cell is a new Text), so a tick re-renders only the cells that changed. It wraps
-# a private method, so it is only installed when the signature is the one it
-# was written against; otherwise tables are merely slower.
-# The same reasoning one level up: a whole table line is reused while its row's
-# cells (by identity), position, cursor/hover state and styles are unchanged.
-_RENDER_CELL_PARAMS = ["self", "row_index", "column_index", "base_style", "width", "cursor", "hover"]
-_RENDER_LINE_PARAMS = ["self", "y", "x1", "x2", "base_style"]
-_PRIVATE_ATTRS = (
-    "_row_locations", "_column_locations", "_data", "_pseudo_class_state", "_show_hover_cursor", "_header_row_key",
-    "_updated_cells", "_require_update_dimensions",
-)
-_CACHE_OK = (
-    list(inspect.signature(DataTable._render_cell).parameters) == _RENDER_CELL_PARAMS
-    and list(inspect.signature(DataTable._render_line).parameters) == _RENDER_LINE_PARAMS
-    and hasattr(DataTable, "_get_offsets")
-)
-_CELL_CACHE_MAX = 8192
-_LINE_CACHE_MAX = 2048
+from kvmesh.console.widgets.render_cache import CachedDataTable
+from kvmesh.console.widgets.shown import ShownRows
 
 
 class Cell(Text):
@@ -65,98 +45,21 @@ class Column:
     width: int
 
 
-class KeyedTable(DataTable):
-    """DataTable with a render cache per row key, for cell-by-cell patching."""
+class KeyedTable(CachedDataTable):
+    """DataTable patched cell by cell by row key (rendering cached: `render_cache.py`)."""
 
     COLUMNS: Sequence[Column] = ()
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(cursor_type="row", **kwargs)  # type: ignore[arg-type]
-        self._shown: dict[str, tuple[Text, ...]] = {}  # row key -> cells as displayed
-        self._sigs: dict[str, Hashable] = {}  # row key -> signature of what the cells were made from
+        self._shown = ShownRows()  # what each row shows, and the signature it was drawn from
         self._changed_rows: set[str] = set()  # cells set since the last flush()
         self.marked: set[str] = set()
 
     def on_mount(self) -> None:
         for col in self.COLUMNS:
             self.add_column(col.label, width=col.width, key=col.key)
-        self._cell_cache: dict[tuple[Any, ...], tuple[object, Any]] = {}
-        self._row_line_cache: dict[tuple[Any, ...], tuple[tuple[object, ...], Any]] = {}
-        self._use_cell_cache = _CACHE_OK and all(hasattr(self, a) for a in _PRIVATE_ATTRS)
-
-    def notify_style_update(self) -> None:
-        super().notify_style_update()
-        # Theme or focus styling changed: the cached lines carry the old colours.
-        if hasattr(self, "_cell_cache"):
-            self._cell_cache.clear()
-            self._row_line_cache.clear()
-
-    def _get_offsets(self, y: int) -> tuple[Any, int]:  # type: ignore[override]
-        # Every row here is one line high (rows are added with the default height=1),
-        # so line y is simply row y; DataTable's version rebuilds a list of all rows
-        # whenever any cell changes, which with 2,000 sessions was the biggest cost
-        # left in a frame.
-        if not getattr(self, "_use_cell_cache", False):
-            return super()._get_offsets(y)  # type: ignore[misc]
-        if self.show_header:
-            if y < self.header_height:
-                return self._header_row_key, y
-            y -= self.header_height
-        if not 0 <= y < self.row_count:
-            raise LookupError(f"Y coord {y!r} is greater than total height")
-        return self._row_locations.get_key(y), 0
-
-    def _render_line(self, y: int, x1: int, x2: int, base_style: Any) -> Any:  # type: ignore[override]
-        if not getattr(self, "_use_cell_cache", False):
-            return super()._render_line(y, x1, x2, base_style)
-        try:
-            row_key, line_no = self._get_offsets(y)
-        except LookupError:
-            return super()._render_line(y, x1, x2, base_style)
-        row = self._data.get(row_key)
-        if row_key is self._header_row_key or row is None:
-            return super()._render_line(y, x1, x2, base_style)
-        row_index = self._row_locations.get(row_key)
-        cursor_row = self.cursor_coordinate.row
-        hover_row = self.hover_coordinate.row
-        key = (
-            row_key, line_no, row_index, x1, x2, self.size.width, base_style, cursor_row == row_index,
-            hover_row == row_index, self.cursor_type, self.show_cursor, self._show_hover_cursor,
-            self._pseudo_class_state,
-        )
-        cells = tuple(row.values())
-        hit = self._row_line_cache.get(key)
-        if hit is not None and len(hit[0]) == len(cells) and all(a is b for a, b in zip(hit[0], cells)):
-            return hit[1]
-        strip = super()._render_line(y, x1, x2, base_style)
-        if len(self._row_line_cache) >= _LINE_CACHE_MAX:
-            self._row_line_cache.clear()
-        self._row_line_cache[key] = (cells, strip)
-        return strip
-
-    def _render_cell(  # type: ignore[override]
-        self, row_index: int, column_index: int, base_style: Any, width: int, cursor: bool = False,
-        hover: bool = False,
-    ) -> Any:
-        if row_index < 0 or column_index < 0 or not getattr(self, "_use_cell_cache", False):
-            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        row_key = self._row_locations.get_key(row_index)
-        column_key = self._column_locations.get_key(column_index)
-        if row_key is None or column_key is None:
-            return super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        cell = self._data[row_key][column_key]
-        key = (
-            row_key, column_key, row_index, base_style, width, cursor, hover,
-            self._show_hover_cursor, self._pseudo_class_state,
-        )
-        hit = self._cell_cache.get(key)
-        if hit is not None and hit[0] is cell:
-            return hit[1]
-        lines = super()._render_cell(row_index, column_index, base_style, width, cursor, hover)
-        if len(self._cell_cache) >= _CELL_CACHE_MAX:
-            self._cell_cache.clear()
-        self._cell_cache[key] = (cell, lines)
-        return lines
+        self._install_render_cache()
 
     # ---- patching ---------------------------------------------------------------------
 
@@ -171,35 +74,22 @@ class KeyedTable(DataTable):
         `sig`, when given, summarises everything the cells are made from: an
         unchanged signature skips rendering and comparing the row altogether.
         """
-        old = self._shown.get(key)
-        if sig is not None and old is not None and self._sigs.get(key) == sig:
+        if self._shown.unchanged(key, sig):
             return False
         if callable(cells):
             cells = cells()
-        if sig is not None:
-            self._sigs[key] = sig
-        if old is None:
+        changed = self._shown.put(key, cells, sig)
+        if changed is None:
             self.add_row(*cells, key=key)
-            self._shown[key] = cells
             return True
-        if old != cells:
-            merged = []
-            for col, new_cell, old_cell in zip(self.COLUMNS, cells, old):
-                if new_cell != old_cell:
-                    self._set_cell(key, col.key, new_cell)
-                    merged.append(new_cell)
-                else:
-                    merged.append(old_cell)  # keep the object the table holds (see sort_rows)
-            self._shown[key] = tuple(merged)
+        for index in changed:
+            self._set_cell(key, self.COLUMNS[index].key, cells[index])
         return False
 
     def sync_cell(self, key: str, column_index: int, cell: Text) -> None:
         """Update one cell (for columns that change with time, like ages)."""
-        old = self._shown.get(key)
-        if old is None or old[column_index] == cell:
-            return
-        self._set_cell(key, self.COLUMNS[column_index].key, cell)
-        self._shown[key] = old[:column_index] + (cell,) + old[column_index + 1 :]
+        if self._shown.put_cell(key, column_index, cell):
+            self._set_cell(key, self.COLUMNS[column_index].key, cell)
 
     def _set_cell(self, key: str, column_key: str, cell: Text) -> None:
         """update_cell without its per-call refresh: `flush()` refreshes once per patch."""
@@ -237,11 +127,12 @@ class KeyedTable(DataTable):
 
     def forget_signatures(self) -> None:
         """Styles changed (theme): render every row again on the next patch."""
-        self._sigs.clear()
+        self._shown.forget_signatures()
 
     def drop_row(self, key: str) -> None:
-        self._sigs.pop(key, None)
-        if self._shown.pop(key, None) is not None:
+        shown = key in self._shown
+        self._shown.forget((key,))
+        if shown:
             try:
                 self.remove_row(key)
             except RowDoesNotExist:
@@ -271,13 +162,11 @@ class KeyedTable(DataTable):
         gone = set(drop)
         cursor = self.cursor_key
         keep = [k for k in self.ordered_keys() if k not in gone]
-        for key in drop:
-            self._shown.pop(key, None)
-            self._sigs.pop(key, None)
+        self._shown.forget(drop)
         self._changed_rows -= gone
         self.clear()
         for key in keep:
-            self.add_row(*self._shown[key], key=key)
+            self.add_row(*self._shown.cells[key], key=key)
         self.restore_cursor(cursor)
 
     def _remove_many(self, drop: list[str]) -> None:
@@ -291,9 +180,7 @@ class KeyedTable(DataTable):
             self.rows.pop(rk, None)
             self._data.pop(rk, None)
         self._row_locations = TwoWayDict({rk: i for i, rk in enumerate(r for r in order if r not in gone)})
-        for key in drop:
-            self._shown.pop(key, None)
-            self._sigs.pop(key, None)
+        self._shown.forget(drop)
         self._changed_rows -= set(drop)
         self._require_update_dimensions = True
         self.check_idle()
@@ -352,12 +239,12 @@ class KeyedTable(DataTable):
 
     def sort_rows(self, sort_key: Callable[[str], object], reverse: bool = False) -> None:
         """Order rows by a key computed from the row key (the state knows the values)."""
-        keys = list(self._shown)
+        keys = list(self._shown.keys())
         ranked = {k: i for i, k in enumerate(sorted(keys, key=cast(Any, sort_key), reverse=reverse))}
         first = self.COLUMNS[0].key
         # DataTable.sort only hands the key function cell values, so the first
         # column's cell object (the one the table holds) is mapped back to its row key.
-        owner = {id(cells[0]): k for k, cells in self._shown.items()}
+        owner = {id(cells[0]): k for k, cells in self._shown.cells.items()}
         self.sort(first, key=lambda cell: ranked.get(owner.get(id(cell), ""), 0))
 
     def visible_keys(self) -> list[str]:
