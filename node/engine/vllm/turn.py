@@ -96,8 +96,9 @@ class VllmTurn:
             del self._clients[other]
         if (c := self._clients.get(loop)) is None:
             # No kept-alive connections: vLLM's server closes an idle one after 5 s, and a turn that picked one as
-            # it closed failed with ReadError under load (2 of 113 turns in bench handoff). Loopback connects are cheap.
-            c = self._clients[loop] = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600.0, connect=5.0),
+            # it closed failed with ReadError under load (2 of 113 turns in bench handoff). Loopback connects are
+            # cheap, but on a starved box one took over 5 s (1 of 144 turns): a dead vLLM refuses at once instead.
+            c = self._clients[loop] = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(600.0, connect=60.0),
                                                         limits=httpx.Limits(max_keepalive_connections=0))
         return c
 
