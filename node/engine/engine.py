@@ -42,7 +42,7 @@ from kvmesh.node.engine.export_import import BlockTransfers, ImportTxn
 from kvmesh.node.engine.hashing import as_tokens, chain_seed
 from kvmesh.node.engine.hf import Checkpoint
 from kvmesh.node.engine.live import LiveCaches, LivePrefix
-from kvmesh.node.engine.llamacpp import RestoreFailed
+from kvmesh.node.engine.llamarestore import RestoreFailed
 from kvmesh.node.engine.prefix import BlockPrefix, PrefixIndex
 from kvmesh.node.engine.runner import Runner, blocks_for
 from kvmesh.node.engine.scripted import ScriptedRunner

@@ -18,7 +18,7 @@ The Engine keeps its block bookkeeping (pool, chained hashes, pins, LRU, export,
   (`node.engine.snapshots`), from its blocks or, on the slot that holds it, from its own attention
   cache. These keep the unified stream too;
 - a block that does not check or does not restore leaves the slot's sequence erased and raises
-  `RestoreFailed`: never half-restored;
+  `RestoreFailed`: never half-restored (`node.engine.llamarestore`, restores and snapshots);
 - prefill runs in chunks of `n_batch`; running slots decode ahead on the compute thread, every
   running slot in every `llama_decode` (node.engine.batcher);
 - every llama.cpp call runs on one compute thread (a context is not thread-safe; and llama.cpp's
@@ -45,45 +45,12 @@ from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.batcher import DecodeBatcher, DecodeStep
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.llamamodel import LlamaModel, llama_error
+from kvmesh.node.engine.llamarestore import Held, RestoreFailed, Restorer
 from kvmesh.node.engine.snapshots import Snapshots
 from kvmesh.node.errors import CheckpointError
 
 _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 log = logging.getLogger("kvmesh.engine")
-
-
-class RestoreFailed(RuntimeError):
-    """A block's state did not restore; the slot's sequence is erased. `block`: its index."""
-
-    def __init__(self, block: int, reason: str) -> None:
-        super().__init__(f"block {block} did not restore: {reason}")
-        self.block = block
-        self.reason = reason
-
-
-class _Held:
-    """The tokens whose KV a slot's llama.cpp sequence holds, in position order."""
-
-    def __init__(self) -> None:
-        self.buf = np.empty(1024, dtype=np.int32)
-        self.n = 0
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return self.buf[: self.n]
-
-    def set(self, tokens: np.ndarray) -> None:
-        self.n = 0
-        self.extend(tokens)
-
-    def extend(self, tokens: np.ndarray) -> None:
-        need = self.n + len(tokens)
-        if need > len(self.buf):
-            grown = np.empty(max(need, 2 * len(self.buf)), dtype=np.int32)
-            grown[: self.n] = self.buf[: self.n]
-            self.buf = grown
-        self.buf[self.n : need] = tokens
-        self.n = need
 
 
 class LlamaRunner:
@@ -103,17 +70,18 @@ class LlamaRunner:
         self.streams = model.n_swa == 0 and not model.recurrent
         # A sequence resumes at a snapshot of its window layers' last window, or of its recurrent state.
         self.snapshotted = model.n_swa > 0 and cfg.swa == "window" or model.recurrent
-        self._partial = getattr(self.lib, "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", 1)
+        self.partial = getattr(self.lib, "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", 1)
         self.scratch = slots  # unified only: the extra sequence blocks pass through
         self._whole: tuple[int, np.ndarray] | None = None  # (slot, its one-stream state) until the slot changes
         self.ctx = self._new_context()
         self.mem = self.lib.llama_get_memory(self.ctx)
         self.batch = self.lib.llama_batch_init(cfg.n_batch, 0, 1)
-        self.held = [_Held() for _ in range(slots)]
+        self.held = [Held() for _ in range(slots)]
         self.pool: BlockPool | None = None  # attached by the Engine once it sized the pool from block_bytes
         self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-llama")
         self.decoder = DecodeBatcher(self._exec, self._decode_batch, on_error=self._erase_slots)
         self.restored_blocks = 0  # blocks restored from the pool (a slot that still held them restores none)
+        self.restorer = Restorer(self)  # blocks and snapshots into a slot's sequence (node.engine.llamarestore)
         # On the compute thread like every other decode: llama.cpp's OpenMP team belongs to the thread that
         # first computes, and a second team left idle on the main thread cost a third of decode speed here.
         # A state kvmesh cannot read is served with live caches (node.engine.live): no layout, a state size per token.
@@ -131,7 +99,7 @@ class LlamaRunner:
             self.kv_bytes_per_token = self._exec.submit(self._probe_growth).result()
             self.block_bytes = self.kv_bytes_per_token * block_size
 
-        self.snapshots = (Snapshots(cfg.snapshot_mib << 20, self._check_snapshot, block_size=block_size)
+        self.snapshots = (Snapshots(cfg.snapshot_mib << 20, self.restorer.check_snapshot, block_size=block_size)
                           if self.snapshotted else None)
 
     @property
@@ -206,7 +174,7 @@ class LlamaRunner:
             raise ValueError(f"a pool of {pool.block_bytes}-byte blocks on {pool.device}; llama.cpp blocks are {self.block_bytes} bytes in host memory")
         self.pool = pool
 
-    def _ptr(self, block_id: int) -> Any:
+    def ptr(self, block_id: int) -> Any:
         assert self.pool is not None
         return ctypes.cast(self.pool.raw.data_ptr() + block_id * self.block_bytes, ctypes.POINTER(ctypes.c_uint8))
 
@@ -253,14 +221,14 @@ class LlamaRunner:
                 self._decode(tokens[lo:hi], [slot], np.arange(start + lo, start + hi), logits_last=hi == len(tokens))
                 held.extend(tokens[lo:hi])
                 if hi == mark:
-                    self._snapshot(slot)
+                    self.restorer.snapshot(slot)
                 lo = hi
         except BaseException:
-            self._erase(slot)  # never a sequence that holds part of a chunk
+            self.erase(slot)  # never a sequence that holds part of a chunk
             raise
         return self._logits(-1)
 
-    def _erase(self, slot: int) -> None:
+    def erase(self, slot: int) -> None:
         self._changed(slot)
         self.lib.llama_memory_seq_rm(self.mem, slot, -1, -1)
         if not self.streams:
@@ -282,121 +250,24 @@ class LlamaRunner:
         self._changed(slot)
         own = held.n >= n and np.array_equal(held.tokens[:n], tokens)
         if self.snapshotted and n:
-            return self._from_snapshot(slot, block_ids, tokens, own)
+            return self.restorer.from_snapshot(slot, block_ids, tokens, own)
         if own:
             if held.n > n and not self.lib.llama_memory_seq_rm(self.mem, slot, n, -1):
-                self._erase(slot)
+                self.erase(slot)
                 raise RestoreFailed(0, "llama.cpp could not trim the sequence")
             held.n = n
             return n
-        self._erase(slot)
+        self.erase(slot)
         if self.streams:
-            self._restore_joined(slot, block_ids, n)
+            self.restorer.restore_joined(slot, block_ids, n)
         else:
             for j, bid in enumerate(block_ids):
-                self._restore_block(slot, j, bid, min(self.block_size, n - j * self.block_size))
+                self.restorer.restore_block(slot, j, bid, min(self.block_size, n - j * self.block_size))
         if self.lib.llama_memory_seq_pos_max(self.mem, slot) >= n and not self.lib.llama_memory_seq_rm(self.mem, slot, n, -1):
-            self._erase(slot)
+            self.erase(slot)
             raise RestoreFailed(len(block_ids) - 1, "llama.cpp could not trim the last block")
         held.set(tokens)
         return n
-
-    # ---- snapshots: window mode, recurrent state (node.engine.snapshots) --------------------------
-
-    def _check_snapshot(self, blob: np.ndarray, pos: int) -> str | None:
-        return llamastate.check_snapshot(blob.data, self.layout, pos, self.model.n_swa)
-
-    def _snapshot(self, slot: int) -> None:
-        """Keep the slot's window cache or recurrent state as the snapshot at the position its sequence stands at."""
-        assert self.snapshots is not None
-        held = self.held[slot]
-        try:  # a snapshot not taken costs a later turn some prefill, never this turn
-            size = self.lib.llama_state_seq_get_size_ext(self.ctx, slot, self._partial)
-            buf = np.empty(size, dtype=np.uint8)
-            n = self.lib.llama_state_seq_get_data_ext(self.ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
-                                                      size, slot, self._partial)
-            why = self.snapshots.put(held.tokens.copy(), buf[:n])
-        except Exception as e:  # noqa: BLE001
-            why = f"{type(e).__name__}: {e}"
-        if why is not None:
-            log.warning("slot %d: no snapshot at position %d: %s", slot, held.n, why)
-
-    def _from_snapshot(self, slot: int, block_ids: list[int], tokens: np.ndarray, own: bool) -> int:
-        """The slot's sequence at the newest snapshot `tokens` extend: its attention cache from the blocks
-        before it (or, `own`, the slot's own, trimmed), the rest from the snapshot. Returns the tokens it
-        holds then (0 where no snapshot fits: nothing is restored).
-
-        The slot's own window cache is never kept: llama.cpp's window ring holds its cells out of position
-        order, and attention summed in another order moved Gemma 3's logits by up to 1.5 against a moved
-        session's (measured); restored from the same snapshot, both compute bit-identically."""
-        assert self.snapshots is not None
-        w = self.snapshots.newest(tokens)
-        if w is None or not own:
-            self._erase(slot)
-        if w is None:
-            return 0
-        bs = self.block_size
-        for j, bid in enumerate([] if own else block_ids[: -(-w.pos // bs)]):
-            self._restore_block(slot, j, bid, min(bs, w.pos - j * bs))
-        # The snapshot before the trim: llama.cpp cannot roll a recurrent state back, but once it stands at
-        # w.pos the trim leaves it be and cuts the attention cache alone.
-        ptr = w.blob.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if self.lib.llama_state_seq_set_data_ext(self.ctx, ptr, w.nbytes, slot, self._partial) != w.nbytes:
-            self._erase(slot)
-            self.snapshots.drop(w)
-            log.warning("slot %d: the snapshot at %d did not restore (%s); recomputing", slot, w.pos, llama_error())
-            return 0
-        if not self.lib.llama_memory_seq_rm(self.mem, slot, w.pos, -1):
-            self._erase(slot)
-            raise RestoreFailed(w.pos // bs, "llama.cpp could not trim the sequence to the snapshot")
-        self.held[slot].set(tokens[: w.pos])
-        self.snapshots.restored += 1
-        return w.pos
-
-    def _check_block(self, j: int, block_id: int, used: int) -> tuple[memoryview, int, str | None]:
-        """Block j's bytes, its cell count, and why it must not be restored (None: sound)."""
-        assert self.pool is not None
-        view = self.pool.read_bytes(block_id)
-        cells = int(np.frombuffer(view, dtype="<u4", count=4)[3]) if self.layout.n_layer else used  # no attention: no cells
-        if cells < used:
-            return view, cells, f"it holds {cells} cells, {used} are needed"
-        return view, cells, llamastate.check(view, self.layout, j * self.block_size, cells)
-
-    def _restore_joined(self, slot: int, block_ids: list[int], n: int) -> None:
-        """Every block checked, then joined into one state restored into the slot's own stream."""
-        views, cells = [], []
-        for j, bid in enumerate(block_ids):
-            view, c, reason = self._check_block(j, bid, min(self.block_size, n - j * self.block_size))
-            if reason is not None:
-                self._erase(slot)
-                raise RestoreFailed(j, reason)
-            views.append(view)
-            cells.append(c)
-        if not views:
-            return
-        pad = 4 * (self.slots - 1)
-        buf = np.empty(self.layout.size(sum(cells)) + pad, dtype=np.uint8)
-        size = llamastate.join(views, self.layout, cells, buf)
-        size = llamastate.to_streams(buf, size, self.slots)
-        ptr = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
-        if self.lib.llama_state_seq_set_data(self.ctx, ptr, size, slot) != size:
-            self._erase(slot)
-            raise RestoreFailed(len(views) - 1, f"llama_state_seq_set_data refused it: {llama_error()}")
-        self.restored_blocks += len(views)
-
-    def _restore_block(self, slot: int, j: int, block_id: int, used: int) -> None:
-        """Block j's state into the scratch sequence, its cells handed to the slot's sequence."""
-        view, cells, reason = self._check_block(j, block_id, used)
-        if reason is None:
-            size = self.layout.size(cells)
-            if self.lib.llama_state_seq_set_data(self.ctx, self._ptr(block_id), size, self.scratch) != size:
-                reason = f"llama_state_seq_set_data refused it: {llama_error()}"
-        if reason is not None:
-            self._erase(slot)
-            raise RestoreFailed(j, reason)
-        self.lib.llama_memory_seq_cp(self.mem, self.scratch, slot, -1, -1)
-        self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
-        self.restored_blocks += 1
 
     async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
         if len(tokens) == 1 and start > 0:
@@ -416,12 +287,12 @@ class LlamaRunner:
             self.held[st.slot].extend(np.array([st.token], dtype=np.int32))
             rows.append(self._logits(i))
             if self.snapshotted and self.held[st.slot].n % self.block_size == 0:
-                self._snapshot(st.slot)  # a block boundary the reply crossed: a checkpoint as well
+                self.restorer.snapshot(st.slot)  # a block boundary the reply crossed: a checkpoint as well
         return rows
 
     def _erase_slots(self, steps: list[DecodeStep]) -> None:
         for st in steps:  # a failed batch leaves no slot of it half-advanced
-            self._erase(st.slot)
+            self.erase(st.slot)
 
     async def store(self, slot: int, block_id: int, block_index: int, block_hash: bytes | None) -> None:
         await self._run(self._store, slot, block_id, block_index)
@@ -441,10 +312,10 @@ class LlamaRunner:
         self.lib.llama_memory_seq_cp(self.mem, slot, self.scratch, p0, p1)
         try:
             if self.snapshotted:  # the attention cache alone: the rest travels in snapshots
-                out = np.ctypeslib.as_array(self._ptr(block_id), shape=(self.block_bytes,))
+                out = np.ctypeslib.as_array(self.ptr(block_id), shape=(self.block_bytes,))
                 n = llamastate.bare_block(self._state(self.scratch), self.layout, p1 - p0, out)
             else:
-                n = self.lib.llama_state_seq_get_data(self.ctx, self._ptr(block_id), self.block_bytes, self.scratch)
+                n = self.lib.llama_state_seq_get_data(self.ctx, self.ptr(block_id), self.block_bytes, self.scratch)
         finally:
             self.lib.llama_memory_seq_rm(self.mem, self.scratch, -1, -1)
         if n != self.layout.size(p1 - p0):
@@ -456,7 +327,7 @@ class LlamaRunner:
         if self._whole is None or self._whole[0] != slot:
             self._whole = None  # the old one is freed before the new one is read
             self._whole = (slot, self._state(slot))
-        out = np.ctypeslib.as_array(self._ptr(block_id), shape=(self.block_bytes,))
+        out = np.ctypeslib.as_array(self.ptr(block_id), shape=(self.block_bytes,))
         return llamastate.cut(self._whole[1].data, self.layout, p0, p1, out)
 
     def _changed(self, slot: int) -> None:

@@ -61,7 +61,7 @@ def _measure(engine: Engine, r: LlamaRunner, repeat: int) -> dict[str, float]:
             r._store(0, bid, j)
 
     def restore() -> None:
-        r._erase(0)
+        r.erase(0)
         r._load(0, bids, held[: n_blocks * bs])
 
     src = np.frombuffer(engine.pool.raw.numpy(), dtype=np.uint8)[: nbytes]
