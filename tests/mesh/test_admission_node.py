@@ -151,8 +151,9 @@ def test_the_anthropic_sdk_retries_after_retry_after_and_is_served(node: Threade
     """With retries on (as Claude Code has them), a refused new session's turn is served once the slot frees."""
     client = _anthropic(node, retries=30)
     with holding(node) as lines, concurrent.futures.ThreadPoolExecutor(1) as ex:
+        # Greedy: a sampled 4-token reply may end at once, with no text to check.
         later = ex.submit(client.messages.create, model="claude-sonnet-4-5", max_tokens=4,
-                          messages=[{"role": "user", "content": "hi"}],
+                          messages=[{"role": "user", "content": "hi"}], extra_body={"temperature": 0},
                           extra_headers={"X-Claude-Code-Session-Id": "cc-patient"})
         for _ in lines:
             pass
