@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import numpy as np
 import torch
@@ -39,8 +39,9 @@ from kvmesh.node.engine.boundary import (
 from kvmesh.node.engine.decode import DecodeLoop
 from kvmesh.node.engine.decoder import ModelConfig
 from kvmesh.node.engine.export_import import BlockTransfers, ImportTxn
-from kvmesh.node.engine.hashing import as_tokens, chain_seed
+from kvmesh.node.engine.hashing import chain_seed
 from kvmesh.node.engine.hf import Checkpoint
+from kvmesh.node.engine.holding import BlockHolding
 from kvmesh.node.engine.live import LiveCaches, LivePrefix
 from kvmesh.node.engine.llamarestore import RestoreFailed
 from kvmesh.node.engine.prefix import BlockPrefix, PrefixIndex
@@ -50,7 +51,6 @@ from kvmesh.node.engine.sequence import Match
 from kvmesh.node.engine.sessiontable import SessionTable
 from kvmesh.node.engine.slots import SlotScheduler
 from kvmesh.node.engine.tokenizer import Tokenizer
-from kvmesh.node.errors import ContextLengthExceeded, InvalidRequest
 
 __all__ = ["Engine", "EngineCounters", "ExportedBlock", "GenerateRequest", "ImportTxn", "PinnedBlocks", "TextDelta",
            "TurnBegin", "TurnDone", "TurnStats"]
@@ -58,7 +58,7 @@ __all__ = ["Engine", "EngineCounters", "ExportedBlock", "GenerateRequest", "Impo
 log = logging.getLogger("kvmesh.engine")
 
 
-class Engine:
+class Engine(BlockHolding):
     """N slots over one block pool; a torch model (tiny preset or a local checkpoint), a GGUF model
     in llama.cpp (node.engine.llamacpp) or the sim cost model underneath."""
 
@@ -110,69 +110,11 @@ class Engine:
         self.grammars = self.decode.grammars  # constrained turns' vocabulary (node.engine.constraint)
         self._prefill_backlog = 0  # tokens of prompts being prefilled now (placement's TTFT estimate)
 
-    @property
-    def on_evict(self) -> Callable[[str], None] | None:
-        """Called with the session whenever a cache is dropped (the node tells kv_share)."""
-        return self.table.on_evict
-
-    @on_evict.setter
-    def on_evict(self, hook: Callable[[str], None] | None) -> None:
-        self.table.on_evict = hook
-
-    # ---- what the engine holds ------------------------------------------------
-
-    def cached_prefix(self, session: str, token_ids: list[int] | np.ndarray) -> int:
-        """How many leading tokens of `token_ids` this engine holds right now."""
-        return self.prefix.match(session, as_tokens(token_ids)).tokens
-
-    def resident_tokens(self, session: str) -> int:
-        return self.prefix.resident(session)
-
-    def block_hash(self, session: str, i: int) -> bytes | None:
-        """The chain hash of the session's i-th full block, if the engine holds that block."""
-        seq = self.table.get(session)
-        return seq.hashes[i] if seq is not None and 0 <= i < len(seq.hashes) else None
-
-    def session_tokens(self, session: str) -> np.ndarray | None:
-        return self.prefix.tokens(session)
-
-    def evict(self, session: str) -> bool:
-        """Drop a session's resident cache (its blocks stay addressable until reused)."""
-        return self.prefix.evict(session)
-
-    def evict_all(self) -> int:
-        """Drop every idle session and forget every unreferenced block: a cold cache."""
-        return self.prefix.evict_all()
-
     # ---- turns ---------------------------------------------------------------
 
-    def validate(self, req: GenerateRequest) -> np.ndarray:
-        tokens = as_tokens(req.prompt)
-        if len(tokens) == 0:
-            raise InvalidRequest("the prompt is empty", param="messages")
-        if len(tokens) >= self.max_context:
-            raise ContextLengthExceeded(f"the prompt is {len(tokens)} tokens; this model's context is "
-                                        f"{self.max_context} tokens", param="messages")
-        if req.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-        return tokens
-
-    async def admit(self, req: GenerateRequest) -> Admission:
-        """Validate the turn, then wait for its session's lock and a slot (node.engine.admission)."""
-        tokens = self.validate(req)
-        t0 = time.monotonic()
-        await self._locks.acquire(req.session)
-        try:
-            slot = await self.slots.acquire(self.slot_caches.preference(req.session) if self.slot_caches else (),
-                                            prefill_tokens=max(0, len(tokens) - self.resident_tokens(req.session)))
-        except BaseException:
-            self._locks.release(req.session)
-            raise
-
-        def release() -> None:
-            self.slots.release(slot)
-            self._locks.release(req.session)
-        return Admission(req, tokens, slot, t0, release)
+    def slot_preference(self, session: str) -> Sequence[int]:
+        """A llama.cpp turn goes back to the slot still holding its session (node.engine.live)."""
+        return self.slot_caches.preference(session) if self.slot_caches else ()
 
     async def run(self, adm: Admission) -> AsyncGenerator[TurnBegin | TextDelta | TurnDone, None]:
         """Run an admitted turn: reuse what is cached, prefill the rest, decode; the admission is released
@@ -182,13 +124,6 @@ class Engine:
                 yield ev
         finally:
             adm.release()
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
-        """Admit and run one turn."""
-        adm = await self.admit(req)
-        async with contextlib.aclosing(self.run(adm)) as events:
-            async for ev in events:
-                yield ev
 
     async def _turn(self, slot: int, req: GenerateRequest, tokens: np.ndarray, t0: float) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
         bs = self.block_size
@@ -284,23 +219,6 @@ class Engine:
         await self.prefix.commit(slot, session, kv_tokens, match, reuse, pinned)
 
     # ---- export / import -----------------------------------------------------
-
-    def export(self, session: str, from_block: int = 0) -> contextlib.AbstractContextManager[list[ExportedBlock]]:
-        """The session's full blocks from `from_block`, pinned for as long as the caller reads them."""
-        return self.transfers.export(session, from_block)
-
-    def pin(self, session: str) -> PinnedBlocks | None:
-        """The session's full blocks pinned for readers on other threads; None when there is none."""
-        return self.transfers.pin(session)
-
-    def begin_import(self, session: str, fingerprint: str, tokens: np.ndarray, hashes: list[bytes]) -> ImportTxn:
-        """Check a replica's fingerprint and hash chain, then reserve blocks for what is missing."""
-        return self.transfers.begin_import(session, fingerprint, tokens, hashes)
-
-    def import_blocks(self, session: str, fingerprint: str, tokens: np.ndarray, hashes: list[bytes],
-                      data: list[memoryview | bytes | np.ndarray]) -> int:
-        """Import whole blocks (tokens, hashes, KV bytes per block); returns tokens now resident."""
-        return self.transfers.import_blocks(session, fingerprint, tokens, hashes, data)
 
     def close(self) -> None:
         self.runner.close()

@@ -154,15 +154,3 @@ class BlockTransfers:
     def _refused(self, why: str, reason: str) -> ImportRefused:
         self.table.counters.imports_refused += 1
         return ImportRefused(why, reason=reason)
-
-    def import_blocks(self, session: str, fingerprint: str, tokens: np.ndarray, hashes: list[bytes],
-                      data: list[memoryview | bytes | np.ndarray]) -> int:
-        """Import whole blocks (tokens, hashes, KV bytes per block); returns tokens now resident."""
-        txn = self.begin_import(session, fingerprint, tokens, hashes)
-        try:
-            for i in txn.missing:
-                txn.write(i, data[i])
-            return txn.commit()
-        except BaseException:
-            txn.abort()
-            raise

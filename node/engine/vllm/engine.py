@@ -16,8 +16,7 @@ import hashlib
 import json
 import logging
 import shutil
-import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 
 import httpx
 import numpy as np
@@ -29,16 +28,14 @@ from kvmesh.node.engine.blocks import BlockManager
 from kvmesh.node.engine.boundary import (
     Admission,
     EngineCounters,
-    ExportedBlock,
-    GenerateRequest,
-    PinnedBlocks,
     TextDelta,
     TurnBegin,
     TurnDone,
 )
 from kvmesh.node.engine.export_import import BlockTransfers
-from kvmesh.node.engine.hashing import as_tokens, chain_seed
+from kvmesh.node.engine.hashing import chain_seed
 from kvmesh.node.engine.hf import open_checkpoint
+from kvmesh.node.engine.holding import BlockHolding
 from kvmesh.node.engine.prefix import BlockPrefix
 from kvmesh.node.engine.sessiontable import SessionTable
 from kvmesh.node.engine.slots import SlotScheduler
@@ -48,14 +45,14 @@ from kvmesh.node.engine.vllm.models import cache_dir, checkpoint_dir
 from kvmesh.node.engine.vllm.pool import ShmPool, pool_path
 from kvmesh.node.engine.vllm.server import Launch, VllmServer, vllm_python
 from kvmesh.node.engine.vllm.turn import NoRunner, SealedImport, VllmTurn
-from kvmesh.node.errors import ConfigError, ContextLengthExceeded, InvalidRequest
+from kvmesh.node.errors import ConfigError
 
 log = logging.getLogger("kvmesh.engine.vllm")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class VllmEngine:
+class VllmEngine(BlockHolding):
     """N slots over the shared block pool, vLLM underneath (see the module docstring)."""
 
     inexact_reason: str | None = None  # whole blocks of attention KV: every model vLLM serves here has replicas
@@ -128,67 +125,14 @@ class VllmEngine:
         with contextlib.suppress(httpx.HTTPError):
             httpx.post(f"{self.server.url}/reset_prefix_cache", timeout=30.0)
 
-    @property
-    def on_evict(self) -> Callable[[str], None] | None:
-        return self.table.on_evict
-
-    @on_evict.setter
-    def on_evict(self, hook: Callable[[str], None] | None) -> None:
-        self.table.on_evict = hook
-
-    # ---- what the engine holds ------------------------------------------------
-
-    def cached_prefix(self, session: str, token_ids: list[int] | np.ndarray) -> int:
-        return self.prefix.match(session, as_tokens(token_ids)).tokens
-
-    def resident_tokens(self, session: str) -> int:
-        return self.prefix.resident(session)
-
-    def block_hash(self, session: str, i: int) -> bytes | None:
-        seq = self.table.get(session)
-        return seq.hashes[i] if seq is not None and 0 <= i < len(seq.hashes) else None
-
-    def session_tokens(self, session: str) -> np.ndarray | None:
-        return self.prefix.tokens(session)
-
-    def evict(self, session: str) -> bool:
-        return self.prefix.evict(session)
-
     def evict_all(self) -> int:
         """Every idle session dropped, every unreferenced block forgotten, and vLLM's own prefix cache reset: cold."""
-        n = self.prefix.evict_all()
+        n = super().evict_all()
         with contextlib.suppress(httpx.HTTPError):
             httpx.post(f"{self.server.url}/reset_prefix_cache", timeout=30.0)
         return n
 
     # ---- turns ---------------------------------------------------------------
-
-    def validate(self, req: GenerateRequest) -> np.ndarray:
-        tokens = as_tokens(req.prompt)
-        if len(tokens) == 0:
-            raise InvalidRequest("the prompt is empty", param="messages")
-        if len(tokens) >= self.max_context:
-            raise ContextLengthExceeded(f"the prompt is {len(tokens)} tokens; this model's context is "
-                                        f"{self.max_context} tokens", param="messages")
-        if req.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-        return tokens
-
-    async def admit(self, req: GenerateRequest) -> Admission:
-        """Validate the turn, then wait for its session's lock and a slot (node.engine.admission)."""
-        tokens = self.validate(req)
-        t0 = time.monotonic()
-        await self._locks.acquire(req.session)
-        try:
-            slot = await self.slots.acquire(prefill_tokens=max(0, len(tokens) - self.resident_tokens(req.session)))
-        except BaseException:
-            self._locks.release(req.session)
-            raise
-
-        def release() -> None:
-            self.slots.release(slot)
-            self._locks.release(req.session)
-        return Admission(req, tokens, slot, t0, release)
 
     async def _supervise(self) -> None:
         """vLLM exited (crashed, killed): start it again before this turn, one restart at a time. The pool
@@ -211,13 +155,6 @@ class VllmEngine:
         finally:
             adm.release()
 
-    async def generate(self, req: GenerateRequest) -> AsyncGenerator[TurnBegin | TextDelta | TurnDone, None]:
-        """Admit and run one turn."""
-        adm = await self.admit(req)
-        async with contextlib.aclosing(self.run(adm)) as events:
-            async for ev in events:
-                yield ev
-
     def prefill_backlog(self) -> int:
         return self.turns.prefill_backlog
 
@@ -227,26 +164,9 @@ class VllmEngine:
 
     # ---- export / import -----------------------------------------------------
 
-    def export(self, session: str, from_block: int = 0) -> contextlib.AbstractContextManager[list[ExportedBlock]]:
-        return self.transfers.export(session, from_block)
-
-    def pin(self, session: str) -> PinnedBlocks | None:
-        return self.transfers.pin(session)
-
     def begin_import(self, session: str, fingerprint: str, tokens: np.ndarray, hashes: list[bytes]) -> SealedImport:
         """As every engine's, and the landed blocks are sealed (digested) off the loop once committed."""
         return SealedImport(self.transfers.begin_import(session, fingerprint, tokens, hashes), self.pool)
-
-    def import_blocks(self, session: str, fingerprint: str, tokens: np.ndarray, hashes: list[bytes],
-                      data: list[memoryview | bytes | np.ndarray]) -> int:
-        txn = self.begin_import(session, fingerprint, tokens, hashes)
-        try:
-            for i in txn.missing:
-                txn.write(i, data[i])
-            return txn.commit()
-        except BaseException:
-            txn.abort()
-            raise
 
     def close(self) -> None:
         """Stop vLLM (its whole process group), remove the pool's file and the server's run folder (its log)."""
