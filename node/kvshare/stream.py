@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import select
 import socket
 import ssl
@@ -152,13 +153,17 @@ class PushStream:
                      prog: _Progress, snap: Snapshot | None = None) -> PushResult | None:
         """Send blocks first.., the snapshot, and END; a refusal the receiver sent mid-stream, or None once END is sent."""
         prog.acked_to(tcp_acked(sock))
-        for i in range(first, len(pinned.ids)):
+        # Each frame made only when its turn comes: a block read off an accelerator is a copy.
+        frames: list[Callable[[], tuple[bytes, memoryview]]] = [
+            functools.partial(self._block_frame, tx, pinned, i) for i in range(first, len(pinned.ids))]
+        if snap is not None:
+            frames.append(lambda: (tx.snapshot_header(snap.blob), snap.blob.data))
+        for frame in frames:
             if job.cancel.is_set():
                 raise _Superseded()
             if select.select([sock], [], [], 0)[0]:
                 return None  # the receiver spoke mid-stream: a refusal, read as its verdict
-            data = pinned.read(pinned.ids[i])  # here, not on the loop: off an accelerator it is a copy
-            hdr = tx.block_header(i, data)
+            hdr, data = frame()
             try:
                 sock.sendall(hdr)
                 sock.sendall(data)
@@ -172,28 +177,15 @@ class PushStream:
                 raise
             prog.sent += len(hdr) + data.nbytes
             prog.acked_to(tcp_acked(sock))
-        if snap is not None:
-            if job.cancel.is_set():
-                raise _Superseded()
-            if select.select([sock], [], [], 0)[0]:
-                return None
-            hdr = tx.snapshot_header(snap.blob)
-            try:
-                sock.sendall(hdr)
-                sock.sendall(snap.blob.data)
-                job.progress_at = time.monotonic()
-            except OSError:
-                if job.cancel.is_set():
-                    raise _Superseded() from None
-                refusal = self._late_refusal(sock, tx)
-                if refusal is not None:
-                    return PushResult(False, reason=refusal.reason, message=refusal.message, bytes_sent=prog.sent)
-                raise
-            prog.sent += len(hdr) + snap.nbytes
         end = tx.end()
         sock.sendall(end)
         prog.sent += len(end)
         return None
+
+    @staticmethod
+    def _block_frame(tx: wire.Sender, pinned: PinnedBlocks, i: int) -> tuple[bytes, memoryview]:
+        data = pinned.read(pinned.ids[i])  # here, not on the loop: off an accelerator it is a copy
+        return tx.block_header(i, data), data
 
     def _late_refusal(self, sock: socket.socket, tx: wire.Sender) -> wire.PeerRefused | None:
         """After a failed send, the receiver's refusal may still be readable: find it."""
