@@ -41,7 +41,7 @@ from kvmesh.node.engine.sessiontable import SessionTable
 from kvmesh.node.engine.slots import SlotScheduler
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
 from kvmesh.node.engine.vllm.layout import kv_bytes_per_token
-from kvmesh.node.engine.vllm.models import cache_dir, checkpoint_dir
+from kvmesh.node.engine.vllm.models import cache_dir, checkpoint_dir, on_cuda
 from kvmesh.node.engine.vllm.pool import ShmPool, pool_path
 from kvmesh.node.engine.vllm.server import Launch, VllmServer, vllm_python
 from kvmesh.node.engine.vllm.turn import NoRunner, SealedImport, VllmTurn
@@ -56,7 +56,7 @@ class VllmEngine(BlockHolding):
     """N slots over the shared block pool, vLLM underneath (see the module docstring)."""
 
     inexact_reason: str | None = None  # whole blocks of attention KV: every model vLLM serves here has replicas
-    snapshots = None  # no window or recurrent state travels beside the blocks (hybrid models: not yet)
+    snapshots = None  # no window or recurrent state travels beside the blocks (hybrid models: refused, node.engine.vllm.recurrent)
     weights = None
     checkpoint = None
     swa = None  # no sliding-window mode to choose
@@ -69,11 +69,11 @@ class VllmEngine(BlockHolding):
                               f"(engine.vllm.vllm_block = {cfg.vllm.vllm_block})")
         self.cfg, self.model_name = cfg, cfg.served_model
         python, cache = vllm_python(cfg.vllm.python), cache_dir(cfg)
-        model_dir = checkpoint_dir(cfg.model, python=python, cache_dir=cache)
+        self.device = torch.device("cuda" if on_cuda(cfg) else "cpu")
+        model_dir = checkpoint_dir(cfg.model, python=python, cache_dir=cache, cuda=self.device.type == "cuda")
         ckpt = open_checkpoint(model_dir, max_context=cfg.max_context)
         self.model_cfg, self.max_context = ckpt.config, ckpt.config.max_context
         self.tokenizer: Tokenizer = HFTokenizer.from_dir(model_dir, extra_eos_ids=ckpt.config.eos_ids)
-        self.device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
         want = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device.type == "cuda" else "float32")
         self.dtype = _DTYPES[want]
         self.kv_bytes_per_token = kv_bytes_per_token(ckpt.raw_config, self.dtype.itemsize)
