@@ -42,7 +42,7 @@ from kvmesh.node.engine.slots import SlotScheduler
 from kvmesh.node.engine.tokenizer import HFTokenizer, Tokenizer
 from kvmesh.node.engine.vllm.layout import kv_bytes_per_token
 from kvmesh.node.engine.vllm.models import cache_dir, checkpoint_dir, on_cuda
-from kvmesh.node.engine.vllm.pool import ShmPool, pool_path
+from kvmesh.node.engine.vllm.pool import ShmPool, pool_path, pool_stem, remove_stale_pools
 from kvmesh.node.engine.vllm.server import Launch, VllmServer, vllm_python
 from kvmesh.node.engine.vllm.turn import NoRunner, SealedImport, VllmTurn
 from kvmesh.node.errors import ConfigError
@@ -79,8 +79,9 @@ class VllmEngine(BlockHolding):
         self.kv_bytes_per_token = kv_bytes_per_token(ckpt.raw_config, self.dtype.itemsize)
         self.block_bytes = self.kv_bytes_per_token * self.block_size
         num_blocks = max(4, -(-cfg.cache_tokens // self.block_size) if cfg.cache_tokens else cfg.cache_bytes // self.block_bytes)
+        remove_stale_pools()  # killed nodes' pools: shared memory nobody will free otherwise
         self.pool = ShmPool(pool_path(name), num_blocks, self.block_bytes)
-        run_dir = cache / "run" / self.pool.path.stem
+        run_dir = cache / "run" / pool_stem(self.pool.path)
         self.server = VllmServer(Launch(python, model_dir, self.model_name, want, self.max_context, cfg.slots,
                                         self.pool.path, self.block_size, cfg.vllm.vllm_block, run_dir, cache,
                                         cfg.vllm.kvcache_gib, cfg.vllm.cpu_cores, list(cfg.vllm.extra_args)))
