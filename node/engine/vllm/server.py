@@ -83,7 +83,10 @@ class Launch:
                 "--model", str(self.model_dir), "--served-model-name", self.served_name, "--dtype", self.dtype,
                 "--enforce-eager", "--block-size", str(self.vllm_block), "--max-model-len", str(self.max_context),
                 "--max-num-seqs", str(max(1, self.slots)), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                "--kv-transfer-config", json.dumps(self.transfer_config()), *self.extra_args]
+                "--kv-transfer-config", json.dumps(self.transfer_config()),
+                # Constraints are llguidance grammars (node.engine.constraint): with "auto", vLLM tries xgrammar
+                # first, which would read the same text with other semantics or refuse it.
+                "--structured-outputs-config", json.dumps({"backend": "guidance"}), *self.extra_args]
 
     def env(self) -> dict[str, str]:
         pkg = self.run_dir / "pkg"

@@ -47,8 +47,34 @@ def request_body(model: str, req: GenerateRequest, prompt: list[int], kv: dict[s
         body["logprobs"] = req.top_logprobs
         body["return_tokens_as_token_ids"] = True
     if req.constraint is not None:
-        body["structured_outputs"] = {"grammar": req.constraint}
+        body["structured_outputs"] = {"grammar": vllm_grammar(req.constraint)}
     return body
+
+
+def vllm_grammar(constraint: str) -> str:
+    """The turn's llguidance grammar as vLLM's `structured_outputs.grammar` takes it: Lark text.
+
+    vLLM hands a grammar to llguidance as Lark or GBNF (the server runs with the guidance backend, see
+    node.engine.vllm.server), never as llguidance's JSON form, which json_grammar (response_format) builds;
+    so a JSON schema's grammar becomes the one-rule Lark grammar `start: %json <schema>`, the schema keeping
+    its x-guidance (separators, leniency). A JSON form that is not a single grammar has no Lark spelling
+    here: refused, naming it, rather than sent and misread."""
+    if not constraint.lstrip().startswith("{"):
+        return constraint  # Lark already (tool_grammar)
+    try:
+        top = json.loads(constraint)
+        grammars = top["grammars"]
+    except (ValueError, KeyError, TypeError):
+        raise InvalidRequest("the vLLM engine cannot pass this constraint to vLLM: it is neither Lark text nor "
+                             "llguidance's JSON grammar form", param="response_format") from None
+    if len(grammars) == 1 and top.get("max_tokens") is None:
+        g = grammars[0]
+        if g.get("json_schema") is not None and g.get("lark_grammar") is None:
+            return "%llguidance {}\nstart: %json " + json.dumps(g["json_schema"]) + "\n"
+        if g.get("lark_grammar") is not None and g.get("json_schema") is None:
+            return str(g["lark_grammar"])
+    raise InvalidRequest("the vLLM engine cannot pass this constraint to vLLM: an llguidance JSON grammar with "
+                         f"{len(grammars)} grammars or a token limit has no Lark form", param="response_format")
 
 
 def _token_id(s: str) -> int:
