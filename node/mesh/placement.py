@@ -18,8 +18,11 @@ its cache could be evicted before it starts). It is warm when it reuses
 `warm_fraction` of the prompt; one that is not (it recomputes what the home
 holds) is the rare exception: only to a host running nothing (no busy slot, no
 prefill), so it spends capacity nobody is using and never deepens a queue, and
-only once the wait at the home exceeds `cold_move_after_s`. Under load, then,
-a turn moves warm or not at all.
+only once the wait at the home (for a slot, or for the prefill ahead of it there)
+is long against what the move computes there: `cold_move_ratio` x its prefill
+(and import) there, and never longer than `cold_move_after_s`. A short follow-up stuck behind
+another session's 100k-token prefill at its home then moves, while a long
+conversation waits for its cache. Under load, then, a turn moves warm or not at all.
 """
 
 from __future__ import annotations
@@ -93,6 +96,11 @@ class Policy:
     # (already in its estimate): the turns that reach its target while it runs wait for it. Measured in
     # `kvmesh sim` (agents, Mooncake; 2 and 8 hosts): 1, 2 and 4 within noise of each other; 2 counts the next one.
     move_cost_factor: float = 2.0
+    # A move that is not warm needs a wait at the home this many times what it computes there (at most
+    # cold_move_after_s). Measured in `kvmesh sim --sweep` (2 and 8 hosts, both traces): 10 moves the short
+    # follow-ups that made Mooncake's p99 at 8 hosts (8-14 s behind 100k-token prefills at their homes); 30 let
+    # Claude Code's p50 at 8 hosts slip, and a flat 3 s wait, whatever the recompute, cost 0.2-0.4 points of warm %.
+    cold_move_ratio: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -175,7 +183,7 @@ def choose(
         if stay in est and hosts[stay].free and hosts[stay].prefill_wait_s() <= policy.home_prefill_wait_s:
             ttft, reuse, _ = est[stay]
             return Decision(stay, home, prev, reuse, ttft, reason)
-    home_wait = hosts[home].wait_s() if home in est else None
+    home_wait = hosts[home].ahead_s() if home in est else None
 
     def allowed(name: str) -> bool:
         if home_wait is None or name == home or prompt_tokens == 0:
@@ -194,8 +202,9 @@ def choose(
         if reuse >= policy.warm_fraction * prompt_tokens:
             return True
         # A move that is not warm recomputes what no host need recompute (or, when the home holds nothing
-        # yet, it is mid-turn: its cache will be there): only onto idle capacity, after a long wait.
-        return target.idle(policy) and home_wait > policy.cold_move_after_s
+        # yet, it is mid-turn: its cache will be there): only onto idle capacity, after a wait long against
+        # what it recomputes.
+        return target.idle(policy) and home_wait > min(policy.cold_move_after_s, policy.cold_move_ratio * work)
 
     ok = [h for h in cands if allowed(h.name)]
     # Lowest expected TTFT; ties: the home, then more reuse, then fewer busy slots, then the session's spread.

@@ -60,14 +60,18 @@ def test_equal_hosts_share_new_sessions_evenly() -> None:
     assert set(picks) == set(hosts) and max(picks.values()) < 2 * 800 / 8, picks
 
 
-def test_a_follow_up_no_host_can_serve_warm_waits_for_its_home() -> None:
-    """Home busy; the prompt doubled since the last turn, so no host can reuse 90% of it: the turn waits for the
-    home rather than move as a handoff that is not warm (the replica holder would reuse only what the home does)."""
-    hosts = {"a": HostLoad("a", 1, 1, 3, 5.0, PREFILL, 1e9), "b": HostLoad("b", 1, 0, 0, 1.0, PREFILL, 1e9),
+def test_a_follow_up_no_host_can_serve_warm_waits_for_its_home_unless_the_wait_dwarfs_its_prefill() -> None:
+    """Home busy; the prompt doubled since the last turn, so no host can reuse 90% of it. A 5 s wait at the home
+    is under 10 x the 1 s the replica holder would compute: the turn waits rather than move as a handoff that is
+    not warm. A 20 s wait is over it: the turn moves to the idle replica holder, which computes what the home would."""
+    hosts = {"a": HostLoad("a", 1, 1, 0, 5.0, PREFILL, 1e9), "b": HostLoad("b", 1, 0, 0, 1.0, PREFILL, 1e9),
              "c": HostLoad("c", 1, 0, 0, 1.0, PREFILL, 1e9)}
     held = {"a": Holding(resident=10_000, home_seq=4, turn_seq=4), "b": Holding(stored=10_000)}
     d = choose(hosts, held, 20_000, Policy(kv_bytes_per_token=1))
     assert d is not None and d.host == "a" and d.reason == "wait-for-home", d
+    hosts["a"] = HostLoad("a", 1, 1, 3, 5.0, PREFILL, 1e9)
+    d = choose(hosts, held, 20_000, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "b" and d.reason == "replica", d
 
 
 def _busy_home(wait_s: float, **target: int) -> dict[str, HostLoad]:
@@ -95,6 +99,24 @@ def test_a_cold_move_waits_out_cold_move_after_s() -> None:
     assert d is not None and d.host == "a", d
     d = choose(_busy_home(60), held, 21_000, Policy(kv_bytes_per_token=1, cold_move_after_s=30))
     assert d is not None and d.host == "b", d
+
+
+def test_a_short_follow_up_behind_a_long_prefill_at_home_moves_to_idle_capacity() -> None:
+    """Home a has a free slot but 100k tokens of another session's prefill ahead (10 s); the follow-up adds 2,100
+    tokens to a 2,000-token conversation held nowhere else: recomputing it on an idle b (0.2 s) beats a wait 10 x
+    that, so it moves; behind 3,000 tokens (0.3 s) it stays home, and a long conversation (200k tokens, 20 s to
+    recompute) waits out the 10 s (cold_move_after_s is 30)."""
+    hosts = {"a": HostLoad("a", 4, 1, 0, 1.0, PREFILL, 1e9, backlog_tokens=100_000),
+             "b": HostLoad("b", 4, 0, 0, 1.0, PREFILL, 1e9)}
+    short = {"a": Holding(resident=2_000, home_seq=2, turn_seq=2)}
+    d = choose(hosts, short, 2_100, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "b" and d.reason == "least-loaded", d
+    near = {**hosts, "a": HostLoad("a", 4, 1, 0, 1.0, PREFILL, 1e9, backlog_tokens=3_000)}
+    d = choose(near, short, 2_100, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "a", d
+    long = {"a": Holding(resident=200_000, home_seq=2, turn_seq=2)}
+    d = choose(hosts, long, 200_100, Policy(kv_bytes_per_token=1))
+    assert d is not None and d.host == "a", d
 
 
 def test_a_warm_move_never_joins_a_queue() -> None:
