@@ -19,7 +19,7 @@ import sys
 import time
 
 from kvmesh.node.lab.sim.params import SimParams
-from kvmesh.node.lab.sim.run import Simulation
+from kvmesh.node.lab.sim.run import Figures, Simulation
 from kvmesh.node.lab.workload import TraceRequest, agent_trace, read_trace, scale_trace
 
 AGENT_SHAPE = {"tool_tokens": (300, 4000), "reply_tokens": 64, "think_s": (0.5, 2.0)}  # agent_trace's defaults
@@ -74,14 +74,19 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 def simulate(args: argparse.Namespace) -> dict[str, object]:
     """One run's figures (OSError or ValueError for a trace that cannot be read)."""
+    return run_once(args)[0]
+
+
+def run_once(args: argparse.Namespace) -> tuple[dict[str, object], Figures]:
+    """One run's figures, and what they were computed from (a sweep pools the TTFTs of several seeds)."""
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimParams) if hasattr(args, f.name)}
     p = SimParams(**{**kw, "hosts": args.hosts, "policy": args.policy})
     reqs, span, what, p = workload(args, p)
     t0 = time.perf_counter()
     sim = Simulation(p, reqs)
     sim.run()
-    return {**sim.summary(max(span, sim.fig.end)), "workload": what, "load": args.load,
-            "wall_s": round(time.perf_counter() - t0, 1)}
+    return ({**sim.summary(max(span, sim.fig.end)), "workload": what, "load": args.load,
+             "wall_s": round(time.perf_counter() - t0, 1)}, sim.fig)
 
 
 def run_sim(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ class SimParams:
     import_gbps: float = 200.0  # replica store (host RAM) -> engine
     engine_tokens: int = 400_000
     store_tokens: int = 4_000_000
-    replicate_min_tokens: int = 8192
+    replicate_min_tokens: int = 2048  # node.config.REPLICATE_MIN_TOKENS, the node's default (not imported: pydantic)
     rtt_s: float = 0.0002
     heartbeat_s: float = 1.0
     directory_after_hosts: int = 16
@@ -66,5 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     w.add_argument("--sweep-hosts", default="2,8,64,256", help="comma-separated host counts")
     w.add_argument("--sweep-loads", default="0.3,0.6,0.9,1.2", help="comma-separated loads (as --load)")
     w.add_argument("--sweep-policies", default=",".join(POLICIES), help="comma-separated policies (kvmesh among them)")
+    w.add_argument("--seeds", type=int, default=3, help="runs of each policy per cell, on seeds --seed, --seed+1, ...; "
+                   "a cell's row pools them")
     w.add_argument("--jobs", type=int, default=0, help="runs at once (default: the CPUs this process may use)")
     return s

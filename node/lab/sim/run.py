@@ -284,13 +284,13 @@ class Simulation:
         return {
             "hosts": n, "policy": p.policy, "requests": f.turns,
             "warm_pct": round(100.0 * f.follow["warm"] / follow, 2) if follow else None,
-            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
             # A refused attempt is not a served request (as every serving benchmark counts a 429); what the
             # retries cost its turn is in ttft_with_retries_p99_s.
             "goodput_per_s": round(sum(1 for x in ttft if x <= p.slo_s) / duration_s, 4), "slo_s": p.slo_s,
             "refused": f.refused, "refused_new_sessions": f.refused_new,
             "refused_pct": round(100.0 * f.refused / (f.turns + f.refused), 2) if f.turns else 0.0,
-            "ttft_with_retries_p99_s": _pct(sorted(f.ttft_with_retries), 0.99),
+            "ttft_with_retries_p99_s": percentile(sorted(f.ttft_with_retries), 0.99),
             "prefill_tokens": f.prefill_tokens, "prompt_tokens": f.prompt_tokens,
             "replica_bytes": f.replica_bytes,
             # in and out, per host: every byte one host sends another receives
@@ -305,5 +305,6 @@ class Simulation:
         }
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-quantile of sorted `xs` (None when empty), to 4 places."""
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None

@@ -1,35 +1,65 @@
 """`kvmesh sim --sweep`: every policy at every size and load on each trace, one table, and whether kvmesh held.
 
-A cell is one (trace, hosts, load); every policy in it replays the same requests (same seed). In
-each cell kvmesh is checked against the others: warm % at least the best other's minus 0.2 points,
-TTFT p50 and p99 at most every other's, goodput at least every other's, prefill tokens at most 1.05x
-session_hash's. The runs go to a process pool, the largest first; the table is printed at the end,
-then the failed checks, then one JSON line (the rows and the verdict).
+A cell is one (trace, hosts, load); every policy in it replays the same requests on each of `--seeds`
+seeds (a seed draws the trace's copies, their offsets and the entry hosts). A policy's row in a cell
+pools its runs: TTFT percentiles over all their turns, warm % over all their follow-ups, goodput
+over their summed time, refusals over their attempts, prefill tokens and utilisation their mean.
+One seed's p50 moves by a few percent with where a handful of long prompts land, more than the
+policies differ at low load, so one seed cannot rank them. In each cell kvmesh is checked against
+the others: warm % at least the best other's minus 0.2 points, TTFT p50 and p99 at most every
+other's, goodput at least every other's, prefill tokens at most 1.05x session_hash's. The runs go
+to a process pool, the largest first; the table is printed at the end, then the failed checks,
+then one JSON line (the rows and the verdict).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import json
 import os
 import sys
 from typing import Any
 
-from kvmesh.node.lab.sim.cli import check_args, simulate
+from kvmesh.node.lab.sim.cli import check_args, run_once
 from kvmesh.node.lab.sim.params import POLICIES
+from kvmesh.node.lab.sim.run import percentile
 
 Row = dict[str, Any]
+Run = tuple[Row, list[float], list[float]]  # a run's figures, its sorted TTFTs, and those from first attempts
 COLUMNS = (("trace", "trace"), ("hosts", "hosts"), ("load", "load"), ("policy", "policy"), ("requests", "requests"),
            ("warm_pct", "warm %"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p99_s", "TTFT p99 s"),
            ("goodput_per_s", "goodput/s"), ("refused_pct", "refused %"), ("prefill_mtok", "prefill Mtok"),
            ("utilisation", "slot util"))
 
 
-def _one(job: tuple[argparse.Namespace, str]) -> Row:
+def _one(job: tuple[argparse.Namespace, str]) -> Run:
     args, trace = job
-    out = simulate(args)
-    return {**out, "trace": trace, "prefill_mtok": round(out["prefill_tokens"] / 1e6, 1)}  # type: ignore[operator]
+    out, fig = run_once(args)
+    return {**out, "trace": trace, "seed": args.seed}, sorted(fig.ttft), sorted(fig.ttft_with_retries)
+
+
+def pool(runs: list[Run]) -> Row:
+    """One policy's row in a cell from its runs, one per seed (see the module's docstring)."""
+    rows = [r for r, _, _ in runs]
+    first = rows[0]
+    ttft = sorted(x for _, t, _ in runs for x in t)
+    follow = sum(r["follow_ups"] for r in rows)
+    served, refused = sum(r["requests"] for r in rows), sum(r["refused"] for r in rows)
+    prefill = round(sum(r["prefill_tokens"] for r in rows) / len(rows))
+    return {
+        "trace": first["trace"], "hosts": first["hosts"], "load": first["load"], "policy": first["policy"],
+        "seeds": len(rows), "requests": served,
+        "warm_pct": round(100.0 * sum(r["follow_ups_by_class"].get("warm", 0) for r in rows) / follow, 2) if follow else None,
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "goodput_per_s": round(sum(1 for x in ttft if x <= first["slo_s"]) / sum(r["duration_s"] for r in rows), 4),
+        "refused_pct": round(100.0 * refused / (served + refused), 2) if served else 0.0,
+        "ttft_with_retries_p99_s": percentile(sorted(x for _, _, t in runs for x in t), 0.99),
+        "prefill_tokens": prefill, "prefill_mtok": round(prefill / 1e6, 1),
+        "utilisation": round(sum(r["utilisation"] for r in rows) / len(rows), 4),
+        "moves": sum(r["moves"] for r in rows), "wall_s": round(sum(r["wall_s"] for r in rows), 1),
+    }
 
 
 def failures(cell: list[Row]) -> list[str]:
@@ -65,17 +95,16 @@ def _jobs(args: argparse.Namespace) -> list[tuple[argparse.Namespace, str]]:
         raise ValueError(f"--sweep-policies: unknown {', '.join(unknown)}; one of {', '.join(POLICIES)}")
     if not (traces and hosts and loads and policies):
         raise ValueError("--sweep-traces, --sweep-hosts, --sweep-loads and --sweep-policies each need a value")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     jobs = []
-    for trace in traces:
-        for n in hosts:
-            for u in loads:
-                for pol in policies:
-                    one = argparse.Namespace(**{**vars(args), "trace": trace, "hosts": n, "load": u, "policy": pol,
-                                                "sweep": False})
-                    problem = check_args(one)
-                    if problem:
-                        raise ValueError(problem)
-                    jobs.append((one, trace))
+    for trace, n, u, pol, k in itertools.product(traces, hosts, loads, policies, range(args.seeds)):
+        one = argparse.Namespace(**{**vars(args), "trace": trace, "hosts": n, "load": u, "policy": pol,
+                                    "seed": args.seed + k, "sweep": False})
+        problem = check_args(one)
+        if problem:
+            raise ValueError(problem)
+        jobs.append((one, trace))
     return sorted(jobs, key=lambda j: -j[0].hosts * j[0].load)
 
 
@@ -94,18 +123,19 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"kvmesh sim --sweep: {e}", file=sys.stderr)
         return 2
     workers = args.jobs or len(os.sched_getaffinity(0))
-    rows: list[Row] = []
+    runs: dict[tuple[str, int, float, str], list[Run]] = {}
     try:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
-            for row in pool.map(_one, jobs):
-                rows.append(row)
-                print(f"  {row['trace']} hosts={row['hosts']} load={row['load']} {row['policy']}: "
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as procs:
+            for run in procs.map(_one, jobs):
+                row = run[0]
+                runs.setdefault((row["trace"], row["hosts"], row["load"], row["policy"]), []).append(run)
+                print(f"  {row['trace']} hosts={row['hosts']} load={row['load']} {row['policy']} seed {row['seed']}: "
                       f"{row['requests']} turns in {row['wall_s']} s", file=sys.stderr, flush=True)
     except (OSError, ValueError) as e:
         print(f"kvmesh sim --sweep: {e}", file=sys.stderr)
         return 2
     order = {p: i for i, p in enumerate(POLICIES)}
-    rows.sort(key=lambda r: (r["trace"], r["hosts"], r["load"], order[r["policy"]]))
+    rows = sorted((pool(r) for r in runs.values()), key=lambda r: (r["trace"], r["hosts"], r["load"], order[r["policy"]]))
     cells: dict[tuple[str, int, float], list[Row]] = {}
     for r in rows:
         cells.setdefault((r["trace"], r["hosts"], r["load"]), []).append(r)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
-from kvmesh.node.lab.sim.sweep import failures
+from kvmesh.node.lab.sim.sweep import failures, pool
 
 
 def _row(policy: str, **kw: Any) -> dict[str, Any]:
@@ -32,17 +32,42 @@ def test_each_check_kvmesh_fails_is_named() -> None:
     assert failures([_row("kvmesh", warm_pct=98.85), _row("session_hash")]) == []  # within 0.2 points
 
 
+def _run(seed: int, ttft: list[float], warm: int, follow: int, prefill: int) -> tuple[dict[str, Any], list[float], list[float]]:
+    row = {"trace": "t", "hosts": 2, "load": 0.3, "policy": "kvmesh", "seed": seed, "requests": len(ttft), "refused": 1,
+           "follow_ups": follow, "follow_ups_by_class": {"warm": warm, "cold": follow - warm}, "slo_s": 2.0,
+           "duration_s": 10.0, "prefill_tokens": prefill, "utilisation": 0.5, "moves": 1, "wall_s": 0.1}
+    return row, sorted(ttft), sorted(x + 1 for x in ttft)
+
+
+def test_a_cells_row_pools_its_seeds_runs() -> None:
+    """Percentiles over both runs' turns (not the mean of each run's), warm % over all follow-ups, goodput over
+    the summed time, refusals over all attempts, prefill the mean."""
+    row = pool([_run(1, [0.1] * 60, warm=9, follow=10, prefill=100), _run(2, [3.0] * 40, warm=1, follow=10, prefill=300)])
+    assert row["seeds"] == 2 and row["requests"] == 100
+    assert row["ttft_p50_s"] == 0.1 and row["ttft_p99_s"] == 3.0 and row["ttft_with_retries_p99_s"] == 4.0, row
+    assert row["warm_pct"] == 50.0 and row["goodput_per_s"] == 3.0 and row["refused_pct"] == round(200 / 102, 2)
+    assert row["prefill_tokens"] == 200 and row["moves"] == 2, row
+
+
 def test_the_sweep_runs_every_policy_of_a_cell_and_ends_with_one_json_line() -> None:
     """Two hosts at 0.3 on the shipped Mooncake trace, kvmesh and session_hash: the table, then the verdict."""
     out = subprocess.run([sys.executable, "-m", "kvmesh", "sim", "--sweep", "--sweep-traces", "mooncake",
                           "--sweep-hosts", "2", "--sweep-loads", "0.3", "--sweep-policies", "kvmesh,session_hash",
-                          "--jobs", "1"], capture_output=True, text=True, timeout=300)
+                          "--seeds", "2", "--jobs", "1"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     result = json.loads(lines[-1])
     assert result["cells"] == 1 and [r["policy"] for r in result["rows"]] == ["kvmesh", "session_hash"], result
+    assert [r["seeds"] for r in result["rows"]] == [2, 2], result
     assert result["held"] + len(result["failed"]) == 1
     assert lines[0].startswith("| trace | hosts | load | policy |") and any("**kvmesh**" in ln for ln in lines)
+
+
+def test_no_seeds_is_refused_by_name() -> None:
+    """--seeds 0 would pool nothing: exit 2 naming it, no traceback."""
+    out = subprocess.run([sys.executable, "-m", "kvmesh", "sim", "--sweep", "--seeds", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--seeds must be at least 1" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_an_unknown_sweep_policy_is_refused_by_name() -> None:
