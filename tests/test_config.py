@@ -164,9 +164,9 @@ def test_unreadable_file_is_a_config_error(tmp_path: Path, kind: str) -> None:
     assert str(p) in str(ei.value)
 
 
-@pytest.mark.parametrize(("context", "fires_from"), [(8192, 2048), (16384, 4096), (32768, 8192), (131072, 8192)])
+@pytest.mark.parametrize(("context", "fires_from"), [(2048, 512), (4096, 1024), (8192, 2048), (131072, 2048)])
 def test_unset_replicate_min_tokens_fits_the_context(context: int, fires_from: int) -> None:
-    """Unset, kvshare.replicate_min_tokens is 8192 but at most a quarter of the context per slot, so it can fire."""
+    """Unset, kvshare.replicate_min_tokens is 2048 but at most a quarter of the context per slot, so it can fire."""
     kv = NodeConfig().kvshare.for_context(context)
     assert kv.replicate_min_tokens == fires_from
     assert kv.never_replicates(context) is None

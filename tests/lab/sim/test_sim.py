@@ -162,3 +162,10 @@ def test_past_capacity_refusing_early_bounds_the_queue(hosts: int, load: float) 
         assert km[key] < sh[key], (key, km, sh)  # type: ignore[operator]
     assert km["goodput_per_s"] > sh["goodput_per_s"], (km, sh)  # type: ignore[operator]
     assert km["warm_pct"] >= off["warm_pct"] - 1.5, (km, off)  # type: ignore[operator]
+
+
+def test_the_sim_replicates_from_the_nodes_default_size() -> None:
+    """The sim's replication threshold is the node's unset kvshare.replicate_min_tokens, so both replicate alike."""
+    from kvmesh.node.config import REPLICATE_MIN_TOKENS
+
+    assert SimParams(hosts=2).replicate_min_tokens == REPLICATE_MIN_TOKENS
