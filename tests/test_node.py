@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.node.config import NodeConfig
+from kvmesh.node.config import REPLICATE_MIN_TOKENS, NodeConfig
 from kvmesh.node.node import Node
 
 
@@ -26,12 +26,12 @@ def test_a_threshold_that_can_never_fire_is_named_at_start(caplog: pytest.LogCap
 
 
 def test_an_unset_threshold_is_fitted_to_the_context(caplog: pytest.LogCaptureFixture) -> None:
-    """Unset, the node's threshold is min(8192, context / 4), and nothing is warned of."""
+    """Unset, the node's threshold is min(REPLICATE_MIN_TOKENS, context / 4), and nothing is warned of."""
     with caplog.at_level("WARNING", logger="kvmesh.node"):
         node = _node()
     try:
         stats = node.stats()
-        assert stats["replicate_min_tokens"] == min(8192, stats["max_context"] // 4)
+        assert stats["replicate_min_tokens"] == min(REPLICATE_MIN_TOKENS, stats["max_context"] // 4)
         assert not [r for r in caplog.records if "replicated" in r.message]
     finally:
         node.engine.close()
