@@ -16,10 +16,11 @@ from kvmesh.console.screens.confirm import ConfirmScreen
 from kvmesh.console.screens.picker import TargetPicker
 from kvmesh.console.widgets.hosts import HostsTable
 from kvmesh.console.widgets.sessions import SessionsTable
+from kvmesh.console.widgets.table import KeyedTable
 from kvmesh.node.protocol import ActionResult
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Container
     from typing import Any
 
     from textual.app import App
@@ -51,20 +52,10 @@ class ActionPath(_AppBase):
         def push_modal(self, screen: ModalScreen[Any], callback: Callable[[Any], object] | None = None) -> None: ...
 
     def selected_hosts(self) -> list[str]:
-        table = self.main.query_one(HostsTable)
-        marked = sorted(k for k in table.marked if k in self.state.hosts)
-        if marked:
-            return marked
-        key = table.cursor_key
-        return [key] if key else []
+        return _selected(self.main.query_one(HostsTable), self.state.hosts)
 
     def selected_sessions(self) -> list[str]:
-        table = self.main.query_one(SessionsTable)
-        marked = sorted(k for k in table.marked if k in self.state.sessions)
-        if marked:
-            return marked
-        key = table.cursor_key
-        return [key] if key else []
+        return _selected(self.main.query_one(SessionsTable), self.state.sessions)
 
     def refuse_readonly(self, kind: str) -> None:
         self.state.log_console(f"refused {kind}: this console is read-only", level="warn", kind="action")
@@ -170,3 +161,12 @@ class ActionPath(_AppBase):
             for key in list(stable.marked):
                 stable.marked.discard(key)
                 self.state.touch_session(key)
+
+
+def _selected(table: KeyedTable, known: Container[str]) -> list[str]:
+    """The rows marked in `table` that are still known, in order; else the row under the cursor (if any)."""
+    marked = sorted(k for k in table.marked if k in known)
+    if marked:
+        return marked
+    key = table.cursor_key
+    return [key] if key else []
