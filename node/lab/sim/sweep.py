@@ -27,7 +27,7 @@ from kvmesh.node.lab.sim.params import POLICIES
 from kvmesh.node.lab.sim.run import percentile
 
 Row = dict[str, Any]
-Run = tuple[Row, list[float], list[float]]  # a run's figures, its sorted TTFTs, and those from first attempts
+Run = tuple[Row, list[float], list[float]]  # a run's figures, its TTFTs, and those from first attempts
 COLUMNS = (("trace", "trace"), ("hosts", "hosts"), ("load", "load"), ("policy", "policy"), ("requests", "requests"),
            ("warm_pct", "warm %"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p99_s", "TTFT p99 s"),
            ("goodput_per_s", "goodput/s"), ("refused_pct", "refused %"), ("prefill_mtok", "prefill Mtok"),
@@ -37,7 +37,7 @@ COLUMNS = (("trace", "trace"), ("hosts", "hosts"), ("load", "load"), ("policy", 
 def _one(job: tuple[argparse.Namespace, str]) -> Run:
     args, trace = job
     out, fig = run_once(args)
-    return {**out, "trace": trace, "seed": args.seed}, sorted(fig.ttft), sorted(fig.ttft_with_retries)
+    return {**out, "trace": trace, "seed": args.seed}, fig.ttft, fig.ttft_with_retries  # `pool` sorts them together
 
 
 def pool(runs: list[Run]) -> Row:
