@@ -25,7 +25,7 @@ from typing import Any, TextIO
 import httpx
 
 from kvmesh.node.lab.streamclient import TurnFailed, stream_chat
-from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest, system_prompt, text
+from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TracePrompts, TraceRequest, system_prompt, text
 
 # An overloaded mesh's refusal (node.mesh.admission; Anthropic's dialect says 529): retried after Retry-After.
 OVERLOAD_STATUSES = (429, 529)
@@ -220,9 +220,8 @@ class LoadRunner:
                               until_s: float | None = None, one_session_id: bool = False) -> LoadStats:
         """Send a Mooncake-format trace's requests (node.lab.workload.read_mooncake) as chat turns.
 
-        Each prompt is one user message: per 512-token block, `block_chars` characters of text seeded by
-        the block's id (so equal ids are equal text: the trace's shared prefixes are shared here), cut
-        to `input_length` blocks' worth; max_tokens is the request's `output_length`, capped by the
+        Each prompt is one user message, `TracePrompts`' text (a conversation's prompt grows as a real
+        client's history does, and equal block ids are equal text); max_tokens is the request's `output_length`, capped by the
         shape's max_tokens; the session id is its conversation's (a Claude Code trace's subagents get their
         own, as a client naming each conversation by `prompt_cache_key` does), or with `one_session_id` its
         session's (subagents under the parent's id, as Claude Code sends them: node.mesh.threads tells
@@ -230,14 +229,7 @@ class LoadRunner:
         (scaled by time_scale), never before its previous reply, and none after `until_s` (turns in flight
         finish)."""
         self._t0 = time.monotonic()
-        texts: dict[int, str] = {}
-
-        def prompt(r: TraceRequest) -> str:
-            for b in r.blocks:
-                if b not in texts:
-                    texts[b] = text(random.Random(b), block_chars)
-            chars = r.input_length * block_chars // TRACE_BLOCK_TOKENS
-            return "".join(texts[b] for b in r.blocks)[:chars]
+        prompts = TracePrompts(block_chars)
 
         by_client: dict[str, list[TraceRequest]] = {}
         for r in requests:
@@ -255,7 +247,7 @@ class LoadRunner:
                         return
                     self.stats.conversations += r.turn == 0
                     await self.turn(client, r.session if one_session_id else r.thread,
-                                    [{"role": "user", "content": prompt(r)}],
+                                    [{"role": "user", "content": prompts.prompt(r)}],
                                     max_tokens=max(1, min(r.output_length, self.shape.max_tokens)))
 
             async def stop_at(s: float) -> None:

@@ -274,3 +274,40 @@ def scale_trace(requests: list[TraceRequest], factor: float, span_s: float, rng:
                                         conversation=f"{r.conversation}#{c}" if r.conversation else "",
                                         blocks=tuple(b + c * top for b in r.blocks)) for r in reqs]
     return sorted(out, key=lambda r: r.t)
+
+
+class TracePrompts:
+    """A trace request's prompt text: per 512-token block, `block_chars` characters seeded by the block's id
+    (equal ids, equal text: the trace's shared prefixes are shared here), cut to `input_length` blocks' worth.
+
+    A conversation's next request in a trace often replaces the previous one's last blocks with new ids
+    (the last, which that one held only in part; in Mooncake's trace up to eight). Seeded apart, the new
+    prompt would not extend the previous one, so a client sending it would look like a new conversation
+    each turn (node.mesh.threads keys a conversation by how its first message begins). A real client's
+    history only grows: each such new block's text starts with what the previous prompt held at its place,
+    and only its rest is seeded by its own id. A longer replaced tail is a rewritten history (Claude Code's
+    compaction): its text is new."""
+
+    MAX_REPLACED = 8  # blocks
+
+    def __init__(self, block_chars: int):
+        self.block_chars = block_chars
+        self._texts: dict[int, str] = {}
+        self._last: dict[str, tuple[tuple[int, ...], str]] = {}  # conversation -> its previous (blocks, prompt)
+
+    def prompt(self, r: TraceRequest) -> str:
+        bc, texts = self.block_chars, self._texts
+        prev = self._last.get(r.thread)
+        if prev is not None and len(r.blocks) >= len(prev[0]):
+            j = next((i for i, (a, b) in enumerate(zip(prev[0], r.blocks)) if a != b), len(prev[0]))
+            if len(prev[0]) - j <= self.MAX_REPLACED:
+                for i in range(j, len(prev[0])):
+                    if r.blocks[i] not in texts:
+                        held = prev[1][i * bc:(i + 1) * bc]
+                        texts[r.blocks[i]] = held + text(random.Random(r.blocks[i]), bc)[len(held):]
+        for b in r.blocks:
+            if b not in texts:
+                texts[b] = text(random.Random(b), bc)
+        out = "".join(texts[b] for b in r.blocks)[: r.input_length * bc // TRACE_BLOCK_TOKENS]
+        self._last[r.thread] = (r.blocks, out)
+        return out

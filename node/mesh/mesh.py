@@ -272,7 +272,8 @@ class Mesh:
         thread = bool(group) and group != session  # a conversation of `group` other than its main one
         group_home = self.home(group) if thread and home_of(holdings) is None else None
         d = choose_by(self.policy_name, hosts, holdings, prompt_tokens, self.policy,
-                      unavailable=unavailable, session=session, turn=self._turns_placed, group_home=group_home)
+                      unavailable=unavailable, session=session, turn=self._turns_placed, group_home=group_home,
+                      group=group)
         self._turns_placed += 1
         # A subagent's first turn belongs to a running session (as in kvmesh sim): only a session's first turn is new.
         out = self._admit(session, d, hosts, holdings, prompt_tokens, unavailable, thread=thread) if d is not None and admit_turn else d

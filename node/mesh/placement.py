@@ -239,11 +239,12 @@ POLICIES = ("kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin
 
 def choose_by(name: str, hosts: dict[str, HostLoad], holdings: dict[str, Holding], prompt_tokens: int, policy: Policy, *,
               unavailable: frozenset[str] = frozenset(), session: str = "", turn: int = 0,
-              group_home: str | None = None) -> Decision | None:
+              group_home: str | None = None, group: str = "") -> Decision | None:
     """The host `mesh.policy` = `name` picks (None when no host can take it): `choose` for kvmesh; the
     baselines `kvmesh sim` compares it with, for an A/B on real hosts or a fallback: session_hash (the
-    session's rendezvous hash over the available hosts: where node.mesh.directory puts it while all are
-    up), kv_overlap (the lowest expected TTFT from what each host holds, no move rule), least_loaded
+    rendezvous hash, over the available hosts, of the session id the client sent, `group` (else `session`):
+    a session router sees only that, so a subagent under its parent's id goes where the parent does; where
+    node.mesh.directory puts it while all are up), kv_overlap (the lowest expected TTFT from what each host holds, no move rule), least_loaded
     (fewest busy and queued turns per slot), round_robin (the `turn`-th available host by name)."""
     if name == "kvmesh":
         return choose(hosts, holdings, prompt_tokens, policy, unavailable=unavailable, session=session,
@@ -252,7 +253,7 @@ def choose_by(name: str, hosts: dict[str, HostLoad], holdings: dict[str, Holding
     if not cands:
         return None
     if name == "session_hash":
-        host = directory_host(session, cands)
+        host = directory_host(group or session, cands)
     elif name == "kv_overlap":
         host = min(cands, key=lambda n: (round(estimate(hosts[n], holdings.get(n), prompt_tokens, policy)[0], 4),
                                          spread(session, n), n))

@@ -113,3 +113,26 @@ def test_the_sim_replays_a_claude_code_directory() -> None:
                          capture_output=True, text=True, timeout=120, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["requests"] == 6 and r["follow_ups"] == 3, r
+
+
+def test_a_replayed_conversation_s_prompt_grows_as_a_client_s_history_does() -> None:
+    """TracePrompts: a request that replaces the previous one's last blocks extends its text (so node.mesh.threads
+    sees one conversation), a rewritten history does not, and equal block ids are equal text across conversations."""
+    from kvmesh.node.lab.workload import TracePrompts, TraceRequest
+
+    def req(session: str, blocks: tuple[int, ...], length: int) -> TraceRequest:
+        return TraceRequest(t=0.0, session=session, turn=0, input_length=length, output_length=1, blocks=blocks)
+
+    tp = TracePrompts(64)
+    first = tp.prompt(req("a", (1, 2, 3), 1100))  # 2 blocks and a part of the third
+    assert len(first) == 1100 * 64 // TRACE_BLOCK_TOKENS
+    grown = tp.prompt(req("a", (1, 2, 4, 5), 1900))  # the trace gives the part-held block a new id
+    assert grown.startswith(first) and len(grown) == 1900 * 64 // TRACE_BLOCK_TOKENS
+    retail = tp.prompt(req("a", (1, 2, 6, 7, 8), 2400))  # two trailing blocks replaced, as Mooncake's trace does
+    assert retail.startswith(grown)
+    long = tp.prompt(req("d", tuple(range(30, 42)), 6144))
+    compacted = tp.prompt(req("d", (30, 31, *range(50, 60)), 6144))  # ten of twelve blocks rewritten: new text
+    assert not compacted.startswith(long) and compacted[:128] == long[:128]
+    other = TracePrompts(64).prompt(req("b", (1, 2, 3), 1536))  # another conversation, the same ids: the same text
+    assert other.startswith(first)
+    assert tp.prompt(req("c", (1, 2, 4, 5), 2048))[:len(grown)] == grown

@@ -155,8 +155,8 @@ def test_a_home_busy_prefilling_gives_way_to_a_warm_replica_but_never_to_a_cold_
 
 
 def test_the_baseline_policies_place_as_their_names_say() -> None:
-    """mesh.policy baselines: session_hash by the session's rendezvous hash (the next host by it when that one is
-    down), least_loaded by busy+queued per slot, round_robin by turn, kv_overlap by TTFT with no move rule (it takes
+    """mesh.policy baselines: session_hash by the rendezvous hash of the session id the client sent (the next host
+    by it when that one is down; a subagent's conversation under it with it), least_loaded by busy+queued per slot, round_robin by turn, kv_overlap by TTFT with no move rule (it takes
     the busy replica holder kvmesh would not queue behind); an unknown name is refused."""
     from kvmesh.node.mesh.directory import directory_host
     from kvmesh.node.mesh.placement import choose_by
@@ -170,6 +170,9 @@ def test_the_baseline_policies_place_as_their_names_say() -> None:
         assert d is not None and d.host == directory_host(s, "abc") and d.reason == "session_hash", d
         down = choose_by("session_hash", hosts, held, 20_500, pol, session=s, unavailable=frozenset({d.host}))
         assert down is not None and down.host == directory_host(s, sorted(set("abc") - {d.host})), down
+        # A conversation of the session other than its main one (node.mesh.threads' key) goes where the id sent does.
+        sub = choose_by("session_hash", hosts, {}, 1, pol, session=f"{s}#0badcafe", group=s)
+        assert sub is not None and sub.host == d.host, sub
     assert [choose_by("round_robin", hosts, held, 1, pol, turn=i).host for i in range(4)] == ["a", "b", "c", "a"]  # type: ignore[union-attr]
     assert choose_by("least_loaded", hosts, held, 1, pol).host == "c"  # type: ignore[union-attr]
     hosts["a"] = HostLoad("a", 2, 2, 6, 1.0, PREFILL, 1e9)  # the home's queue: 3.5 s
