@@ -101,8 +101,7 @@ def cmd_load(args: argparse.Namespace) -> int:
                 print("kvmesh load: " + ("--copies must be above 0" if reqs else "no request in the trace's first "
                                          f"{args.span} s"), file=sys.stderr)
                 return 2
-            if args.copies != 1:
-                reqs = scale_trace(reqs, args.copies, max(r.t for r in reqs) or 1.0, random.Random(args.seed))
+            reqs = scale_trace(reqs, args.copies, max(r.t for r in reqs) or 1.0, random.Random(args.seed))
             stats = asyncio.run(runner.replay_requests(reqs[: args.limit], block_chars=args.block_chars,
                                                        until_s=args.until, one_session_id=args.one_session_id))
         else:

@@ -67,6 +67,8 @@ class TraceRequest:
     think_s: float = 0.0  # sent at least this long after the client's previous reply (closed loop)
     client: str = ""  # who sends it: one request at a time per client ("": the session is the client)
     conversation: str = ""  # its prefix thread within the session ("": the session is the one thread)
+    # False when `t` counts from its session's own start, which the trace does not record (Claude Code's)
+    start_known: bool = True
 
     @property
     def thread(self) -> str:
@@ -215,7 +217,8 @@ def _claude_conversation(out: list[TraceRequest], requests: list[Any], where: st
         think = r.get("think_time") or 0.0
         out.append(TraceRequest(t=t0 + r["t"], session=session, turn=turn, input_length=r["in"], output_length=max(1, r["out"]),
                                 blocks=tuple(mine), shared=min(shared * TRACE_BLOCK_TOKENS, r["in"]),
-                                think_s=float(think) if turn else 0.0, client=conv, conversation=conv))
+                                think_s=float(think) if turn else 0.0, client=conv, conversation=conv,
+                                start_known=False))
         prev, turn = tuple(mine), turn + 1
 
 
@@ -249,10 +252,12 @@ def agent_trace(*, agents: int, duration_s: float, seed: int = 1, system_tokens:
 
 
 def scale_trace(requests: list[TraceRequest], factor: float, span_s: float, rng: random.Random) -> list[TraceRequest]:
-    """The trace's sessions `factor` times over: whole copies (the first as it is, each other's
-    sessions shifted within the span, a session's conversations together, with their own ids and
-    blocks), then a random share of the sessions for the fraction left (below 1: a random share of
-    the trace itself)."""
+    """The trace's sessions `factor` times over: whole copies (each session shifted by its own random
+    offset within the span, wrapping round, a session's conversations together; copies after the first
+    with their own ids and blocks), then a random share of the sessions for the fraction left (below 1:
+    a random share of the trace itself). A session whose start the trace records keeps it in the first
+    copy; one whose times count from its own start (Claude Code's) is shifted there too: starting them
+    all at 0 would be a burst of every session at once that the trace never recorded."""
     top = 1 + max(b for r in requests for b in r.blocks)
     by_session: dict[str, list[TraceRequest]] = defaultdict(list)  # a session's clients (its subagents) move together
     for r in requests:
@@ -263,12 +268,15 @@ def scale_trace(requests: list[TraceRequest], factor: float, span_s: float, rng:
         for reqs in by_session.values():
             if keep < 1.0 and rng.random() >= keep:
                 continue
-            if c == 0:
+            if c == 0 and reqs[0].start_known:
                 out += reqs
                 continue
             shift = rng.uniform(0, span_s)
             if reqs[0].t + shift >= span_s:
                 shift -= span_s
+            if c == 0:
+                out += [dataclasses.replace(r, t=max(0.0, r.t + shift)) for r in reqs]
+                continue
             out += [dataclasses.replace(r, t=max(0.0, r.t + shift), session=f"{r.session}#{c}",
                                         client=f"{r.client}#{c}" if r.client else "",
                                         conversation=f"{r.conversation}#{c}" if r.conversation else "",

@@ -136,3 +136,23 @@ def test_a_replayed_conversation_s_prompt_grows_as_a_client_s_history_does() -> 
     other = TracePrompts(64).prompt(req("b", (1, 2, 3), 1536))  # another conversation, the same ids: the same text
     assert other.startswith(first)
     assert tp.prompt(req("c", (1, 2, 4, 5), 2048))[:len(grown)] == grown
+
+
+def test_scaling_spreads_sessions_whose_start_the_trace_does_not_record() -> None:
+    """scale_trace: Claude Code's sessions (times from their own start) are shifted within the span in the first
+    copy too, subagents with their parent; Mooncake's (absolute times) keep theirs in it."""
+    import random
+
+    from kvmesh.node.lab.workload import scale_trace
+
+    cc = read_trace(CLAUDE_CODE)
+    out = scale_trace(cc, 1.0, 100.0, random.Random(3))
+    assert len(out) == len(cc) and all(not r.start_known for r in out)
+    key = {(r.thread, r.turn): r.t for r in cc}
+    first = {s: min((r for r in cc if r.session == s), key=lambda r: r.t) for s in {r.session for r in cc}}
+    shift = {s: next(o.t for o in out if (o.thread, o.turn) == (f.thread, f.turn)) - f.t for s, f in first.items()}
+    assert all(s != 0 for s in shift.values()) and len(set(shift.values())) == len(shift)
+    for r in out:  # every request of a session moved by its session's shift (subagents with their parent)
+        assert r.t == max(0.0, key[(r.thread, r.turn)] + shift[r.session])
+    mc = read_trace("mooncake")[:200]
+    assert scale_trace(mc, 1.0, 100.0, random.Random(3)) == sorted(mc, key=lambda r: r.t)
