@@ -166,14 +166,19 @@ def test_a_turn_through_an_entry_that_has_not_polled_the_home_yet_is_placed_and_
 
 def test_mesh_policy_session_hash_places_every_turn_by_the_hash_and_pushes_no_replica(make_mesh) -> None:  # type: ignore[no-untyped-def]
     """mesh.policy = "session_hash": each session's turns, through every entry, run on its rendezvous-hash host
-    (kvmesh would put new sessions by load and spread), and no replica is pushed anywhere."""
+    (kvmesh would put new sessions by load and spread), a second conversation under its id (a subagent) with
+    them, and no replica is pushed anywhere."""
     from kvmesh.node.mesh.directory import directory_host
 
     m: Mesh = make_mesh(mesh={"policy": "session_hash"})
     for i in range(4):
         conv = Conversation(f"hashed-{i}", seed=300 + i)
+        sub = Conversation(conv.session, seed=400 + i)  # its own system prompt: another conversation of the id
         want = directory_host(conv.session, m.names)
         for entry in m.names:
-            t = m.turn(conv, entry)
-            assert t.status == 200 and t.host == want, (conv.session, entry, t.host, want)
+            for c in (conv, sub):
+                t = m.turn(c, entry)
+                assert t.status == 200 and t.host == want, (c.session, entry, t.host, want)
+        keys = {s["session"] for s in m.cluster(want)["sessions"] if s.get("group") == conv.session}
+        assert len(keys) == 2, keys  # the node told the two conversations apart, and hashed the id for both
     assert all(m.transfers_in(h, src) == 0 for h in m.names for src in m.names if src != h)
