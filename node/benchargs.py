@@ -132,7 +132,9 @@ def add_bench_policies(bsub: Subparsers) -> None:
     b.add_argument("--loads", type=_float_list, default=[0.5, 1.2], help="offered load per host, e.g. 0.5,1.2")
     b.add_argument("--policies", type=lambda v: [p for p in v.split(",") if p], default=["kvmesh", "session_hash"],
                    help=f"comma-separated, of {', '.join(POLICIES)}")
-    b.add_argument("--span", type=float, default=600.0, help="the trace's first SPAN seconds")
+    b.add_argument("--span", type=float, default=None,
+                   help="the trace's first SPAN seconds, copied to the load over SPAN (default: --duration, "
+                        "so a run replays all it sizes)")
     b.add_argument("--duration", type=float, default=120.0, help="seconds each run sends requests")
     b.add_argument("--block-chars", type=int, default=64, help="prompt characters (sim tokens) per 512-token block")
     b.add_argument("--max-tokens", type=int, default=64, help="reply tokens at most")

@@ -75,6 +75,8 @@ def _one(args: argparse.Namespace, reqs: list[TraceRequest], policy: str, load: 
 
 def run_policies(args: argparse.Namespace) -> int:
     unknown = sorted(set(args.policies) - set(POLICIES))
+    if args.span is None:
+        args.span = args.duration
     if unknown or not args.policies or args.hosts < 1 or args.span <= 0 or args.duration <= 0:
         why = f"unknown policy {', '.join(unknown)} (one of {', '.join(POLICIES)})" if unknown else \
             "--policies, --hosts, --span and --duration must be given and above 0"
