@@ -274,12 +274,10 @@ def scale_trace(requests: list[TraceRequest], factor: float, span_s: float, rng:
             shift = rng.uniform(0, span_s)
             if reqs[0].t + shift >= span_s:
                 shift -= span_s
-            if c == 0:
-                out += [dataclasses.replace(r, t=max(0.0, r.t + shift)) for r in reqs]
-                continue
-            out += [dataclasses.replace(r, t=max(0.0, r.t + shift), session=f"{r.session}#{c}",
-                                        client=f"{r.client}#{c}" if r.client else "",
-                                        conversation=f"{r.conversation}#{c}" if r.conversation else "",
+            tag = f"#{c}" if c else ""  # the first copy keeps its ids and blocks
+            out += [dataclasses.replace(r, t=max(0.0, r.t + shift), session=f"{r.session}{tag}",
+                                        client=f"{r.client}{tag}" if r.client else "",
+                                        conversation=f"{r.conversation}{tag}" if r.conversation else "",
                                         blocks=tuple(b + c * top for b in r.blocks)) for r in reqs]
     return sorted(out, key=lambda r: r.t)
 
