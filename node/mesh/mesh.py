@@ -34,6 +34,7 @@ from kvmesh.node.mesh.placement import (
     predict_next,
 )
 from kvmesh.node.mesh.sessions import SessionBook
+from kvmesh.node.mesh.threads import KnownThreads
 from kvmesh.node.protocol import (
     ClusterView,
     DirectoryEntry,
@@ -99,6 +100,7 @@ class Mesh:
         self._members_version, self._members = -1, tuple[str, ...]()
         self._directory: dict[str, str] = {}
         self.book = SessionBook()
+        self.known_threads = KnownThreads(cap_sessions=self.book.cap)  # every entry names a conversation alike
         self.draining = False
         self.policy = Policy(cfg.warm_fraction, cfg.cold_move_after_s, engine.kv_bytes_per_token)
         self.policy_name = cfg.policy  # mesh.policy: kvmesh, or a baseline (node.mesh.placement.choose_by)
@@ -122,6 +124,7 @@ class Mesh:
     def _heard(self, peer: str, sessions: list[SessionHolding]) -> None:
         """A peer reported these sessions: one homed there since it was last homed here is not ours any more."""
         for sh in sessions:
+            self.known_threads.heard(sh.group or sh.session, sh.session, sh.opening)
             rec = self.book.records.get(sh.session)
             if rec is not None and rec.home_seq and sh.home_seq > rec.home_seq and not rec.rehomed:
                 rec.rehomed = True
@@ -194,12 +197,16 @@ class Mesh:
         """Whether any host is known to have run this session (as far as this node has heard)."""
         return any(h.home_seq > 0 for h in self.holdings(session).values())
 
-    def opening_of(self, session: str) -> str:
-        """The signature of conversation `session` as any host that ran it keeps it ("": none heard of)."""
-        rec = self.book.records.get(session)
-        if rec is not None and rec.opening:
-            return rec.opening
-        return next((sh.opening for p in self.peers.peers.values() if (sh := p.sessions.get(session)) and sh.opening), "")
+    def conversations_of(self, group: str) -> dict[str, str]:
+        """The conversations of session id `group` this node has heard of: key -> signature (node.mesh.threads)."""
+        out = dict(self.known_threads.of(group))
+        if group not in out:  # its main one may be known only from a lookup (refresh), which is not a push
+            rec = self.book.records.get(group)
+            main = rec.opening if rec is not None and rec.opening else next(
+                (sh.opening for p in self.peers.peers.values() if (sh := p.sessions.get(group)) and sh.opening), "")
+            if main:
+                out[group] = main
+        return out
 
     def next_seq(self, session: str) -> int:
         return next_seq(self.holdings(session))

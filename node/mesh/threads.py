@@ -16,16 +16,20 @@ its own inside kvmesh (engine cache, replica, store, handoffs and placement all 
 
 Sans-I/O, LRU-capped. Every entry must name a conversation alike, so the host that runs a
 turn keeps its conversation's `signature` in its session record, pushed to its peers like the
-rest of its state: an entry meeting a session id it has not seen is seeded with the main
-conversation's signature the mesh knows (`known`), and only a session nobody knows takes its
-first turn here as main. A session keeps at most `max_threads` conversations; past that its
-least recently used one (never the main) is handed to `on_forget`.
+rest of its state, and `KnownThreads` indexes what a node has heard of them by session id.
+A turn whose opening no conversation of this entry owns is matched against those first
+(`known`): the entry meeting a session id it has not seen takes the mesh's main conversation
+as its own, and a conversation opened at another entry keeps the key it got there. That is
+what keeps a client that sends its history as one growing message on one key: the opening of
+its fifth turn hashes to another key than its first, but the first's signature owns it. Only a
+conversation nobody knows is keyed here. A session keeps at most `max_threads` conversations;
+past that its least recently used one (never the main) is handed to `on_forget`.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import xxhash
@@ -72,6 +76,12 @@ def _digest(text: str) -> int:
     return xxhash.xxh64_intdigest(text.encode("utf-8", "surrogatepass"))
 
 
+def _adopted(session: str, op: Opening, known: Mapping[str, str]) -> _Thread | None:
+    """The conversation of `session` the mesh knows that owns `op`: the one opened with most of it."""
+    owners = [t for k, sig in known.items() if (t := _Thread.parse(k, sig)) is not None and t.owns(op)]
+    return max(owners, key=lambda t: t.chars, default=None)
+
+
 def thread_key(group: str, op: Opening) -> str:
     """The key of a conversation of `group` other than its main one."""
     suffix = "#" + f"{_digest(op.head + chr(0) + op.first):016x}"[:8]
@@ -97,22 +107,25 @@ class Threads:
     def knows(self, session: str) -> bool:
         return session in self._groups
 
-    def key(self, session: str, op: Opening | None, known: str = "") -> str:
+    def key(self, session: str, op: Opening | None, known: Mapping[str, str] | None = None) -> str:
         """The conversation key for a turn of `session` that opened with `op` (None: a request with no
-        conversation structure, such as a raw prompt, keeps the session's own key); `known` is the
-        signature of the session's main conversation as the mesh knows it, for a session new here."""
+        conversation structure, such as a raw prompt, keeps the session's own key); `known` maps the keys
+        of the session's conversations the mesh knows to their signatures (KnownThreads.of)."""
         if op is None:
             return session
+        known = known or {}
         g = self._groups.get(session)
         if g is None:
             g = self._groups[session] = _Group()
-            if known and (main := _Thread.parse(session, known)) is not None:
-                g.threads[session] = main
+            if (sig := known.get(session)) and (main := _Thread.parse(session, sig)) is not None:
+                g.threads[session] = main  # the main conversation is the mesh's, whether or not this turn is of it
             while len(self._groups) > self.cap_sessions:
                 self._groups.popitem(last=False)
         else:
             self._groups.move_to_end(session)
         t = next((t for t in reversed(g.threads.values()) if t.owns(op)), None)
+        if t is None:
+            t = _adopted(session, op, known)
         if t is None:
             key = session if not g.threads else thread_key(session, op)
             first = op.first[:OPENING_CHARS]
@@ -140,3 +153,32 @@ class Threads:
         """The conversation keys this entry knows under `session`, least recently used first."""
         g = self._groups.get(session)
         return list(g.threads) if g is not None else []
+
+
+class KnownThreads:
+    """The conversations of each session id this node has heard of, from its own turns and its peers'
+    pushed state: session id -> {conversation key: signature}, LRU-capped both ways. A signature may
+    be stale (the conversation forgotten since); matching it names the conversation as it was named."""
+
+    def __init__(self, cap_sessions: int = 100_000, per_session: int = 64):
+        self.cap_sessions, self.per_session = cap_sessions, per_session
+        self._groups: collections.OrderedDict[str, collections.OrderedDict[str, str]] = collections.OrderedDict()
+
+    def heard(self, group: str, key: str, signature: str) -> None:
+        """Conversation `key` of session id `group` opened as `signature` says ("" tells nothing)."""
+        if not signature:
+            return
+        g = self._groups.get(group)
+        if g is None:
+            g = self._groups[group] = collections.OrderedDict()
+            while len(self._groups) > self.cap_sessions:
+                self._groups.popitem(last=False)
+        else:
+            self._groups.move_to_end(group)
+        g[key] = signature
+        g.move_to_end(key)
+        while len(g) > self.per_session:
+            g.popitem(last=False)
+
+    def of(self, group: str) -> Mapping[str, str]:
+        return self._groups.get(group, {})

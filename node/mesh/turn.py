@@ -125,7 +125,7 @@ class TurnPath:
             # New to this entry: which of its conversations is the main one, if another entry saw it open.
             await self.mesh.refresh(group)
             looked_up = True
-        req.session = self.threads.key(group, opening, self.mesh.opening_of(group))
+        req.session = self.threads.key(group, opening, self.mesh.conversations_of(group))
         # Without a mesh secret peers cannot vouch for the client: its API key goes along.
         keys = {k: headers[k] for k in CLIENT_KEY_HEADERS if k in headers}
         turn = EntryTurn(self, req, hop_body, stream, new_parser, source, keys, path, group,
@@ -228,6 +228,7 @@ class HostTurn:
                                ttft_s=round(stats.ttft_s, 4), total_s=round(stats.total_s, 4), turn_seq=self.seq))
         handoff = self._handoff(stats)
         p.mesh.book.turn_served(req.session, stats.prompt_tokens, handoff, self.seq, self.source, self.group, self.opening)
+        p.mesh.known_threads.heard(self.group or req.session, req.session, self.opening)
         self._replicate(stats.total_s)
 
     def _handoff(self, stats: TurnStats) -> HandoffRecord | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvmesh.node.api.sessionid import opening_of
-from kvmesh.node.mesh.threads import MAX_KEY_BYTES, Opening, Threads, thread_key
+from kvmesh.node.mesh.threads import MAX_KEY_BYTES, KnownThreads, Opening, Threads, thread_key
 
 MAIN = Opening("sys-main", "Fix the failing test.")
 
@@ -80,6 +80,36 @@ def test_an_entry_new_to_a_session_is_seeded_with_the_main_conversation_the_mesh
     a, b = Threads(), Threads()
     a.key("cc-1", MAIN)
     sub = Opening("sys-explore", "find the bug")
-    assert b.key("cc-1", sub, known=a.signature("cc-1", "cc-1")) == a.key("cc-1", sub) != "cc-1"
+    assert b.key("cc-1", sub, known={"cc-1": a.signature("cc-1", "cc-1")}) == a.key("cc-1", sub) != "cc-1"
     assert b.key("cc-1", Opening(MAIN.head, MAIN.first + " and more")) == "cc-1"
-    assert Threads().key("cc-1", sub, known="garbage") == "cc-1"  # an unreadable signature seeds nothing
+    assert Threads().key("cc-1", sub, known={"cc-1": "garbage"}) == "cc-1"  # an unreadable signature seeds nothing
+
+
+def test_a_growing_conversation_opened_at_another_entry_keeps_its_key_here() -> None:
+    """A one-message client's rewritten history (a compaction) keyed at entry a: its later, longer turns arriving
+    at entry b, which knows the session but never saw that conversation open, get a's key, not one of their own."""
+    a, b, heard = Threads(), Threads(), KnownThreads()
+    first = Opening("", "turn one")
+    for t in (a, b):
+        t.key("s", first)
+    compacted = a.key("s", Opening("", "summary of it all"))
+    assert compacted != "s"
+    heard.heard("s", "s", a.signature("s", "s"))
+    heard.heard("s", compacted, a.signature("s", compacted))
+    later = Opening("", "summary of it all, then turn two, then turn three")
+    assert thread_key("s", later) != compacted  # what b would mint alone
+    assert b.key("s", later, known=heard.of("s")) == compacted
+    assert b.key("s", Opening("", "turn one, reply, turn two"), known=heard.of("s")) == "s"
+    assert b.key("s", Opening("", "something else"), known=heard.of("s")) not in ("s", compacted)
+
+
+def test_the_heard_conversations_are_bounded_per_session_and_in_sessions() -> None:
+    """The index keeps the latest signatures: at most per_session conversations of a session, cap_sessions sessions."""
+    heard = KnownThreads(cap_sessions=2, per_session=2)
+    for k in ("s", "s#1", "s#2"):
+        heard.heard("s", k, "1:0:")
+    heard.heard("s", "s#3", "")  # tells nothing
+    assert list(heard.of("s")) == ["s#1", "s#2"]
+    heard.heard("t", "t", "1:0:")
+    heard.heard("u", "u", "1:0:")
+    assert not heard.of("s") and list(heard.of("u")) == ["u"]

@@ -12,6 +12,7 @@ from typing import Any
 import anthropic
 import httpx
 
+from kvmesh.node.lab.launcher import wait_for
 from kvmesh.node.lab.workload import text
 
 from .helpers import MODEL, Mesh
@@ -80,3 +81,31 @@ def test_every_entry_names_a_sessions_conversations_alike(shared_mesh: Mesh) -> 
     key2, prompt, cached = main.turn(m, "c", "Now run the tests.")
     assert key2 == session
     assert cached >= 0.9 * prompt, (cached, prompt)
+
+
+def test_a_one_message_client_keeps_its_rewritten_conversation_through_every_entry(shared_mesh: Mesh) -> None:
+    """A client sending its whole history as one growing message, after a compaction keyed at entry a, goes on
+    through b and c under the same key, its cache reused: an entry that never saw that conversation open
+    matches the signature the mesh pushed, instead of taking each longer turn for a new conversation."""
+    m, rng = shared_mesh, random.Random(33)
+    session = "one-msg-" + uuid.uuid4().hex[:10]
+
+    def turn(entry: str, prompt: str) -> tuple[str, int, int]:
+        raw = m.client(entry).chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": prompt}],
+            extra_headers={"X-Session-Id": session})
+        usage = raw.parse().usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return raw.headers["x-session-id"], usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
+
+    history = "You are an agent. " + text(rng, 6000)
+    assert turn("a", history)[0] == session
+    summary = "Summary of the work so far. " + text(rng, 6000)  # the history rewritten: another conversation
+    key, _, _ = turn("a", summary)
+    assert key.startswith(session + "#")
+    wait_for(lambda: all(m.session_info(e, key) for e in ("b", "c")), "b and c to hear of the rewritten conversation")
+    for entry in ("b", "c", "a"):
+        summary += " " + text(rng, 400)
+        got, prompt, cached = turn(entry, summary)
+        assert got == key, (entry, got, key)
+        assert cached >= 0.9 * prompt, (entry, cached, prompt)
