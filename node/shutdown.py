@@ -8,15 +8,23 @@ finish; turns a client still sends here are placed on peers, as any drained host
 exits once no turn runs or waits and the drain's pushes are done, or at `drain_timeout_s`,
 whichever comes first. A second signal, or the deadline, exits at once: nothing is lost then
 but warmth (a session whose push had not landed recomputes on its next host).
+
+The exit itself is bounded too: once the drain has told the server to stop, a watchdog
+(faulthandler) gives the rest of the deadline plus `exit_grace_s`, then writes every thread's
+stack to the log and ends the process. A stop step that hangs (a connection that never closes,
+a thread stuck in a socket call that the interpreter would join at exit) shows in the log with
+where it hung, instead of a node that said "exiting" and stayed up until something killed it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import math
 import signal
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 log = logging.getLogger("kvmesh.shutdown")
@@ -43,8 +51,12 @@ class Drainable(Protocol):
 class WarmStop:
     """The signal handler's state: one drain, then the exit (or at once on a second signal)."""
 
-    def __init__(self, node: Drainable, server: Exitable, timeout_s: float, *, poll_s: float = 0.1) -> None:
+    def __init__(self, node: Drainable, server: Exitable, timeout_s: float, *, poll_s: float = 0.1,
+                 exit_grace_s: float = 8.0, watchdog: Callable[[float], None] | None = None) -> None:
+        """`watchdog(after_s)` is armed once the server is told to stop (`exit_watchdog` in a node's own process;
+        None where the process is not the node's alone, as in tests)."""
         self.node, self.server, self.timeout_s, self.poll_s = node, server, timeout_s, poll_s
+        self.exit_grace_s, self.watchdog = exit_grace_s, watchdog
         self.task: asyncio.Task[None] | None = None
         self.signals = 0
 
@@ -58,6 +70,7 @@ class WarmStop:
             log.warning("node %s: %s again: exiting now, without waiting for the drain", self.node.name,
                         signal.Signals(sig).name)
             self.server.force_exit = self.server.should_exit = True
+            self._arm(self.exit_grace_s)
             return
         log.warning("node %s: %s: draining (not ready, pushing sessions, finishing turns; at most %.0fs)",
                     self.node.name, signal.Signals(sig).name, self.timeout_s)
@@ -80,6 +93,18 @@ class WarmStop:
             log.exception("node %s: the drain failed; exiting", self.node.name)
         # Streams still open (a relay of a turn running elsewhere) get what is left of the deadline.
         config = getattr(self.server, "config", None)
+        left = max(1, math.ceil(deadline - time.monotonic()))
         if config is not None:
-            config.timeout_graceful_shutdown = max(1, math.ceil(deadline - time.monotonic()))
+            config.timeout_graceful_shutdown = left
         self.server.should_exit = True
+        self._arm(left + self.exit_grace_s)
+
+    def _arm(self, after_s: float) -> None:
+        if self.watchdog is not None:
+            log.info("node %s: exiting; a process still up in %.0fs dumps its threads and ends", self.node.name, after_s)
+            self.watchdog(after_s)
+
+
+def exit_watchdog(after_s: float) -> None:
+    """Still running `after_s` from now: every thread's stack to stderr (the node's log), then exit 1."""
+    faulthandler.dump_traceback_later(after_s, exit=True)

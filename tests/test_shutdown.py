@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 from kvmesh.node.shutdown import WarmStop
@@ -65,3 +68,30 @@ def test_a_second_signal_forces_the_exit() -> None:
         stop.task.cancel()
         return server
     asyncio.run(main())
+
+
+def test_a_node_whose_exit_hangs_is_ended_with_its_stacks_in_the_log(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """After the drain tells the server to stop, a process still up past the rest of the deadline plus exit_grace_s
+    writes every thread's stack to stderr and exits 1 (here the main thread blocks, as a stuck stop step would)."""
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import asyncio, time\n"
+        "from types import SimpleNamespace\n"
+        "from kvmesh.node.shutdown import WarmStop, exit_watchdog\n"
+        "class N:\n"
+        "    name, stopping = 'n', False\n"
+        "    async def begin_drain(self): pass\n"
+        "    def drain_pending(self): return None\n"
+        "async def main():\n"
+        "    s = WarmStop(N(), SimpleNamespace(should_exit=False, force_exit=False), timeout_s=0.1, poll_s=0.01,\n"
+        "                 exit_grace_s=0.5, watchdog=exit_watchdog)\n"
+        "    s.on_signal()\n"
+        "    await s.task\n"
+        "asyncio.run(main())\n"
+        "def stuck_in_a_stop_step(): time.sleep(60)\n"
+        "stuck_in_a_stop_step()\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert time.monotonic() - t0 < 30
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "stuck_in_a_stop_step" in r.stderr and "Timeout" in r.stderr

@@ -3,6 +3,8 @@ their next hosts, the node exits on its own, and under load no client turn fails
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
 import time
 from typing import Any
@@ -72,7 +74,12 @@ def test_sigterm_drains_warm_under_load(make_mesh) -> None:  # type: ignore[no-u
                          timeout=5)
         assert ready.json()["status"] == "stopping" and httpx.get(api + "/health", timeout=2).status_code == 200
         assert proc.proc is not None
-        code = proc.proc.wait(60)
+        try:
+            code = proc.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.proc.send_signal(signal.SIGUSR1)  # its threads' stacks into its log, for the failure's report
+            time.sleep(1)
+            raise AssertionError(f"node {victim} did not exit within 60 s of SIGTERM; log:\n{proc.tail(200)}") from None
         took = time.monotonic() - t0
         lt.join(30)
     finally:
