@@ -20,6 +20,7 @@ from kvmesh.node.config import MeshConfig
 from kvmesh.node.engine.boundary import EngineAPI
 from kvmesh.node.mesh.admission import Admission, Refusal, admit
 from kvmesh.node.mesh.auth import peer_token
+from kvmesh.node.mesh.clusterview import assemble
 from kvmesh.node.mesh.directory import directory_host
 from kvmesh.node.mesh.peers import PeerTable
 from kvmesh.node.mesh.placement import (
@@ -39,12 +40,10 @@ from kvmesh.node.protocol import (
     ClusterView,
     DirectoryEntry,
     Event,
-    HandoffCounters,
     HostInfo,
     LinkInfo,
     PeerStatus,
     SessionHolding,
-    SessionInfo,
 )
 
 MAX_REFUSED_TRACKED = 10_000  # sessions whose refusal time is kept (oldest forgotten first)
@@ -357,30 +356,7 @@ class Mesh:
             else:
                 h = HostInfo(name=p.name, api=p.cfg.api, reachable=False)
             hosts.append(h)
-        by_session: dict[str, dict[str, SessionHolding]] = collections.defaultdict(dict)
-        for host, st in statuses.items():
-            for sh in st.sessions:
-                by_session[sh.session][host] = sh
-        sessions = [_session_info(s, held, now) for s, held in sorted(by_session.items())]
-        counters = HandoffCounters()
-        links: dict[tuple[str, str], LinkInfo] = {}
-        for host, st in statuses.items():
-            for f in ("warm", "partial", "cold", "stale_state_cold"):
-                setattr(counters, f, getattr(counters, f) + getattr(st.counters, f))
-            for reason, n in st.counters.shortfall.items():
-                counters.shortfall[reason] = counters.shortfall.get(reason, 0) + n
-            for li in st.links:
-                # Transfer figures come from the sender's report, handoff counts from the receiver's.
-                cur = links.setdefault((li.src, li.dst), LinkInfo(src=li.src, dst=li.dst))
-                if li.src == host:
-                    cur.bytes_sent, cur.transfers, cur.throughput_bps = li.bytes_sent, li.transfers, li.throughput_bps
-                    cur.last_transfer_s, cur.last_transfer_bytes = li.last_transfer_s, li.last_transfer_bytes
-                    cur.goodput_gbps = li.goodput_gbps
-                if li.dst == host:
-                    cur.warm, cur.partial, cur.cold = li.warm, li.partial, li.cold
-        return ClusterView(node=self.name, ts=now, hosts=sorted(hosts, key=lambda h: h.name),
-                               sessions=sessions, links=sorted(links.values(), key=lambda li: (li.src, li.dst)),
-                               counters=counters)
+        return assemble(self.name, now, statuses, hosts)
 
 
 def _holds(sh: SessionHolding) -> bool:
@@ -391,27 +367,3 @@ def _holds(sh: SessionHolding) -> bool:
 def _holding(sh: SessionHolding) -> Holding:
     return Holding(sh.resident_tokens, sh.store_tokens, sh.inbound_tokens, sh.inbound_eta_s or 0.0, sh.home_seq,
                    sh.turn_seq)
-
-
-def _session_info(session: str, held: dict[str, SessionHolding], now: float) -> SessionInfo:
-    home = max(held, key=lambda h: (held[h].home_seq, h))
-    if held[home].home_seq == 0:
-        home = None  # type: ignore[assignment]
-    home_tokens = held[home].resident_tokens if home else 0
-    others = [(max(sh.store_tokens, sh.resident_tokens), h) for h, sh in held.items() if h != home]
-    replica_tokens, replica_host = max(others, default=(0, None))
-    rep = held.get(replica_host) if replica_host else None
-    age = now - rep.store_updated if rep is not None and rep.store_updated else None
-    last = held[home] if home else None
-    return SessionInfo(
-        session=session, home=home, resident_tokens=home_tokens,
-        replica_host=replica_host if replica_tokens else None, replica_tokens=replica_tokens,
-        replica_behind_tokens=max(0, home_tokens - replica_tokens) if replica_tokens else 0,
-        replica_age_s=round(age, 2) if age is not None else None,
-        last_handoff=last.last_handoff if last else None,
-        turns=sum(sh.turns for sh in held.values()), moves=sum(sh.moves for sh in held.values()),
-        last_turn_at=max((sh.last_turn_at for sh in held.values()), default=0.0),
-        home_seq=held[home].home_seq if home else 0,
-        id_source=last.id_source if last and last.id_source else next((sh.id_source for sh in held.values() if sh.id_source), ""),
-        group=last.group if last and last.group else next((sh.group for sh in held.values() if sh.group), ""),
-    )

@@ -21,7 +21,7 @@ WALL_CLOCK_ALLOWED: dict[tuple[str, str, str], str] = {
         "display: replica age in Handoff events; the manifest's stamp must survive restarts",
     ("node/kvshare/store/index.py", "_scan", "sorted(found, key=lambda e: e.manifest.updated)"):
         "persisted: LRU order rebuilt at start from stamps that must survive restarts; a jump only reorders evictions",
-    ("node/mesh/mesh.py", "_session_info", "now - rep.store_updated"):
+    ("node/mesh/clusterview.py", "_session_info", "now - rep.store_updated"):
         "display: the cluster view's replica age",
 }
 
