@@ -1,5 +1,5 @@
 """The house budgets hold: no source module in node/ or console/ over 500 lines, no class over 300, no function over 60
-without a why-comment."""
+without a why-comment; and no `asyncio.wait_for`, which on Python 3.11 drops a cancel that lands as its awaitable ends."""
 
 from __future__ import annotations
 
@@ -81,3 +81,12 @@ def test_the_function_check_sees_what_it_should() -> None:
     assert long_functions(bare) == [("f", 1, 61)]
     assert long_functions(explained) == []
     assert long_functions(short) == []
+
+
+def test_no_asyncio_wait_for() -> None:
+    """No node/ or console/ code bounds an await with asyncio.wait_for (3.11 drops a cancel that lands as the awaitable
+    completes: a node's stop once waited for good on such a loop); `async with asyncio.timeout(...)` instead."""
+    uses = [f"{p.relative_to(REPO).as_posix()}:{n.lineno}" for p in _sources() for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.Attribute) and n.attr == "wait_for" and isinstance(n.value, ast.Name)
+            and n.value.id == "asyncio"]
+    assert uses == []

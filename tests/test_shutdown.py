@@ -95,3 +95,28 @@ def test_a_node_whose_exit_hangs_is_ended_with_its_stacks_in_the_log(tmp_path) -
     assert time.monotonic() - t0 < 30
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert "stuck_in_a_stop_step" in r.stderr and "Timeout" in r.stderr
+
+
+def test_a_node_whose_exit_waits_on_an_await_logs_where() -> None:
+    """While the exit waits on a coroutine (a stop step awaiting what never comes), every task's await chain is logged."""
+    script = (
+        "import asyncio, logging\n"
+        "from types import SimpleNamespace\n"
+        "from kvmesh.node.shutdown import WarmStop, exit_watchdog\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "class N:\n"
+        "    name, stopping = 'n', False\n"
+        "    async def begin_drain(self): pass\n"
+        "    def drain_pending(self): return None\n"
+        "async def stuck_on_an_await(): await asyncio.sleep(60)\n"
+        "async def main():\n"
+        "    s = WarmStop(N(), SimpleNamespace(should_exit=False, force_exit=False), timeout_s=0.1, poll_s=0.01,\n"
+        "                 exit_grace_s=1.0, watchdog=exit_watchdog, report_every_s=0.2)\n"
+        "    s.on_signal()\n"
+        "    await s.task\n"
+        "    await asyncio.create_task(stuck_on_an_await(), name='the-stop-step')\n"
+        "asyncio.run(main())\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "the exit still waits; 0 connections open: none" in r.stderr, r.stderr
+    assert "task the-stop-step at" in r.stderr and "stuck_on_an_await" in r.stderr, r.stderr

@@ -66,7 +66,8 @@ class SlotScheduler:
         self._waiters.append(fut)
         self._waiting_tokens[fut] = prefill_tokens
         try:
-            slot = await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
+            async with asyncio.timeout(self.queue_timeout_s):  # not wait_for: see node.mesh.statestream
+                slot = await asyncio.shield(fut)
         except TimeoutError:
             if fut.done() and not fut.cancelled():
                 self.release(fut.result(), finished=False)  # handed over just as we gave up

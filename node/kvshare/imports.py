@@ -168,7 +168,8 @@ class Imports:
                          ib.tokens, rest_s, rest_tokens / max(prefill, 1.0))
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ib.arrived.wait(), min(INBOUND_CHECK_S, t0 + MAX_INBOUND_WAIT_S - now))
+                async with asyncio.timeout(min(INBOUND_CHECK_S, t0 + MAX_INBOUND_WAIT_S - now)):
+                    await ib.arrived.wait()
         log.info("turn of %s waited %.2fs for its replica from %s to land", session, time.monotonic() - t0, ib.src)
 
     async def _import_from_store(self, session: str, prompt: np.ndarray, hashes: list[bytes]) -> int:

@@ -163,7 +163,8 @@ class LoadRunner:
 
     async def _sleep(self, s: float) -> None:
         try:
-            await asyncio.wait_for(self._stop.wait(), s)
+            async with asyncio.timeout(s):  # not wait_for: see node.mesh.statestream
+                await self._stop.wait()
         except TimeoutError:
             pass
 

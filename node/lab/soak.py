@@ -130,7 +130,8 @@ class Soak:
         sample once past the warm-up with every store full (or at steady_by, whichever first)."""
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), every_s)
+                async with asyncio.timeout(every_s):  # not wait_for: see node.mesh.statestream
+                    await stop.wait()
             except TimeoutError:
                 await asyncio.to_thread(self.take, "latest")
                 full = await asyncio.to_thread(self.stores_full)

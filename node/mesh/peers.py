@@ -35,6 +35,7 @@ from kvmesh.node.protocol import (
 )
 
 log = logging.getLogger("kvmesh.mesh.peers")
+STOP_WAIT_S = 5.0  # how long stop() waits for its cancelled tasks
 
 
 @dataclass
@@ -84,7 +85,11 @@ class PeerTable:
         tasks = [t for _, t in self._streams.values()] + ([self._task] if self._task else [])
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Bounded: a node's stop must not wait for good on a task that did not take its cancel.
+        pending = (await asyncio.wait(tasks, timeout=STOP_WAIT_S))[1] if tasks else set()
+        for t in pending:
+            log.warning("peer task %s did not end within %.0fs of its cancel; stopping without it", t.get_name(),
+                        STOP_WAIT_S)
         if self._client:
             await self._client.aclose()
 

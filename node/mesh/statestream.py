@@ -110,7 +110,10 @@ async def subscribe(url: str, headers: dict[str, str], verify: ssl.SSLContext | 
             count("in", len(f"HTTP/1.1 {resp.status_code} {resp.reason_phrase}") + 4
                   + sum(len(k) + len(v) + 4 for k, v in resp.headers.raw_items()))
         while True:
-            raw = await asyncio.wait_for(ws.recv(), silent_after_s)
+            # Not asyncio.wait_for: on 3.11 it drops a cancel that arrives as the recv completes, and this
+            # loop would then run on (a node's stop waited on it for good while heartbeats kept coming).
+            async with asyncio.timeout(silent_after_s):
+                raw = await ws.recv()
             count("in", frame_bytes(len(raw), masked=False))
             try:
                 msg = STATE_ADAPTER.validate_json(raw)

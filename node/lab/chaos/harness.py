@@ -303,7 +303,8 @@ class Drill:
     async def stop_load(self) -> None:
         if self.load is not None and self._load_task is not None:
             self.load.stop()
-            await asyncio.wait_for(self._load_task, 180.0)
+            async with asyncio.timeout(180.0):  # not wait_for: see node.mesh.statestream
+                await self._load_task
 
     # ---- kv_share traffic --------------------------------------------------------------------
 

@@ -51,7 +51,8 @@ async def hog(d: Drill, host: str, entry: str, seed: int) -> tuple[Conv, asyncio
     await d.turn(host, conv, pin=True, max_tokens=4, tool_chars=HOG_TOKENS)
     started: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     task = asyncio.ensure_future(d.turn(entry, conv, stream=True, max_tokens=8, started=started))
-    ran_on = await asyncio.wait_for(started, 30.0)
+    async with asyncio.timeout(30.0):  # not wait_for: see node.mesh.statestream
+        ran_on = await started
     return conv, task, ran_on
 
 
