@@ -127,8 +127,11 @@ class ResponseBuilder:
         return []
 
     def finish(self, fin: Finish) -> list[bytes]:
-        """The answer's end: the open item closed (its events returned), the status and usage set."""
-        out = self._flush() + self._close()
+        """The answer's end: the open item closed (its events returned), the status and usage set.
+
+        An answer with no text and no call (the model's first token ended it) is still one empty assistant message:
+        clients read `output[0].content[0]`, and OpenAI's own empty answers have that shape."""
+        out = self._flush() + (self._open_message() if not self.output else []) + self._close()
         self.status = "incomplete" if fin.finish_reason == "length" else "completed"
         self.incomplete = {"reason": "max_output_tokens"} if self.status == "incomplete" else None
         self.usage = {"input_tokens": fin.prompt_tokens, "input_tokens_details": {"cached_tokens": fin.cached_tokens},

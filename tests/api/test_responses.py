@@ -17,8 +17,11 @@ import httpx
 import openai
 import pytest
 
+from kvmesh.node.api.responses_routes import ResponseBuilder
+from kvmesh.node.api.responses_schema import ResponsesRequest
 from kvmesh.node.config import EngineConfig, NodeConfig, SimConfig
 from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
+from kvmesh.node.mesh.answer import Finish
 
 MODEL = "gpt-5-codex"
 TEXT = "Let me check. "
@@ -270,3 +273,14 @@ def test_reasoning_item_with_reasoning_text_content_is_dropped(client):
     without = _create(client, _history(None), max_output_tokens=5)
     with_item = _create(client, _history(item), max_output_tokens=5)
     assert with_item.usage.input_tokens == without.usage.input_tokens
+
+
+def test_an_empty_answer_is_one_empty_message():
+    """An answer whose first token ended it is one empty output_text message, whole and streamed, never no output."""
+    b = ResponseBuilder(ResponsesRequest(model=MODEL, input="hi", stream=True))
+    frames = b.start() + b.feed(Finish("stop", prompt_tokens=3))
+    types = [json.loads(f.split(b"data: ", 1)[1])["type"] for f in frames]
+    assert types == [*TEXT_EVENTS[:4], *TEXT_EVENTS[5:], "response.completed"]
+    (item,) = b.response()["output"]
+    assert item["type"] == "message" and item["status"] == "completed"
+    assert item["content"] == [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
