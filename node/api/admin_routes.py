@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Depends, Header
 
 from kvmesh.node.api.deps import NodeDep, valid_session
+from kvmesh.node.api.jsonbody import StrictJSONRoute
 from kvmesh.node.errors import Conflict, NotFound, Unauthorized
 from kvmesh.node.mesh.actions import RelayFailed, relay_action
 from kvmesh.node.mesh.auth import check_bearer
@@ -20,7 +21,7 @@ from kvmesh.node.protocol import ActionResult, MigrateCommand
 # A host action answers at once (a drain runs on after it), so a relay of one waits briefly.
 HOST_RELAY_TIMEOUT_S = 10.0
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 def admin_only(node: NodeDep, authorization: Annotated[str | None, Header()] = None) -> Node:

@@ -25,13 +25,14 @@ from kvmesh.node.api.anthropic_schema import CountTokensRequest, MessagesRequest
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.errors import anthropic_error
-from kvmesh.node.api.serving import chat_hop, check_model, open_answer, parser_factory, prompt_request, sse_response
+from kvmesh.node.api.jsonbody import StrictJSONRoute, dumps
+from kvmesh.node.api.serving import chat_hop, chat_prompt, open_answer, parser_factory, prompt_request, sse_response
 from kvmesh.node.api.sessionid import Named, name_session
 from kvmesh.node.api.structured import constrained
 from kvmesh.node.api.toolevents import assemble
 from kvmesh.node.mesh.answer import AnswerEvent, ContentDelta, Failed, Finish, ToolCallArgs, ToolCallEnd, ToolCallStart, ToolEvent
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 def stop_reason(fin: Finish) -> str:
@@ -58,7 +59,8 @@ def _message(mid: str, model: str, events: list[ToolEvent], fin: Finish) -> dict
     content: list[dict[str, Any]] = [{"type": "text", "text": reply.content}] if reply.content else []
     for c in reply.calls:
         try:
-            args = json.loads(c.arguments or "{}", parse_float=_finite)
+            # A model may write NaN or 1e999 in its arguments: kept as their text, so the answer stays JSON.
+            args = json.loads(c.arguments or "{}", parse_float=_finite, parse_constant=str)
         except ValueError:
             args = {}
         content.append({"type": "tool_use", "id": c.id, "name": c.name, "input": args})
@@ -68,7 +70,7 @@ def _message(mid: str, model: str, events: list[ToolEvent], fin: Finish) -> dict
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **data}, separators=(",", ":")).encode() + b"\n\n"
+    return f"event: {kind}\ndata: ".encode() + dumps({"type": kind, **data}) + b"\n\n"
 
 
 class StreamRenderer:
@@ -141,10 +143,4 @@ async def messages(body: MessagesRequest, request: Request, node: NodeDep) -> Re
 @router.post("/v1/messages/count_tokens", dependencies=[ClientKey])
 async def count_tokens(body: CountTokensRequest, node: NodeDep) -> dict[str, int]:
     """The prompt's tokens as this node's template renders it (what /v1/messages would prefill)."""
-    check_model(node.cfg.engine, body.model)
-    chat = body.to_chat()
-    chat.check_tools()
-    ids = node.engine.tokenizer.apply_chat_template(chat.messages_as_dicts(), tools=chat.tools_as_dicts(),
-                                                    tool_choice=chat.tool_choice_value(),
-                                                    parallel_tool_calls=chat.parallel_tool_calls)
-    return {"input_tokens": len(ids)}
+    return {"input_tokens": len(chat_prompt(node, body.to_chat()))}

@@ -13,10 +13,10 @@ Asked for (`logprobs`, `top_logprobs`), each content token's log probability is 
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kvmesh.node.api.jsonbody import dumps
 from kvmesh.node.api.toolevents import assemble
 from kvmesh.node.engine.boundary import TokenLogprob
 from kvmesh.node.mesh.answer import AnswerEvent, ContentDelta, Failed, Finish, Logprobs, ToolCallArgs, ToolCallStart, ToolEvent
@@ -26,7 +26,7 @@ Ident = tuple[str, int, str]  # the completion's id, created time and model, on 
 
 def sse_error(message: str, type_: str, code: str | None) -> bytes:
     """An OpenAI-style in-band error event: how a stream that already began reports a failure."""
-    return b"data: " + json.dumps({"error": {"message": message, "type": type_, "code": code}}).encode() + b"\n\n"
+    return b"data: " + dumps({"error": {"message": message, "type": type_, "code": code}}) + b"\n\n"
 
 
 def usage(fin: Finish) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def _chunk(ident: Ident, delta: dict[str, Any], finish: Finish | None = None,
                            "choices": [choice] if with_usage is None else []}
     if with_usage is not None:
         obj["usage"] = with_usage
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 def _delta(ev: ToolEvent) -> dict[str, Any] | None:

@@ -14,7 +14,6 @@ Refused with a 400 naming the field: `echo`, `suffix`, `best_of` > 1, `n` > 1.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +27,7 @@ from kvmesh.node.api.answer import collect
 from kvmesh.node.api.chat_format import sse_error, usage
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
+from kvmesh.node.api.jsonbody import StrictJSONRoute, dumps
 from kvmesh.node.api.schema import MAX_STOPS, StreamOptions, refuse_unhonoured
 from kvmesh.node.api.serving import check_model, open_answer, sse_response
 from kvmesh.node.api.sessionid import Named, SessionName, name_session
@@ -126,7 +126,7 @@ def _chunk(ident: tuple[str, int, str], text: str, fin: Finish | None = None, *,
     else:
         obj["choices"] = [{"index": 0, "text": text, "logprobs": logprobs,
                            "finish_reason": fin.finish_reason if fin else None}]
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + dumps(obj) + b"\n\n"
 
 
 async def _sse(events: AsyncIterator[AnswerEvent], ident: tuple[str, int, str], include_usage: bool) -> AsyncIterator[bytes]:
@@ -176,6 +176,6 @@ async def completions(body: CompletionRequest, request: Request, node: NodeDep) 
                          "usage": usage(fin)}, headers=headers)
 
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 for _path in ("/v1/completions", "/completions"):
     router.add_api_route(_path, completions, methods=["POST"], response_model=None, dependencies=[ClientKey])

@@ -52,12 +52,24 @@ def error_status(exc: KVMeshError, path: str) -> int:
     return 529 if isinstance(exc, Overloaded) and is_anthropic(path) else exc.status
 
 
+# The internal request is chat completions' (node.api.schema); an error about one of its fields names the
+# field the client sent in its own dialect.
+_DIALECT_PARAMS = {"responses": {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"},
+                   "completions": {"messages": "prompt"}}
+
+
+def dialect_param(param: str | None, path: str) -> str | None:
+    """`param` as the route at `path` calls it."""
+    dialect = path.rstrip("/").rsplit("/", 1)[-1]
+    return _DIALECT_PARAMS.get(dialect, {}).get(param or "", param)
+
+
 def kvmesh_error_response(exc: KVMeshError, path: str = "") -> JSONResponse:
     headers = None
     if isinstance(exc, Overloaded):
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-    return error_json(error_status(exc, path), str(exc), exc.type, exc.code, getattr(exc, "param", None), headers,
-                      path=path)
+    return error_json(error_status(exc, path), str(exc), exc.type, exc.code,
+                      dialect_param(getattr(exc, "param", None), path), headers, path=path)
 
 
 def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -95,7 +107,7 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message = str(exc.detail)
         code = {400: "invalid_value", 413: "request_too_large"}.get(exc.status_code, str(exc.status_code))
-        return error_json(exc.status_code, message, "invalid_request_error", code,
+        return error_json(exc.status_code, message, "invalid_request_error", code, getattr(exc, "param", None),
                           headers=dict(exc.headers or {}), path=request.url.path)
 
     @app.exception_handler(Exception)

@@ -7,8 +7,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from kvmesh.node.api.deps import NodeDep
+from kvmesh.node.api.jsonbody import StrictJSONRoute
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.get("/health")

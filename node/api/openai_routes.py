@@ -20,12 +20,13 @@ from kvmesh.node.api.chat_format import chat_completion, chat_sse
 from kvmesh.node.api.choices import several
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
+from kvmesh.node.api.jsonbody import StrictJSONRoute
 from kvmesh.node.api.schema import ChatCompletionRequest
 from kvmesh.node.api.serving import open_answer, parser_factory, prompt_request, sse_response
 from kvmesh.node.api.sessionid import Named, name_session
 from kvmesh.node.api.structured import constrained
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 def _both(path: str) -> list[str]:

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from kvmesh.node.api.deps import NodeDep, json_response, valid_session
+from kvmesh.node.api.jsonbody import StrictJSONRoute
 from kvmesh.node.errors import Conflict, Unauthorized
 from kvmesh.node.mesh.auth import PEER_HEADER, check_peer_token
 from kvmesh.node.mesh.discovery import hello
@@ -21,7 +22,7 @@ from kvmesh.node.mesh.statestream import push
 from kvmesh.node.node import Node
 from kvmesh.node.protocol import ActionResult, PeerHello
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 def peer_only(request: Request, node: NodeDep) -> Node:

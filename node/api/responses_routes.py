@@ -13,7 +13,6 @@ probabilities (they come right after it) and carries them; the part gathers them
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -25,6 +24,7 @@ from kvmesh.node.api.answer import collect, rendered
 from kvmesh.node.api.chat_format import logprobs_content
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
+from kvmesh.node.api.jsonbody import StrictJSONRoute, dumps
 from kvmesh.node.api.responses_schema import ResponsesRequest
 from kvmesh.node.api.serving import chat_hop, open_answer, parser_factory, prompt_request, sse_response
 from kvmesh.node.api.sessionid import Named, name_session
@@ -32,7 +32,7 @@ from kvmesh.node.api.structured import constrained
 from kvmesh.node.errors import NotFound
 from kvmesh.node.mesh.answer import AnswerEvent, ContentDelta, Failed, Finish, Logprobs, ToolCallArgs, ToolCallEnd, ToolCallStart
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 def _id(prefix: str) -> str:
@@ -68,7 +68,7 @@ class ResponseBuilder:
     def _ev(self, kind: str, data: dict[str, Any]) -> bytes:
         obj = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
-        return f"event: {kind}\ndata: ".encode() + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+        return f"event: {kind}\ndata: ".encode() + dumps(obj) + b"\n\n"
 
     def start(self) -> list[bytes]:
         r = self.response()

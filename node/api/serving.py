@@ -12,18 +12,18 @@ the events once. The engine validates the turn as it admits it, wherever it runs
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable, Mapping
 
 from fastapi.responses import StreamingResponse
 
+from kvmesh.node.api.jsonbody import dumps
 from kvmesh.node.api.schema import ChatCompletionRequest, StreamOptions
 from kvmesh.node.api.sessionid import SessionName
 from kvmesh.node.api.toolcalls import ToolCallParser
 from kvmesh.node.config import EngineConfig
 from kvmesh.node.engine.chat import tools_for_prompt
 from kvmesh.node.engine.engine import GenerateRequest
-from kvmesh.node.errors import InvalidRequest, ModelNotFound
+from kvmesh.node.errors import ModelNotFound
 from kvmesh.node.mesh.answer import Answer, ParserFactory, no_parser
 from kvmesh.node.mesh.turn import CHAT_PATH
 from kvmesh.node.node import Node
@@ -47,17 +47,20 @@ def parser_factory(body: ChatCompletionRequest) -> ParserFactory:
     return lambda: ToolCallParser(names, parallel=body.parallel_tool_calls)
 
 
+def chat_prompt(node: Node, body: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids as this node's template renders it, after the model and tools are checked (what
+    a turn prefills, and what Anthropic's count_tokens counts). Text arrives valid (node.api.jsonbody)."""
+    check_model(node.cfg.engine, body.model)
+    body.check_tools()
+    return node.engine.tokenizer.apply_chat_template(body.messages_as_dicts(), tools=body.tools_as_dicts(),
+                                                     tool_choice=body.tool_choice_value(),
+                                                     parallel_tool_calls=body.parallel_tool_calls)
+
+
 def prompt_request(node: Node, body: ChatCompletionRequest, session: SessionName) -> GenerateRequest:
     """The engine's request for this body; errors (unknown model, bad tools) raised here (the engine's own,
     a prompt too long, when it admits the turn)."""
-    check_model(node.cfg.engine, body.model)
-    body.check_tools()
-    try:
-        prompt = node.engine.tokenizer.apply_chat_template(body.messages_as_dicts(), tools=body.tools_as_dicts(),
-                                                           tool_choice=body.tool_choice_value(),
-                                                           parallel_tool_calls=body.parallel_tool_calls)
-    except UnicodeEncodeError:
-        raise InvalidRequest("message content is not valid Unicode (an unpaired surrogate?)", param="messages") from None
+    prompt = chat_prompt(node, body)
     greq = GenerateRequest(session=session.id, prompt=prompt, max_tokens=body.token_budget(DEFAULT_MAX_TOKENS),
                            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                            stop=body.stop_list(), ignore_eos=body.ignore_eos)
@@ -75,7 +78,7 @@ def chat_hop(node: Node, body: ChatCompletionRequest, stream: bool) -> Callable[
     def made() -> bytes:
         hop = body.model_copy(update={"model": node.engine.model_name, "stream": stream,
                                       "stream_options": StreamOptions(include_usage=True) if stream else None})
-        return json.dumps(hop.model_dump(exclude_none=True), separators=(",", ":")).encode()
+        return dumps(hop.model_dump(exclude_none=True))
     return made
 
 

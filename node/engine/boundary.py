@@ -85,6 +85,21 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[bytes, float], ...] = ()
 
+    def __post_init__(self) -> None:
+        # A token the model gives no chance has log probability -inf, which JSON cannot carry: floored at
+        # LOGPROB_FLOOR, as vLLM and OpenAI report it, wherever the figure came from (engine, vLLM, a peer).
+        object.__setattr__(self, "logprob", floor_logprob(self.logprob))
+        if any(not v >= LOGPROB_FLOOR for _, v in self.top):
+            object.__setattr__(self, "top", tuple((t, floor_logprob(v)) for t, v in self.top))
+
+
+LOGPROB_FLOOR = -9999.0
+
+
+def floor_logprob(v: float) -> float:
+    """`v`, or LOGPROB_FLOOR where it is below it, -inf or NaN."""
+    return v if v >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
 
 @dataclass
 class TextDelta:
