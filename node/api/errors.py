@@ -54,14 +54,14 @@ def error_status(exc: KVMeshError, path: str) -> int:
 
 # The internal request is chat completions' (node.api.schema); an error about one of its fields names the
 # field the client sent in its own dialect.
-_DIALECT_PARAMS = {"responses": {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"},
-                   "completions": {"messages": "prompt"}}
+_RESPONSES_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+_DIALECT_PARAMS = {"/v1/responses": _RESPONSES_PARAMS, "/responses": _RESPONSES_PARAMS,
+                   "/v1/completions": {"messages": "prompt"}, "/completions": {"messages": "prompt"}}
 
 
 def dialect_param(param: str | None, path: str) -> str | None:
     """`param` as the route at `path` calls it."""
-    dialect = path.rstrip("/").rsplit("/", 1)[-1]
-    return _DIALECT_PARAMS.get(dialect, {}).get(param or "", param)
+    return _DIALECT_PARAMS.get(path.rstrip("/"), {}).get(param or "", param)
 
 
 def kvmesh_error_response(exc: KVMeshError, path: str = "") -> JSONResponse:

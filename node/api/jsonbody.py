@@ -95,7 +95,7 @@ def parse_body(raw: bytes) -> Any:
         where = _deep_field(raw)
         raise BodyRefused(f"{where + ': ' if where else ''}the body nests deeper than {MAX_DEPTH} levels", where) from None
     except UnicodeDecodeError:
-        raise BodyRefused("the body is not UTF-8 text", None) from None
+        raise BodyRefused("the body is not JSON in UTF-8 (it holds bytes that are not UTF-8)", None) from None
     except BodyRefused as e:
         # The number hooks see only the number's text; name the field by finding the first bad value.
         where = _first_bad_number(raw)
