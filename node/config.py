@@ -178,8 +178,9 @@ class ApiConfig(_Strict):
     max_body_bytes: int = Field(8 << 20, gt=0)
     tls: TLSConfig | None = None
     # Client API keys (also KVMESH_API_KEY, comma-separated): with any set, the client routes want
-    # `Authorization: Bearer <key>` or `x-api-key: <key>`. Health, readiness, metrics and the
-    # event stream stay open; admin and peer routes have their own tokens.
+    # `Authorization: Bearer <key>` or `x-api-key: <key>`, and so do the cluster view, stats and event
+    # stream (they name every session). Health, readiness and metrics stay open; admin and peer routes
+    # have their own tokens.
     keys: list[SecretStr] = Field(default_factory=list)
     cors_origins: list[str] = Field(default_factory=list, description="origins browsers may call the API from ('*': any)")
     event_loop: Literal["asyncio", "uvloop"] = Field("asyncio", description="the node's event loop; uvloop needs "

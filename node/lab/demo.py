@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from kvmesh.node.lab.bench.common import llama_shape, llamacpp_engine, start_mesh
-from kvmesh.node.lab.launcher import NodeProcess, wait_peers
+from kvmesh.node.lab.launcher import NodeProcess, client_key_headers, wait_peers
 from kvmesh.node.lab.load import LoadRunner, LoadShape
 
 
@@ -57,7 +57,7 @@ class _Workload:
 def _print_counters(api: str, stop_after: float | None) -> None:
     t0 = time.monotonic()
     print(f"{'time':>6} {'turns':>6} {'handoffs':>8} {'warm':>5} {'part':>5} {'cold':>5} {'warm%':>6}  hosts")
-    with httpx.Client(timeout=5) as c:
+    with httpx.Client(timeout=5, headers=client_key_headers()) as c:
         while stop_after is None or time.monotonic() - t0 < stop_after:
             time.sleep(1.0)
             try:

@@ -8,6 +8,10 @@ signalled, by their own PID.
 `mesh_configs`, one `NodeProcess` per name): `LocalMesh.start` starts every node
 and waits until each is ready and sees every peer; `LocalMesh.stop` stops them
 all. `wait_for` is the one poll-with-a-deadline loop (tests use it too).
+
+Nodes with client keys want one on their cluster view, stats and event stream too: `client_key_headers`
+is the key a lab tool presents (KVMESH_API_KEY's first, which nodes it starts inherit), and
+`NodeProcess.key_headers` the one a given node accepts (its config's, else its environment's).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -29,6 +33,14 @@ import httpx
 
 # What a predicate may raise while a node is still starting, restarting or answering without what is asked.
 NOT_YET = (httpx.HTTPError, OSError, KeyError, ValueError)
+KEY_ENV = "KVMESH_API_KEY"  # a node's extra client keys (node.config), comma-separated
+
+
+def client_key_headers(env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The client key a lab tool presents: the first of KVMESH_API_KEY's, as `x-api-key` (so an admin call's
+    `Authorization` never displaces it); none without one."""
+    key = next((k.strip() for k in env.get(KEY_ENV, "").split(",") if k.strip()), None)
+    return {"x-api-key": key} if key else {}
 
 
 def _toml_value(v: Any) -> str:
@@ -184,6 +196,17 @@ class NodeProcess:
     def kvshare(self) -> str:
         return str(self.info["kvshare"])
 
+    @property
+    def key_headers(self) -> dict[str, str]:
+        """A client key this node accepts, as headers: its config's first `api.keys`, else its environment's."""
+        try:
+            keys = tomllib.loads(self.config.read_text()).get("api", {}).get("keys", [])
+        except (OSError, tomllib.TOMLDecodeError):
+            keys = []
+        if keys:
+            return {"x-api-key": str(keys[0])}
+        return client_key_headers({**os.environ, **self.env} if self.inherit_env else self.env)
+
     def start(self) -> NodeProcess:
         self.ready_file.unlink(missing_ok=True)
         cmd = [*self.prefix, sys.executable, "-m", "kvmesh.node.cli", *self.cli_args, "node", "--config", str(self.config),
@@ -278,8 +301,8 @@ def wait_peers(nodes: Iterable[NodeProcess], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=5.0) as http:
         for n in nodes:
-            def seen(n: NodeProcess = n) -> bool:
-                hosts = http.get(n.api + "/v1/cluster").json()["hosts"]
+            def seen(n: NodeProcess = n, key: dict[str, str] = n.key_headers) -> bool:
+                hosts = http.get(n.api + "/v1/cluster", headers=key).json()["hosts"]
                 return len(hosts) == len(nodes) and all(h["reachable"] and not h["draining"] for h in hosts)
 
             wait_for(seen, f"{n.name} to see every host reachable and undrained",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from collections import Counter
@@ -24,6 +23,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from kvmesh.node.lab.launcher import client_key_headers
 from kvmesh.node.lab.streamclient import TurnFailed, stream_chat
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TracePrompts, TraceRequest, system_prompt, text
 
@@ -179,9 +179,8 @@ class LoadRunner:
         self._t0 = time.monotonic()
         limits = httpx.Limits(max_connections=self.shape.sessions * 2 + 8)
         # A mesh with client keys (kvmesh init writes one) wants it: KVMESH_API_KEY, as the node reads it.
-        key = next((k.strip() for k in os.environ.get("KVMESH_API_KEY", "").split(",") if k.strip()), None)
-        auth = {"Authorization": f"Bearer {key}"} if key else {}
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits, headers=auth) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits,
+                                     headers=client_key_headers()) as client:
             await self._discover_model(client)
             agents = [asyncio.create_task(self._agent(client, i)) for i in range(self.shape.sessions)]
             await self._sleep(duration_s)

@@ -104,7 +104,7 @@ class Soak:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                pending = sum(httpx.get(f"{p.api}/v1/stats", timeout=5.0).json()["kvshare"]["pushes_pending"]
+                pending = sum(httpx.get(f"{p.api}/v1/stats", headers=p.key_headers, timeout=5.0).json()["kvshare"]["pushes_pending"]
                               for p in self.nodes)
             except (httpx.HTTPError, ValueError, KeyError):
                 return
@@ -118,7 +118,7 @@ class Soak:
         full = True
         for p in self.nodes:
             try:
-                kv = httpx.get(f"{p.api}/v1/stats", timeout=5.0).json()["kvshare"]
+                kv = httpx.get(f"{p.api}/v1/stats", headers=p.key_headers, timeout=5.0).json()["kvshare"]
             except (httpx.HTTPError, ValueError, KeyError):
                 return False
             self.store_series.setdefault(p.name, []).append((time.monotonic() - self.t0, int(kv["store_bytes"])))
@@ -171,7 +171,7 @@ class Soak:
         elapsed = time.monotonic() - t0
         await asyncio.to_thread(self.settle)
         await asyncio.to_thread(self.take, "end")
-        async with httpx.AsyncClient(timeout=10.0) as http:
+        async with httpx.AsyncClient(timeout=10.0, headers=self.nodes[0].key_headers) as http:
             node_stats = {p.name: (await http.get(f"{p.api}/v1/stats")).json() for p in self.nodes}
             await asyncio.sleep(1.0)  # a couple of status polls: every node's counters are in the view
             cluster = (await http.get(f"{self.nodes[0].api}/v1/cluster")).json()

@@ -52,16 +52,21 @@ def scoped(view: ClusterView, members: int, threshold: int) -> ClusterView:
     return view
 
 
-async def mesh_wide(own: ClusterView, peers: Iterable[tuple[str, str]], client: httpx.AsyncClient) -> ClusterView:
-    """The whole mesh: `own` merged with every peer's (name, API URL) own view; partial if any did not answer."""
+async def mesh_wide(own: ClusterView, peers: Iterable[tuple[str, str]], client: httpx.AsyncClient, *,
+                    headers: dict[str, str] | None = None) -> ClusterView:
+    """The whole mesh: `own` merged with every peer's (name, API URL) own view; partial if any did not answer.
+    `headers` go with each ask beside the client's own (the caller's API key: a peer's view wants one when keys
+    are set, and without a mesh secret the peer client has no token to present instead)."""
     gate = asyncio.Semaphore(FAN_IN_CONCURRENCY)
 
     async def ask(name: str, api: str) -> ClusterView | str:
         async with gate:
             try:
-                r = await client.get(f"{api}/v1/cluster", timeout=FAN_IN_TIMEOUT_S)
+                r = await client.get(f"{api}/v1/cluster", headers=headers, timeout=FAN_IN_TIMEOUT_S)
                 r.raise_for_status()
                 return ClusterView.model_validate_json(r.content)
+            except httpx.HTTPStatusError as e:  # e.g. 401: the host wants a key this node had none to pass on
+                return f"{name} (HTTP {e.response.status_code})"
             except (httpx.HTTPError, ValidationError) as e:
                 return f"{name} ({type(e).__name__})"
 

@@ -196,7 +196,8 @@ def run_agents(args: argparse.Namespace) -> int:
         t0 = time.monotonic()
         try:
             wait_peers(nodes)
-            with httpx.Client(timeout=600) as http:
+            # The mesh has a client key: its cluster view and stats want it as the turns do.
+            with httpx.Client(timeout=600, headers={"x-api-key": api_key}) as http:
                 admin = {"Authorization": f"Bearer {admin_token}"}
                 per = {d: _run_agent(Agent(d, "claude-sonnet-4-5" if d == "messages" else "gpt-5-codex",
                                            random.Random(args.seed + i), args.system_chars, args.tool_chars),

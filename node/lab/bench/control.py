@@ -26,7 +26,7 @@ from kvmesh.node.lab.load import LoadRunner, LoadShape
 def _status_bytes(nodes: list[NodeProcess]) -> int:
     total = 0
     for n in nodes:
-        for per in httpx.get(f"{n.api}/v1/stats", timeout=10).json()["peer_wire"].values():
+        for per in httpx.get(f"{n.api}/v1/stats", headers=n.key_headers, timeout=10).json()["peer_wire"].values():
             total += per["in"].get("peer_status", 0) + per["out"].get("peer_status", 0)
     return total
 
@@ -42,7 +42,7 @@ def _run(work: Path, args: argparse.Namespace, push: bool) -> dict[str, Any]:
         runner = LoadRunner([n.api for n in nodes], LoadShape(sessions=args.sessions, seed=args.seed))
         stats = asyncio.run(runner.run(args.duration)).summary()
         secs = time.monotonic() - t0
-        sessions = len(httpx.get(f"{nodes[0].api}/v1/cluster", timeout=10).json()["sessions"])
+        sessions = len(httpx.get(f"{nodes[0].api}/v1/cluster", headers=nodes[0].key_headers, timeout=10).json()["sessions"])
         rate = (_status_bytes(nodes) - b0) / secs / len(nodes)
     finally:
         for n in nodes:

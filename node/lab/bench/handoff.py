@@ -21,14 +21,14 @@ from typing import Any
 import httpx
 
 from kvmesh.node.lab.bench.common import emit, llama_shape, llamacpp_engine, start_mesh, vllm_engine
-from kvmesh.node.lab.launcher import wait_peers
+from kvmesh.node.lab.launcher import client_key_headers, wait_peers
 from kvmesh.node.lab.load import LoadRunner, LoadShape
 
 
 def _reached(api: str, want: int) -> Callable[[], Awaitable[bool]]:
     """Whether the mesh's handoff counters (its cluster view) have reached `want`."""
     async def reached() -> bool:
-        async with httpx.AsyncClient(timeout=10) as c:
+        async with httpx.AsyncClient(timeout=10, headers=client_key_headers()) as c:
             n = (await c.get(f"{api}/v1/cluster")).json()["counters"]
         return int(n["warm"] + n["partial"] + n["cold"]) >= want
 
@@ -62,7 +62,8 @@ def run_handoff(args: argparse.Namespace) -> int:
                                   "api": {"event_loop": getattr(args, "event_loop", "asyncio")}})
         try:
             wait_peers(nodes)
-            replicate_from = httpx.get(f"{nodes[0].api}/v1/stats", timeout=10).json().get("replicate_min_tokens")
+            key = client_key_headers()
+            replicate_from = httpx.get(f"{nodes[0].api}/v1/stats", headers=key, timeout=10).json().get("replicate_min_tokens")
             shape = LoadShape(sessions=args.sessions, seed=args.seed, max_tokens=args.max_tokens,
                               **{"target_tokens": args.target_tokens, **overrides})
             runner = LoadRunner([n.api for n in nodes], shape, time_scale=args.time_scale)
@@ -73,8 +74,8 @@ def run_handoff(args: argparse.Namespace) -> int:
                                            max_s=args.max_duration))
             elapsed = time.monotonic() - t0
             time.sleep(1.0)  # two status polls: every node's counters are in the cluster view
-            cluster = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=10).json()
-            node_stats = [httpx.get(f"{n.api}/v1/stats", timeout=10).json() for n in nodes]
+            cluster = httpx.get(f"{nodes[0].api}/v1/cluster", headers=key, timeout=10).json()
+            node_stats = [httpx.get(f"{n.api}/v1/stats", headers=key, timeout=10).json() for n in nodes]
         finally:
             for n in nodes:
                 n.stop()

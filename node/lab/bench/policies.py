@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from kvmesh.node.lab.bench.common import emit, start_mesh
-from kvmesh.node.lab.launcher import wait_peers
+from kvmesh.node.lab.launcher import client_key_headers, wait_peers
 from kvmesh.node.lab.load import LoadRunner, LoadShape
 from kvmesh.node.lab.sim.params import POLICIES
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest, read_trace, scale_trace
@@ -41,7 +41,7 @@ def offered_per_host(reqs: list[TraceRequest], args: argparse.Namespace, span_s:
 
 
 async def _mesh_figures(apis: list[str]) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=10) as c:
+    async with httpx.AsyncClient(timeout=10, headers=client_key_headers()) as c:
         stats = [(await c.get(f"{a}/v1/stats")).json() for a in apis]
         counters = (await c.get(f"{apis[0]}/v1/cluster")).json()["counters"]
     refused: dict[str, int] = {}

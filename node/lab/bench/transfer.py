@@ -58,7 +58,8 @@ def _turn(api: str, session: str, messages: list[dict[str, str]]) -> str:
 
 def _await_ready(ws_url: str, session: str, trigger: Any, timeout: float = 120.0) -> dict[str, Any]:
     """Run trigger() and return the receiver's replica_ready event for this session."""
-    with connect(ws_url, max_size=None, open_timeout=10) as ws:
+    # The peer token: with client keys set, the event stream wants a key, and the mesh's own token is one.
+    with connect(ws_url, max_size=None, open_timeout=10, additional_headers={PEER_HEADER: _PEER_TOKEN}) as ws:
         ws.recv(timeout=10)  # the snapshot
         trigger()
         deadline = time.monotonic() + timeout

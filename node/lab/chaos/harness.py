@@ -29,7 +29,7 @@ import httpx
 from kvmesh.node.lab.chaos.cleanup import CLEANUP
 from kvmesh.node.lab.chaos.proxy import LinkProxy
 from kvmesh.node.lab.chaos.turns import MODEL, Conv, DrillLoad, Pair, TurnResult
-from kvmesh.node.lab.launcher import NodeProcess, free_port, write_toml
+from kvmesh.node.lab.launcher import NodeProcess, client_key_headers, free_port, write_toml
 from kvmesh.node.lab.load import LoadShape
 from kvmesh.node.mesh.auth import PEER_HEADER, peer_token
 
@@ -64,7 +64,9 @@ class Drill:
         self.nodes: dict[str, NodeProcess] = {}
         self.proxies: dict[tuple[str, str], LinkProxy] = {}
         self.stores = {n: workdir / f"store-{n}" for n in NAMES}
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0), limits=httpx.Limits(max_connections=64))
+        # The nodes inherit KVMESH_API_KEY: with it set, their cluster view and stats want it, as turns do.
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0), limits=httpx.Limits(max_connections=64),
+                                      headers=client_key_headers())
         self.pairs: list[Pair] = []
         self.probe_turns = 0
         self.probe_failures: list[str] = []

@@ -37,7 +37,7 @@ from websockets.sync.client import connect
 
 from kvmesh.node.config import EngineConfig
 from kvmesh.node.lab.bench import rawtcp
-from kvmesh.node.lab.launcher import NodeProcess, wait_peers
+from kvmesh.node.lab.launcher import NodeProcess, client_key_headers, wait_peers
 from kvmesh.node.lab.load import LoadRunner
 from kvmesh.node.lab.netlab.account import account, useful_util_backlogged
 from kvmesh.node.lab.netlab.calibrate import SLOTS, Compression, calibrate, load_shape, think_scale_for
@@ -86,7 +86,7 @@ class _EventTap:
     def _loop(self) -> None:
         while not self.stop.is_set():
             try:
-                with connect(self.url, max_size=None, open_timeout=5) as ws:
+                with connect(self.url, max_size=None, open_timeout=5, additional_headers=client_key_headers()) as ws:
                     while not self.stop.is_set():
                         try:
                             ev = json.loads(ws.recv(timeout=0.5))
@@ -106,7 +106,7 @@ class _EventTap:
 
 def _progress(api: str, run: LinkRun, duration: float, stop: threading.Event) -> None:
     t0 = time.monotonic()
-    with httpx.Client(timeout=5) as c:
+    with httpx.Client(timeout=5, headers=client_key_headers()) as c:
         while not stop.wait(1.0):
             try:
                 k = c.get(f"{api}/v1/cluster").json()["counters"]
@@ -180,8 +180,8 @@ def run_link(link: str, work: Path, args: argparse.Namespace, plan: Plan) -> Lin
                 n.info["api"] = lab_api(lab, n.name)
             wait_peers(nodes)
             _drive(run, nodes, args, plan)
-            run.cluster = httpx.get(f"{nodes[0].api}/v1/cluster", timeout=10).json()
-            run.stats = {n.name: httpx.get(f"{n.api}/v1/stats", timeout=10).json() for n in nodes}
+            run.cluster = httpx.get(f"{nodes[0].api}/v1/cluster", headers=nodes[0].key_headers, timeout=10).json()
+            run.stats = {n.name: httpx.get(f"{n.api}/v1/stats", headers=n.key_headers, timeout=10).json() for n in nodes}
             run.tc = lab.qdisc_sent()  # read with the stats: both count from the nodes' start
         finally:
             for n in nodes:
