@@ -9,7 +9,6 @@ node that cannot be reached is skipped, a node that answers (even 4xx) is final.
 from __future__ import annotations
 
 import os
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import ValidationError
 
+from kvmesh.console.apikey import read_secret_file
 from kvmesh.node.protocol import ActionResult, MigrateCommand
 
 TOKEN_ENV = "KVMESH_ADMIN_TOKEN"
@@ -36,18 +36,11 @@ class TokenSource:
 
 def load_admin_token(token_file: str | None, env: Mapping[str, str] = os.environ) -> TokenSource:
     if token_file:
-        path = Path(token_file).expanduser()
         try:
-            token = path.read_text(encoding="utf-8").strip()
-            mode = path.stat().st_mode
-        except OSError as exc:
-            raise TokenError(f"cannot read admin token file {path}: {exc.strerror}") from exc
-        if not token:
-            raise TokenError(f"admin token file {path} is empty")
-        warning = ""
-        if mode & (stat.S_IRGRP | stat.S_IROTH):
-            warning = f"admin token file {path} is readable by group/others; chmod 600 it"
-        return TokenSource(token, f"file {path}", warning)
+            token, warning = read_secret_file(token_file, "admin token")
+        except ValueError as exc:
+            raise TokenError(str(exc)) from None
+        return TokenSource(token, f"file {Path(token_file).expanduser()}", warning)
     token = env.get(TOKEN_ENV, "").strip()
     if token:
         return TokenSource(token, f"env {TOKEN_ENV}")

@@ -1,7 +1,8 @@
 """The Textual app: wires the state, the ingest workers, the refresh timer and the action path.
 
 - One ingest worker per node (`run_worker(..., group="ingest:<url>", exclusive=True)`),
-  each following that node's websocket forever and feeding `ConsoleState`.
+  each following that node's websocket forever and feeding `ConsoleState`, presenting the
+  client API key when there is one (`console.apikey`).
 - A timer (~0.5 s) patches the main screen from the state inside `batch_update()`;
   widgets are patched, never rebuilt. Each refresh's time to paint is recorded
   (the bench reports its p95).
@@ -25,6 +26,7 @@ from textual.screen import ModalScreen
 
 from kvmesh.console.action_path import ActionPath
 from kvmesh.console.admin import AdminClient, TokenSource
+from kvmesh.console.apikey import ApiKey
 from kvmesh.console.config import ConsoleConfig
 from kvmesh.console.format import glyphs_for
 from kvmesh.console.heap import HeapSettler
@@ -52,6 +54,7 @@ class KvmeshConsole(ActionPath, App[None]):
         sources: Iterable[tuple[str, Source]] | None = None,
         admin: AdminClient | None = None,
         token: TokenSource | None = None,
+        api_key: ApiKey | None = None,
     ) -> None:
         self.config = config
         self.glyphs = glyphs_for(config.ascii)
@@ -66,6 +69,7 @@ class KvmeshConsole(ActionPath, App[None]):
         # Read-only consoles hold no admin client at all: nothing to misuse.
         self.admin = None if config.readonly else admin
         self.token = token
+        self.api_key = api_key or ApiKey()
         self._palette: Palette | None = None
         self._main: MainScreen | None = None
         self._demo: DemoScreen | None = None  # the demo view, while it is open
@@ -122,6 +126,8 @@ class KvmeshConsole(ActionPath, App[None]):
                     "no admin token (KVMESH_ADMIN_TOKEN or --admin-token-file): nodes will refuse actions",
                     level="warn",
                 )
+        if self.api_key.warning:
+            self.state.log_console(self.api_key.warning, level="warn")
         self._start_sources()
         if self.config.view == "demo":
             self.show_demo_view()
@@ -156,7 +162,7 @@ class KvmeshConsole(ActionPath, App[None]):
 
     def _node_source(self, url: str) -> Source:
         async def run(state: ConsoleState) -> None:
-            await stream_node(url, state)
+            await stream_node(url, state, headers=self.api_key.headers())
 
         return run
 

@@ -7,8 +7,9 @@
     kvmesh-console --serve [--port 8080]  # the same console in a browser (read-only unless --admin)
     kvmesh-console bench --json [--seconds 30] [--ended 1800] [--hosts 256 --sessions 20000]
 
-The admin token is read from KVMESH_ADMIN_TOKEN or --admin-token-file, never
-from a flag value (it would be visible in `ps`).
+The admin token is read from KVMESH_ADMIN_TOKEN or --admin-token-file, and the client API key
+(which nodes with keys want on their event stream) from KVMESH_API_KEY or --api-key-file; neither
+ever from a flag value (it would be visible in `ps`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from kvmesh.console.admin import TOKEN_ENV, AdminClient, TokenError, load_admin_token
+from kvmesh.console.apikey import KEY_ENV, ApiKeyError, load_api_key
 from kvmesh.console.config import ConsoleConfig, load_config_file
 from kvmesh.console.serve import guard_served, is_served
 from kvmesh.console.theme import THEME_NAMES
@@ -29,7 +31,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvmesh-console",
         description="Live operator console for a kvmesh mesh. Subcommand: 'bench' (see kvmesh-console bench -h).",
-        epilog=f"Admin token: set {TOKEN_ENV} or pass --admin-token-file (never a flag value).",
+        epilog=f"Admin token: set {TOKEN_ENV} or pass --admin-token-file; API key (nodes with client keys want it): "
+               f"set {KEY_ENV} or pass --api-key-file. Never a flag value.",
     )
     p.add_argument("--node", action="append", default=None, metavar="URL",
                    help="node API URL (repeatable); peers are discovered from its snapshot")
@@ -41,6 +44,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-discover", dest="discover", action="store_false", default=None,
                    help="only follow the --node URLs, not peers found in snapshots")
     p.add_argument("--admin-token-file", metavar="PATH", default=None)
+    p.add_argument("--api-key-file", metavar="PATH", default=None,
+                   help=f"file holding the client API key nodes want (kvmesh init writes mesh/api-key); or {KEY_ENV}")
     p.add_argument("--layout", choices=("auto", "compact", "large"), default=None)
     p.add_argument("--refresh", type=float, default=None, metavar="SECONDS", help="screen refresh interval (0.5)")
     p.add_argument("--demo", action="store_true", default=None, help="play a synthetic mesh (no nodes needed)")
@@ -75,7 +80,7 @@ def _bench_parser() -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> ConsoleConfig:
     values = load_config_file(args.config) if args.config else {}
     cfg = ConsoleConfig(**values)
-    for name in ("readonly", "ascii", "theme", "utc", "discover", "admin_token_file", "layout", "demo", "view",
+    for name in ("readonly", "ascii", "theme", "utc", "discover", "admin_token_file", "api_key_file", "layout", "demo", "view",
                  "admin", "idle_minutes"):
         v = getattr(args, name)
         if v is not None:
@@ -104,10 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                   warmup=bargs.warmup, ended=bargs.ended, hosts=bargs.hosts, threads=bargs.threads)
         return 0
     for a in argv:
-        if a == "--admin-token" or a.startswith("--admin-token="):
-            print(f"kvmesh-console: no --admin-token flag (it would show in ps); set {TOKEN_ENV} or use "
-                  "--admin-token-file", file=sys.stderr)
-            return 2
+        for flag, env in (("--admin-token", TOKEN_ENV), ("--api-key", KEY_ENV)):
+            if a == flag or a.startswith(flag + "="):
+                print(f"kvmesh-console: no {flag} flag (it would show in ps); set {env} or use {flag}-file",
+                      file=sys.stderr)
+                return 2
     parser = _run_parser()
     args = parser.parse_args(argv)
     try:
@@ -135,6 +141,11 @@ def run_console(cfg: ConsoleConfig) -> int:
         except TokenError as exc:
             print(f"kvmesh-console: {exc}", file=sys.stderr)
             return 2
+    try:
+        api_key = load_api_key(cfg.api_key_file, os.environ)
+    except ApiKeyError as exc:
+        print(f"kvmesh-console: {exc}", file=sys.stderr)
+        return 2
     sources = None
     state = ConsoleState()
     if cfg.demo:
@@ -147,7 +158,7 @@ def run_console(cfg: ConsoleConfig) -> int:
             await run_synthetic(mesh, st.feed_frame, st.node_connected, events_per_s=20, clock=time.time)
 
         sources = [("demo", demo)]
-    app = KvmeshConsole(cfg, state=state, sources=sources, token=token)
+    app = KvmeshConsole(cfg, state=state, sources=sources, token=token, api_key=api_key)
     if not cfg.readonly:
         def node_urls() -> list[str]:
             # Connected nodes first: every node is an entry point for admin calls.

@@ -1,9 +1,10 @@
 """Console settings: from the command line, optionally from a TOML config file.
 
 A config file may hold the same keys as the flags (`nodes`, `readonly`, `theme`,
-`ascii`, `utc`, `discover`, `admin_token_file`, `refresh_interval`, `layout`, `view`,
-`admin`, `idle_minutes`);
-flags given on the command line win. The admin token itself is never a setting.
+`ascii`, `utc`, `discover`, `admin_token_file`, `api_key_file`, `refresh_interval`, `layout`,
+`view`, `admin`, `idle_minutes`);
+flags given on the command line win. The admin token and the API key themselves are never
+settings, only the files that hold them: a config file is shared and copied more than a secret should be.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvmesh.console.theme import DEFAULT_THEME
+
+# Secrets a config might be given raw, by mistake: refused, naming the file setting to use instead.
+_SECRETS = {"admin_token": "admin token", "api_key": "API key"}
 
 Layout = Literal["auto", "compact", "large"]
 View = Literal["main", "demo"]
@@ -31,6 +35,7 @@ class ConsoleConfig:
     layout: Layout = "auto"
     show_clock: bool = True
     admin_token_file: str | None = None
+    api_key_file: str | None = None  # the client API key nodes with keys want (console.apikey)
     demo: bool = False  # play a synthetic mesh instead of connecting (for trying the UI)
     view: View = "main"  # the view on start: the operator's, or the demo view for a room
     # The demo view and the browser view are shown to people who are not operators: they are
@@ -45,7 +50,8 @@ def load_config_file(path: str) -> dict[str, Any]:
     known = {f.name for f in fields(ConsoleConfig)}
     unknown = set(data) - known
     if unknown:
-        raise ValueError(f"unknown config keys in {path}: {', '.join(sorted(unknown))}")
-    if "admin_token" in data:  # pragma: no cover - caught by the unknown-key check above
-        raise ValueError("put the admin token in a file (admin_token_file), not in the config")
+        hints = [f"put the {what} in a file ({key}_file), not in the config" for key, what in _SECRETS.items()
+                 if key in unknown]
+        raise ValueError(f"unknown config keys in {path}: {', '.join(sorted(unknown))}"
+                         + (f" ({'; '.join(hints)})" if hints else ""))
     return data

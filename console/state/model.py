@@ -151,6 +151,15 @@ class ConsoleState:
             )
         self._hosts.touch(conn.name)
 
+    def node_refused(self, url: str, message: str) -> None:
+        """The node refused the stream's credentials: said once in the log (again only if what it says changes),
+        not a "reconnecting" line per try, since trying again cannot help until the key or the node changes."""
+        conn = self._nodes.add(url)
+        if conn.error != message:
+            self.log_console(message, level="error")
+        self._nodes.disconnected(url, message)
+        self._hosts.touch(conn.name)
+
     def connected_count(self) -> tuple[int, int]:
         return self._nodes.connected_count()
 
