@@ -4,7 +4,7 @@ A newcomer names the hosts (`--host gpu-1=10.0.0.1 --host gpu-2=10.0.0.2`) and g
 one folder: `<name>.toml` for each host (every other host as a peer, one fresh mesh
 secret shared by all), `admin-token` (the bearer token the console's drain/migrate keys
 send), `api-key` (the client API key every host accepts) and `console.toml` (the console
-pointed at every host). Every file is validated by
+pointed at every host, reading both files). Every file is validated by
 the same loader the node uses before anything is written, and all of them land by
 rename, so a refused call leaves nothing behind and never overwrites without `--force`.
 """
@@ -164,13 +164,14 @@ name = {_q(me.name)}
 admin_token = {_q(admin_token)}
 
 [api]
-# The client APIs (OpenAI chat, completions, Responses; Anthropic Messages), peer routes and
-# the console's event stream.
+# The client APIs (OpenAI chat, completions, Responses; Anthropic Messages), peer routes, the
+# cluster view and stats, and the console's event stream.
 host = {_q(me.api_addr)}
 port = {plan.api_port}
 # Clients send one of these as `Authorization: Bearer <key>` or `x-api-key: <key>` (the same key
 # on every host; it is also in the api-key file beside this one). KVMESH_API_KEY (comma-separated)
-# adds more. Health, metrics and the event stream stay open.
+# adds more. The cluster view, stats and event stream (they name every session) want one too;
+# /health, /ready and /metrics stay open.
 keys = [{_q(api_key)}]
 
 [engine]
@@ -198,7 +199,7 @@ stale_after_s = 3.0
 {peers}"""
 
 
-def render_console(plan: MeshPlan, token_file: Path) -> str:
+def render_console(plan: MeshPlan, token_file: Path, key_file: Path) -> str:
     nodes = ", ".join(_q(f"http://{h.api_addr}:{plan.api_port}") for h in plan.hosts)
     return f"""\
 # kvmesh-console settings, written by `kvmesh init`. Run:  kvmesh-console --config console.toml
@@ -206,6 +207,8 @@ def render_console(plan: MeshPlan, token_file: Path) -> str:
 nodes = [{nodes}]
 # Without this file the console is read-only; keep it readable by you alone.
 admin_token_file = {_q(str(token_file))}
+# The client API key every host wants on its event stream (KVMESH_API_KEY would do instead).
+api_key_file = {_q(str(key_file))}
 """
 
 
@@ -227,7 +230,7 @@ def plan_files(plan: MeshPlan, out: Path) -> dict[Path, str]:
     token_file = (out / "admin-token").resolve()
     files[out / "admin-token"] = token + "\n"
     files[out / "api-key"] = api_key + "\n"
-    files[out / "console.toml"] = render_console(plan, token_file)
+    files[out / "console.toml"] = render_console(plan, token_file, (out / "api-key").resolve())
     return files
 
 
@@ -273,5 +276,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         print(path)
     first = plan.hosts[0].name
     print(f"\nnext: copy {first}.toml to host {first!r} and run `kvmesh node --config {first}.toml` there "
-          f"(likewise for each host); then `kvmesh-console --config {args.out / 'console.toml'}`")
+          f"(likewise for each host); then `kvmesh-console --config {args.out / 'console.toml'}` (it reads "
+          f"{args.out / 'admin-token'} and {args.out / 'api-key'}; or `kvmesh-console --node URL "
+          f"--api-key-file {args.out / 'api-key'}`)")
     return 0

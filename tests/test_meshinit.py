@@ -49,6 +49,8 @@ def test_init_writes_a_valid_config_per_host_with_one_fresh_secret(tmp_path: Pat
     console = load_config_file(str(tmp_path / "mesh" / "console.toml"))
     assert console["nodes"] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://box3.lan:8000"]
     assert Path(console["admin_token_file"]) == (tmp_path / "mesh" / "admin-token").resolve()
+    assert Path(console["api_key_file"]) == (tmp_path / "mesh" / "api-key").resolve(), "the console presents the key"
+    assert "--api-key-file" in r.stdout, "the printed console invocation names the key file"
     for f in (tmp_path / "mesh").iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o600, f"{f.name} holds secrets and must be private"
     again = plan_files(MeshPlan([parse_host("a=10.0.0.1")]), tmp_path / "other")
@@ -112,9 +114,10 @@ def test_two_hosts_from_init_form_a_mesh(tmp_path: Path) -> None:
                                                messages=[{"role": "user", "content": "hello from init"}],
                                                extra_headers={"X-Session-Id": "init-test"})
         assert reply.choices[0].message.content
+        assert httpx.get(f"http://127.0.0.1:{api}/v1/cluster", timeout=10).status_code == 401, "it names sessions"
         deadline, names = time.monotonic() + 30, set()
         while time.monotonic() < deadline and names != {"a", "b"}:
-            snap = httpx.get(f"http://127.0.0.1:{api}/v1/cluster", timeout=10).json()
+            snap = httpx.get(f"http://127.0.0.1:{api}/v1/cluster", headers={"x-api-key": key}, timeout=10).json()
             names = {h["name"] for h in snap["hosts"] if h.get("up", True)}
             time.sleep(0.2)
         assert names == {"a", "b"}, snap
