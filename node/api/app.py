@@ -17,6 +17,7 @@ from kvmesh.node.api.errors import BodyLimit, install_error_handlers
 from kvmesh.node.api.health_routes import router as health_router
 from kvmesh.node.api.observe_routes import router as observe_router
 from kvmesh.node.api.openai_routes import router as openai_router
+from kvmesh.node.api.openapi import install_openapi
 from kvmesh.node.api.peer_routes import router as peer_router
 from kvmesh.node.api.responses_routes import router as responses_router
 from kvmesh.node.node import Node
@@ -44,4 +45,5 @@ def create_app(node: Node) -> FastAPI:
     for router in (openai_router, completions_router, anthropic_router, responses_router, health_router,
                    observe_router, peer_router, admin_router):
         app.include_router(router)
+    install_openapi(app)
     return app
