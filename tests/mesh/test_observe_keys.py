@@ -43,8 +43,7 @@ def _turn(http: httpx.Client, api: str, session: str) -> None:
 
 
 def test_the_mesh_wide_view_fans_in_with_the_callers_key(keyed_mesh: LocalMesh) -> None:
-    """Without the key /v1/cluster?scope=mesh is 401; with it, the answer is whole (every host answered the fan-in)
-    and lists the sessions turned on either host."""
+    """Without the key ?scope=mesh is 401; with it the view is whole (every host answered) and lists every session."""
     a = keyed_mesh.api("a")
     assert httpx.get(a + "/v1/cluster", params={"scope": "mesh"}, timeout=10).status_code == 401
     with httpx.Client(timeout=30, headers=AUTH) as http:
