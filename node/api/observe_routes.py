@@ -17,12 +17,13 @@ from fastapi.responses import Response
 from kvmesh.node.api.clientauth import ClientKey, key_problem, passed_key
 from kvmesh.node.api.deps import NodeDep, json_response
 from kvmesh.node.api.errors import kvmesh_error_response
+from kvmesh.node.api.jsonbody import StrictJSONRoute
 from kvmesh.node.errors import Unauthorized
 from kvmesh.node.mesh.clusterview import mesh_wide, scoped
 from kvmesh.node.node import Node
 from kvmesh.node.protocol import ClusterView, ClusterViewEvent
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 # The ASGI extension that lets a websocket handshake be answered with a plain HTTP response.
 DENIAL_EXTENSION = "websocket.http.response"
