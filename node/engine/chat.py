@@ -18,9 +18,17 @@ way everywhere. Two paths, as llama-server's `--jinja` mode has:
   one, as the byte template does). A template without a system role gets the tool text at
   the head of the first user message.
 
-`tool_choice` "none" renders no tools; a named choice renders only that tool; "required"
-and a named choice add one sentence in the generic form, and the reply is then constrained to
-calls in this form (node.engine.constraint). `parallel_tool_calls` false adds "at most one".
+Prompt stability: a conversation's next turn must repeat this turn's prompt token for token,
+or the engine recomputes everything after the first difference. Agents change per-turn
+settings between turns (the OpenAI Agents SDK sends `tool_choice` "required", then "auto"), so
+nothing that may change between two turns is rendered before the history: the tool
+definitions (the same on every turn of a conversation) are shown whatever `tool_choice` says,
+the whole list even for a named choice or "none". What a choice asks is enforced by the turn's
+grammar (node.engine.constraint, built in node.api.structured): "required" and a named choice
+force calls, and of that tool; `parallel_tool_calls` false allows one. A sentence saying so
+would only repeat it, so none is written. "none" has no grammar (a reply may be any text), so
+it alone gets a note, after the history: at the end of the last user or tool message, the one
+place a later turn may render differently anyway (`turn_note`).
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ _TOOLS_TAIL = (
     "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
+# "none"'s note (turn_note): the tools stay in the prompt, and nothing else keeps a call out of the reply.
+NO_CALL_NOTE = "Answer in text: do not call a function in this reply."
 _PROBE = "kvmesh-system-probe"
 
 
@@ -66,8 +76,10 @@ def forced_tool(tool_choice: ToolChoice) -> str | None:
     return None
 
 
-def tools_for_prompt(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice) -> list[Mapping[str, Any]]:
-    """The tools a prompt shows: none for "none", only the named one for a named choice."""
+def callable_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice) -> list[Mapping[str, Any]]:
+    """The tools a reply may call: none for "none", only the named one for a named choice.
+
+    What the turn's grammar and its tool-call parser take; the prompt shows every tool (module docstring)."""
     if not tools or tool_choice == "none":
         return []
     name = forced_tool(tool_choice)
@@ -76,20 +88,40 @@ def tools_for_prompt(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Too
     return [t for t in tools if (t.get("function") or {}).get("name") == name]
 
 
-def tools_prompt(tools: Sequence[Mapping[str, Any]], tool_choice: ToolChoice = "auto",
-                 parallel_tool_calls: bool = True) -> str:
-    """The generic (Hermes) tool text a template without tools gets in its system message."""
+# The name node.api's callers know it by (structured.py, serving.py); it is the callable set, not the prompt's.
+tools_for_prompt = callable_tools
+
+
+def tools_prompt(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The generic (Hermes) tool text a template without tools gets in its system message: the definitions only,
+    the same for every tool_choice, so a change of choice between turns leaves the system prompt as it was."""
     lines = [_TOOLS_HEAD]
     lines += [json.dumps(t, ensure_ascii=False) for t in tools]
-    text = "\n".join(lines) + "\n" + _TOOLS_TAIL
-    name = forced_tool(tool_choice)
-    if name is not None:
-        text += f"\n\nYou must call the function {name}."
-    elif tool_choice == "required":
-        text += "\n\nYou must call at least one function."
-    if not parallel_tool_calls:
-        text += "\n\nCall at most one function."
-    return text
+    return "\n".join(lines) + "\n" + _TOOLS_TAIL
+
+
+def turn_note(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice) -> str | None:
+    """This turn's instruction, rendered after the history (None: nothing to say).
+
+    Only "none" has one: the tools stay in the prompt and no grammar keeps a call out of the reply.
+    "required", a named choice and parallel_tool_calls false are the grammar's to enforce (module docstring)."""
+    if tools and tool_choice == "none":
+        return NO_CALL_NOTE
+    return None
+
+
+def with_turn_note(messages: list[dict[str, Any]], note: str | None) -> list[dict[str, Any]]:
+    """`messages` with `note` at the end of the last one where that is a user or tool message.
+
+    The last message is the one place a later turn renders differently anyway (it gains the reply after it),
+    so every earlier token stays as the previous turn cached it. An assistant message last (a prefill to
+    continue) or a system one gets nothing: text there would be the model's own or the instructions'."""
+    if note is None or not messages or messages[-1].get("role") not in ("user", "tool"):
+        return messages
+    last = dict(messages[-1])
+    text = last.get("content") or ""
+    last["content"] = f"{text}\n\n{note}" if text else note
+    return [*messages[:-1], last]
 
 
 def _arguments(raw: Any) -> Any:
@@ -116,13 +148,15 @@ def _with_calls(text: str, calls: Iterable[Mapping[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def plain_messages(messages: Iterable[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = (), *,
-                   tool_choice: ToolChoice = "auto", parallel_tool_calls: bool = True,
-                   tool_role: bool = False, system_role: bool = True) -> list[dict[str, Any]]:
+def plain_messages(messages: Iterable[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = (), *,
+                   tool_choice: ToolChoice = "auto", tool_role: bool = False,
+                   system_role: bool = True) -> list[dict[str, Any]]:
     """Messages with tool calls, tool results and tool definitions folded into text (the generic path).
 
     Every message comes back as {"role", "content": str}; `tool_role` keeps role "tool" for
-    results (a template with such a role), else consecutive results form one user message."""
+    results (a template with such a role), else consecutive results form one user message.
+    `tools` are the request's own, shown whatever `tool_choice` says; the choice adds only its
+    turn note, at the end (module docstring)."""
     out: list[dict[str, Any]] = []
     merging = False  # the last message is a user message made of tool results
     for m in messages:
@@ -140,8 +174,9 @@ def plain_messages(messages: Iterable[Mapping[str, Any]], tools: Sequence[Mappin
         if role == "assistant" and m.get("tool_calls"):
             text = _with_calls(text, m["tool_calls"])
         out.append({"role": role, "content": text})
+    out = with_turn_note(out, turn_note(tools, tool_choice))
     if tools:
-        prompt = tools_prompt(tools, tool_choice, parallel_tool_calls)
+        prompt = tools_prompt(tools)
         if out and out[0]["role"] in ("system", "developer") and system_role:
             out[0]["content"] = (out[0]["content"] + "\n\n" if out[0]["content"] else "") + prompt
         elif system_role:
@@ -219,14 +254,17 @@ class ChatTemplate:
     def render(self, messages: Iterable[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None,
                tool_choice: ToolChoice = "auto", parallel_tool_calls: bool = True, bos_token: str = "",
                eos_token: str = "", add_generation_prompt: bool = True, **extra: Any) -> str:
-        """The prompt's text. Raises jinja2.TemplateError where the template refuses the messages."""
-        shown = tools_for_prompt(tools, tool_choice)
+        """The prompt's text. Raises jinja2.TemplateError where the template refuses the messages.
+
+        The request's tools are shown whatever `tool_choice` says, and only its turn note follows from the
+        choice (module docstring); `parallel_tool_calls` is the grammar's alone (kept in the signature for
+        the callers that pass a request's fields through)."""
         if self.uses_tools:
-            msgs = native_messages(messages)
-            return str(self._template.render(messages=msgs, tools=shown or None, add_generation_prompt=add_generation_prompt,
+            msgs = with_turn_note(native_messages(messages), turn_note(tools, tool_choice))
+            return str(self._template.render(messages=msgs, tools=list(tools) if tools else None,
+                                             add_generation_prompt=add_generation_prompt,
                                              bos_token=bos_token, eos_token=eos_token, **extra))
-        msgs = plain_messages(messages, shown, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                              system_role=self.system_role)
+        msgs = plain_messages(messages, tools, tool_choice=tool_choice, system_role=self.system_role)
         return str(self._template.render(messages=msgs, tools=None, add_generation_prompt=add_generation_prompt,
                                          bos_token=bos_token, eos_token=eos_token, **extra))
 

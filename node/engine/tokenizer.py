@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvmesh.node.engine.chat import ChatTemplate, ToolChoice, plain_messages, tools_for_prompt
+from kvmesh.node.engine.chat import ChatTemplate, ToolChoice, plain_messages
 
 BOS, END, SYSTEM, USER, ASSISTANT, TOOL = range(256, 262)
 VOCAB_SIZE = 262
@@ -71,11 +71,10 @@ class ByteTokenizer:
                             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: ToolChoice = "auto",
                             parallel_tool_calls: bool = True) -> list[int]:
         """The byte template; tools go into the system message in the generic form (node.engine.chat),
-        tool results keep the tool role and an assistant's tool calls follow its text."""
-        shown = tools_for_prompt(tools, tool_choice)
+        tool results keep the tool role and an assistant's tool calls follow its text. `parallel_tool_calls`
+        is the turn grammar's to enforce, not the prompt's (node.engine.chat)."""
         ids = [BOS]
-        for m in plain_messages(messages, shown, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-                                tool_role=True):
+        for m in plain_messages(messages, tools, tool_choice=tool_choice, tool_role=True):
             ids.append(ROLE_TOKENS[m["role"]])
             ids.extend(self.encode(m["content"]))
             ids.append(END)

@@ -119,7 +119,9 @@ def test_tools_reach_the_prompt(scripted, client):
     none = _create(client, scripted.model, "tools-prompt-c", tools=TOOLS, tool_choice="none").usage.prompt_tokens
     tok = ByteTokenizer()
     prompt = tok.apply_chat_template(MSGS, tools=TOOLS)
-    assert with_tools == len(prompt) and without == none == len(tok.apply_chat_template(MSGS))
+    assert with_tools == len(prompt) and without == len(tok.apply_chat_template(MSGS))
+    # "none" shows the tools too (the prompt's head stays the same whatever the choice) and adds its note at the end.
+    assert none == len(tok.apply_chat_template(MSGS, tools=TOOLS, tool_choice="none")) > with_tools
     assert with_tools > without + len(json.dumps(TOOLS))
     text = tok.decode(prompt)
     assert "get_weather" in text and "The weather in a city now" in text and "<tool_call>" in text

@@ -9,7 +9,7 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from kvmesh.node.engine.chat import chat_template, render_chat
+from kvmesh.node.engine.chat import NO_CALL_NOTE, chat_template, render_chat
 from kvmesh.node.engine.tokenizer import ASSISTANT, BOS, END, SYSTEM, TOOL, USER, ByteTokenizer, HFTokenizer
 from kvmesh.node.engine.vocab import vocab_path
 
@@ -127,17 +127,20 @@ def test_gemma4_gets_tools_and_call_arguments_as_objects() -> None:
 
 
 @pytest.mark.parametrize("name", ["qwen2", "gemma-4"])
-def test_tool_choice_shapes_what_the_prompt_shows(name: str) -> None:
-    """tool_choice "none" shows no tools; a named choice only that tool; the generic path says "required" and "at most one"."""
+def test_tool_choice_changes_nothing_before_the_history(name: str) -> None:
+    """Every tool_choice shows every tool (the grammar enforces the choice), so only "none"'s note, at the end, differs.
+
+    (It used to show no tools for "none", one for a named choice, and add "You must call..." to the system
+    message: an agent switching required -> auto between turns recomputed everything after the system prompt.)"""
     src, msgs = template(name), CONVO[:2]
+    auto = render_chat(src, msgs, tools=TOOLS)
+    assert "get_weather" in auto and "read_file" in auto
+    for choice in ("required", {"type": "function", "function": {"name": "read_file"}}):
+        assert render_chat(src, msgs, tools=TOOLS, tool_choice=choice) == auto, choice
+    assert render_chat(src, msgs, tools=TOOLS, parallel_tool_calls=False) == auto
     none = render_chat(src, msgs, tools=TOOLS, tool_choice="none")
-    assert none == render_chat(src, msgs) and "get_weather" not in none
-    named = render_chat(src, msgs, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "read_file"}})
-    assert "read_file" in named and "get_weather" not in named
-    if name == "qwen2":
-        assert "You must call the function read_file." in named
-        assert "You must call at least one function." in render_chat(src, msgs, tools=TOOLS, tool_choice="required")
-        assert "Call at most one function." in render_chat(src, msgs, tools=TOOLS, parallel_tool_calls=False)
+    head = auto[: auto.index(msgs[-1]["content"]) + len(msgs[-1]["content"])]
+    assert none.startswith(head) and none[len(head):].startswith("\n\n" + NO_CALL_NOTE)
 
 
 def test_template_without_a_system_role_gets_tools_in_the_first_user_message() -> None:
@@ -159,7 +162,9 @@ def test_byte_tokenizer_renders_tools_calls_and_results() -> None:
     assert '"name": "get_weather"' in text and "# Tools" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert len(ids) > len(tok.apply_chat_template(CONVO[1:4])) + 200
-    assert tok.apply_chat_template(CONVO[1:2], tools=[WEATHER], tool_choice="none") == tok.apply_chat_template(CONVO[1:2])
+    # "none" keeps the tools (a stable prefix) and notes the choice at the end of the last message.
+    none = tok.decode(tok.apply_chat_template(CONVO[1:2], tools=[WEATHER], tool_choice="none"))
+    assert '"name": "get_weather"' in none and none.endswith(CONVO[1]["content"] + "\n\n" + NO_CALL_NOTE)
 
 
 def _hf_tokenizer(chat: str) -> HFTokenizer:
