@@ -2,8 +2,8 @@
 
 Written by hand from the renderers, since those build plain dicts: chat_format.py and choices.py
 (chat.completion), completions_routes.py (text_completion), responses_routes.py (the Responses
-`response` object), anthropic_routes.py (the Anthropic `message`, count_tokens), openai_routes.py
-(the model list), health_routes.py, and errors.py (both dialects' error bodies). A field a renderer
+`response` object), anthropic_routes.py (the Anthropic `message`, count_tokens), responses_stored.py (a stored
+response's deletion and input items), openai_routes.py (the model list), health_routes.py, and errors.py (both dialects' error bodies). A field a renderer
 always writes is required; a field that echoes what the client sent is left as open as the
 request model lets it be. Extra fields are not forbidden: clients are told to ignore what they do
 not know, and the node may add facts of its own (the model list's `kvmesh`).
@@ -110,9 +110,18 @@ def _response() -> Schema:
         "incomplete_details": nullable(obj({"reason": STR})), "instructions": nullable(STR),
         "tools": array({"type": "object"}), "tool_choice": {"anyOf": [STR, {"type": "object"}]},
         "parallel_tool_calls": BOOL, "temperature": nullable(NUM), "top_p": nullable(NUM),
-        "max_output_tokens": nullable(INT), "previous_response_id": {"type": "null"}, "store": BOOL,
+        "max_output_tokens": nullable(INT), "previous_response_id": nullable(STR), "store": BOOL,
         "metadata": {"type": "object"}, "text": obj({"format": ANY}), "truncation": STR, "reasoning": {"type": "null"},
     }, title="Response")
+
+
+def _stored() -> list[Schema]:
+    """node.api.responses_stored: a deleted response's answer, and a response's input items (OpenAI's list page)."""
+    deleted = obj({"id": STR, "object": const("response"), "deleted": {"type": "boolean", "enum": [True]}},
+                  title="ResponseDeleted")
+    items = obj({"object": const("list"), "data": array({"type": "object"}), "first_id": nullable(STR),
+                 "last_id": nullable(STR), "has_more": BOOL}, title="ResponseInputItems")
+    return [deleted, items]
 
 
 def _anthropic_message() -> Schema:
@@ -147,7 +156,7 @@ def _ready() -> Schema:
 BODIES: dict[str, Schema] = {s["title"]: s for s in (
     _openai_error(), _anthropic_error(), _token_logprobs(), _chat_usage(), _chat_completion(), _text_completion(),
     _response(), _anthropic_message(), obj({"input_tokens": INT}, title="TokenCount"), _model_list(), _health(),
-    _ready())}
+    _ready(), *_stored())}
 
 # What a streamed answer's events are, in words, where its text/event-stream content is declared.
 STREAMS = {
