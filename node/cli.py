@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: keep long LLM conversations warm across hosts")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for add in (_add_node, _add_demo, _add_bench, _add_netlab, _add_load, _add_chaos, _add_soak, _add_init, _add_sim):
+    for add in (_add_node, _add_demo, _add_bench, _add_netlab, _add_load, _add_chaos, _add_soak, _add_init, _add_sim,
+                _add_docs):
         add(sub)
     return p
 
@@ -325,6 +326,19 @@ def _add_init(sub: Subparsers) -> None:
     i.add_argument("--store-dir", default="/var/lib/kvmesh/store", help="replica store folder on each host")
     i.add_argument("--force", action="store_true", help="overwrite files that exist")
     i.set_defaults(func=cmd_init, engine_default="sim")
+
+
+def _add_docs(sub: Subparsers) -> None:
+    d = sub.add_parser("docs", help="write the manual's generated pages (configuration, CLI, HTTP API, metrics, screenshots)")
+    d.add_argument("--root", type=Path, default=Path("."), help="the kvmesh checkout whose docs/ to write (default: here)")
+    d.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each page that is out of date")
+    d.set_defaults(func=cmd_docs)
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    from kvmesh.node.lab.docs import run_docs
+
+    return run_docs(args, build_parser())
 
 
 def _infer_engine(args: argparse.Namespace) -> None:
