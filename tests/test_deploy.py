@@ -1,22 +1,30 @@
-"""deploy/: the systemd unit and Kubernetes manifests, checked offline (no cluster, no systemd here).
+"""deploy/: the systemd unit, Kubernetes manifests and Grafana dashboard, checked offline (no cluster, systemd or
+Grafana here).
 
 Each manifest is checked against the shape of the Kubernetes objects it declares (the fields kvmesh
 relies on, with their types: a schema of our own, since no API server or OpenAPI document is here),
 and against the node's own contract: readiness on /ready, liveness on /health, a grace period and a
-stop timeout longer than the default drain (NodeConfig.drain_timeout_s), the ports init writes.
+stop timeout longer than the default drain (NodeConfig.drain_timeout_s), the ports init writes. Every PromQL query of
+the dashboard names only metrics a real node exports: a sim node serves a few turns in-process and its /metrics is
+scraped.
 """
 
 from __future__ import annotations
 
 import configparser
+import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
-from kvmesh.node.config import NodeConfig, load_config
+from kvmesh.node.config import EngineConfig, NodeConfig, SimConfig, load_config
 from kvmesh.node.errors import ConfigError
+from kvmesh.node.lab.inprocess import serve_in_thread
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DRAIN_S = NodeConfig().drain_timeout_s
@@ -114,3 +122,114 @@ def test_systemd_unit_gives_the_drain_its_time() -> None:
     assert svc["KillSignal"] == "SIGTERM" and svc["KillMode"] == "mixed"
     assert int(svc["TimeoutStopSec"]) > DRAIN_S
     assert unit["Install"]["WantedBy"] == "multi-user.target" and "network-online.target" in unit["Unit"]["After"]
+
+
+DASHBOARD = DEPLOY / "grafana" / "kvmesh.json"
+# PromQL words that are neither metrics nor functions (a function is a word followed by "(").
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
+# What an operator needs to see, each by the metric that shows it.
+COVERED = {"handoffs": "kvmesh_handoffs_total", "shortfall": "kvmesh_handoff_shortfall_total", "ttft": "kvmesh_ttft_seconds_bucket",
+           "overload refusals": "kvmesh_turns_refused_overloaded_total", "replica refusals": "kvmesh_replicas_refused_total",
+           "queue": "kvmesh_queue_depth", "slots": "kvmesh_slots_busy", "link throughput": "kvmesh_kvshare_bytes_total",
+           "store": "kvmesh_replica_store_bytes", "KV pool": "kvmesh_kv_cache_used_bytes"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: what is left once strings, label matchers, ranges, grouping
+    clauses, function names and keywords are taken out."""
+    e = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    e = re.sub(r"\{[^}]*\}", " ", e)
+    e = re.sub(r"\[[^\]]*\]", " ", e)
+    e = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", e)
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", e):
+        if m.group() not in PROMQL_WORDS and not e[m.end():].lstrip().startswith("("):
+            names.add(m.group())
+    return names
+
+
+def test_metric_names_sees_what_it_should() -> None:
+    """The PromQL reader finds the metrics and skips functions, labels, grouping, ranges and variables."""
+    expr = 'histogram_quantile(0.99, sum by (le, instance) (rate(a_bucket{x=~"$y", z!="w"}[$__rate_interval]))) / b * 8'
+    assert metric_names(expr) == {"a_bucket", "b"}
+    assert metric_names('sum(increase(c_total{cls="warm"}[$__range])) / sum without (d) (c_total) > bool 0') == {"c_total"}
+
+
+def _queries(dash: dict[str, Any]) -> list[tuple[str, str]]:
+    """(where, PromQL) for every panel target and the templating queries (label_values reads its first argument)."""
+    out = [(f"panel {p['title']!r} {t['refId']}", t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
+    for v in dash["templating"]["list"]:
+        if v["type"] == "query":
+            m = re.fullmatch(r"label_values\((\w+),\s*\w+\)", v["definition"])
+            assert m, v["definition"]
+            out.append((f"variable {v['name']}", m.group(1)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported() -> Iterator[tuple[set[str], dict[str, str]]]:
+    """A sim node in-process after two turns: the sample names its /metrics shows, and each family's type."""
+    cfg = NodeConfig(name="dash", engine=EngineConfig(kind="sim", cache_bytes=64 << 20, slots=2,
+                                                      sim=SimConfig(kv_scale=0.01, decode_tps=2000, prefill_tps=1e6)))
+    srv = serve_in_thread(cfg)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            messages = [{"role": "user", "content": "Which files would you read first?"}]
+            for _ in range(2):
+                r = c.post("/v1/chat/completions", headers={"X-Session-Id": "dash-1"},
+                           json={"model": srv.model, "messages": messages, "max_tokens": 8})
+                assert r.status_code == 200, r.text
+                messages += [r.json()["choices"][0]["message"], {"role": "user", "content": "Go on."}]
+            text = c.get("/metrics").text
+    finally:
+        srv.stop()
+    samples = {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M))
+    yield samples, types
+
+
+def _exported(name: str, samples: set[str], types: dict[str, str]) -> bool:
+    """Whether a node exports `name`: as a sample, as a family (a labelled one before its first sample), or as a
+    histogram's or summary's _bucket, _sum or _count series."""
+    if name in samples or types.get(name) in ("counter", "gauge"):
+        return True
+    for suffix, kinds in (("_bucket", ("histogram",)), ("_sum", ("histogram", "summary")), ("_count", ("histogram", "summary"))):
+        if name.endswith(suffix) and types.get(name[: -len(suffix)]) in kinds:
+            return True
+    return False
+
+
+def test_dashboard_queries_name_metrics_the_node_exports(exported: tuple[set[str], dict[str, str]]) -> None:
+    """Every PromQL query of deploy/grafana/kvmesh.json reads metrics a real sim node's /metrics exports."""
+    samples, types = exported
+    assert "kvmesh_turns_total" in samples and types["kvmesh_ttft_seconds"] == "histogram"
+    dash = json.loads(DASHBOARD.read_text())
+    queries = _queries(dash)
+    assert len(queries) >= 10
+    unknown = []
+    for where, expr in queries:
+        names = metric_names(expr)
+        assert names, f"{where}: no metric in {expr!r}"
+        unknown += [f"{where}: {n}" for n in sorted(names) if not _exported(n, samples, types)]
+    assert not unknown, "the dashboard reads metrics no node exports:\n" + "\n".join(unknown)
+    read = {n for _, expr in queries for n in metric_names(expr)}
+    assert not {what for what, n in COVERED.items() if n not in read}, "the dashboard leaves out what an operator needs"
+
+
+def test_dashboard_is_one_importable_grafana_dashboard() -> None:
+    """The JSON is a dashboard Grafana imports: a data source input and variable, unique panel ids, every panel on
+    the 24-column grid, every target with a refId and a query on the chosen data source."""
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 36
+    assert any(v["type"] == "datasource" and v["query"] == "prometheus" for v in dash["templating"]["list"])
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0, p["title"]
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${datasource}" and p["description"], p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert refs and len(refs) == len(set(refs)), p["title"]
+        assert all(t["expr"] and t["datasource"]["uid"] == "${datasource}" for t in p["targets"]), p["title"]
