@@ -313,12 +313,25 @@ class KVShareConfig(_Strict):
                 f"{context} tokens per slot: no session will ever be replicated")
 
 
+class ResponsesConfig(_Strict):
+    """Stored Responses (`store: true`, `previous_response_id`; node.responses): kept with their conversation, on
+    its home and its replica holder, each with a disk copy."""
+
+    ttl_s: float = Field(30 * 86400.0, gt=0, description="how long a stored response is kept after it was made "
+                         "(OpenAI keeps them 30 days)")
+    budget_bytes: int = Field(256 << 20, ge=0, description="stored responses' bytes (as JSON) this host keeps, in memory "
+                              "and on disk; past it the least recently used conversation's go first. 0: none are kept")
+    dir: str = Field("", description="where their disk copies go (default: beside kvshare.store_dir, named "
+                     "<store_dir>-responses; with no store_dir a per-node temp dir, gone at exit)")
+
+
 class NodeConfig(_Strict):
     name: str = Field("node-1", min_length=1, max_length=64, pattern=HOST_NAME_PATTERN)
     api: ApiConfig = ApiConfig()
     engine: EngineConfig = EngineConfig()
     mesh: MeshConfig = MeshConfig()
     kvshare: KVShareConfig = KVShareConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     admin_token: SecretStr | None = Field(None, min_length=8, description="bearer token for /v1/admin (or KVMESH_ADMIN_TOKEN)")
     drain_timeout_s: float = Field(60.0, gt=0, le=3600, description="SIGTERM: how long the warm drain may take before "
                                    "the node exits anyway (node.shutdown)")

@@ -62,11 +62,18 @@ class Unauthorized(KVMeshError):
 
 
 class NotFound(KVMeshError):
-    """An unknown host or session named by an operator action."""
+    """An unknown host or session named by an operator action, or a stored response not found (`param` names the
+    field that named it, as OpenAI's previous_response_not_found does)."""
 
     status = 404
     code = "not_found"
     type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        if code:
+            self.code = code
 
 
 class Conflict(KVMeshError):

@@ -38,6 +38,7 @@ from kvmesh.node.protocol import (
     PeerUp,
     ReplicaEvicted,
 )
+from kvmesh.node.responses.service import StoredResponses
 from kvmesh.node.tls import client_context
 
 log = logging.getLogger("kvmesh.node")
@@ -77,6 +78,10 @@ class Node:
         self.turns = TurnPath(cfg.name, self.engine, self.mesh, self.kvshare, threads, publish=self.hub.publish,
                               forward_timeout_s=cfg.mesh.forward_timeout_s, on_resumed=self.metrics.resumed.inc)
         peers = self.mesh.peers
+        # Stored Responses live with their conversation: its home and replica holder (node.responses.service).
+        self.responses = StoredResponses(cfg.name, cfg.responses, store_dir=cfg.kvshare.store_dir,
+                                         fsync=cfg.kvshare.fsync == "always", where=self.mesh, peers=peers)
+        self.hub.on_publish(self.responses.on_event)
         self.operator = Operator(cfg.name, self.engine, self.mesh, push=self.kvshare.push, publish=self.hub.publish)
         self.discovery: Discovery | None = None
         if cfg.mesh.discovery != "static":
@@ -153,6 +158,7 @@ class Node:
 
         self.kvshare.store.on_evict = store_evicted
         await self.mesh.start()
+        await self.responses.start()
         if self.discovery is not None:
             self.discovery.start()
         task = asyncio.ensure_future(self._status_loop())
@@ -195,6 +201,7 @@ class Node:
         if self.discovery is not None:
             await self.discovery.stop()
         await self.mesh.stop()
+        await self.responses.stop()
         await self.kvshare.stop()
         self.engine.close()
 
@@ -239,6 +246,7 @@ class Node:
                        "prefill_tps": round(self.engine.prefill_rate(), 1),
                        "weights": self.engine.weights.as_dict() if self.engine.weights is not None else None},
             "kvshare": self.kvshare.stats(),
+            "responses": self.responses.stats(),
             "snapshots": self.kvshare.snapshot_stats(),
             "replicate_min_tokens": self.kv_cfg.replicate_min_tokens, "max_context": self.engine.max_context,
             "block_size": self.engine.block_size, "fingerprint": self.engine.fingerprint,

@@ -1,5 +1,5 @@
 """Peer routes: what hosts of the mesh ask each other (status, pushed state, the directory, hello,
-actions relayed from an admin). Every one needs the mesh secret (`X-Kvmesh-Peer-Auth`), never logged
+actions relayed from an admin, a conversation's stored responses). Every one needs the mesh secret (`X-Kvmesh-Peer-Auth`), never logged
 or echoed.
 """
 
@@ -14,13 +14,14 @@ from pydantic import BaseModel, Field
 
 from kvmesh.node.api.deps import NodeDep, json_response, valid_session
 from kvmesh.node.api.jsonbody import StrictJSONRoute
-from kvmesh.node.errors import Conflict, Unauthorized
+from kvmesh.node.errors import Conflict, InvalidRequest, NotFound, Unauthorized
 from kvmesh.node.mesh.auth import PEER_HEADER, check_peer_token
 from kvmesh.node.mesh.discovery import hello
 from kvmesh.node.mesh.statefeed import StateFeed
 from kvmesh.node.mesh.statestream import push
 from kvmesh.node.node import Node
 from kvmesh.node.protocol import ActionResult, PeerHello
+from kvmesh.node.responses.record import StoredRecord
 
 router = APIRouter(route_class=StrictJSONRoute)
 
@@ -120,3 +121,23 @@ async def peer_migrate(session: str, target: str, node: PeerNode) -> ActionResul
 @router.post("/v1/peer/sessions/{session:path}/replicate")
 async def peer_replicate(session: str, node: PeerNode) -> ActionResult:
     return await node.operator.replicate_now(valid_session(session), relay=False)
+
+
+@router.get("/v1/peer/responses/{session:path}")
+async def peer_responses(session: str, node: PeerNode) -> Response:
+    """A conversation's stored responses as this host keeps them (node.responses.service), every scope's."""
+    record = node.responses.record(valid_session(session))
+    if record is None:
+        raise NotFound("no stored responses of that conversation here")
+    return json_response(await asyncio.to_thread(record.model_dump_json))
+
+
+@router.put("/v1/peer/responses/{session:path}")
+async def peer_keep_responses(session: str, body: StoredRecord, node: PeerNode, replicate: bool = False,
+                              known_only: bool = False) -> ActionResult:
+    """Merge a copy of a conversation's stored responses; `replicate`: this host ran its turn, so it passes the
+    record on to the conversation's replica holder before answering; `known_only`: only into a record held here."""
+    if body.session != valid_session(session):
+        raise InvalidRequest("the record names another conversation than the path", param="session")
+    await node.responses.accept(body, replicate=replicate, known_only=known_only)
+    return ActionResult(ok=True, message=f"{node.name} keeps the stored responses of {session}")
