@@ -1,4 +1,4 @@
-"""OpenAI Responses: `POST /v1/responses` (and `/responses`), what Codex CLI speaks.
+"""OpenAI Responses: `POST /v1/responses` (and `/responses`), what Codex CLI and the OpenAI Agents SDK speak.
 
 The request becomes the internal one (node.api.responses_schema), runs on the one turn path
 (node.api.serving), and its answer events are rendered here: one `response` object, or the
@@ -9,30 +9,41 @@ end response.completed (response.incomplete when max_output_tokens cut it, respo
 when the turn broke off). Usage has input_tokens_details.cached_tokens: the reused prefix.
 With `include: ["message.output_text.logprobs"]`, a text delta waits for its tokens' log
 probabilities (they come right after it) and carries them; the part gathers them all.
+
+Stored responses (node.api.responses_stored, node.responses): with `store: true` (the default) the answer is
+kept with its conversation before the client sees its end (the whole object, or the stream's last event),
+so a follow-up sent the moment it arrives finds it. A `previous_response_id` turn runs the stored conversation
+then its own input, in the chain's session and conversation: placement sends it where that cache is, warm,
+from any entry. Its id names its conversation (node.responses.ids).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvmesh.node.api.answer import collect, rendered
+from kvmesh.node.api.answer import collect
 from kvmesh.node.api.chat_format import logprobs_content
 from kvmesh.node.api.clientauth import ClientKey
 from kvmesh.node.api.deps import NodeDep
 from kvmesh.node.api.jsonbody import StrictJSONRoute, dumps
 from kvmesh.node.api.responses_schema import ResponsesRequest
+from kvmesh.node.api.responses_stored import caller_scope, continued, kept_record
+from kvmesh.node.api.responses_stored import router as stored_router
 from kvmesh.node.api.serving import chat_hop, open_answer, parser_factory, prompt_request, sse_response
-from kvmesh.node.api.sessionid import Named, name_session
+from kvmesh.node.api.sessionid import Named, SessionName, name_session, opening_of
 from kvmesh.node.api.structured import constrained
-from kvmesh.node.errors import NotFound
 from kvmesh.node.mesh.answer import AnswerEvent, ContentDelta, Failed, Finish, Logprobs, ToolCallArgs, ToolCallEnd, ToolCallStart
+from kvmesh.node.responses.ids import new_id
 
 router = APIRouter(route_class=StrictJSONRoute)
+log = logging.getLogger("kvmesh.api.responses")
 
 
 def _id(prefix: str) -> str:
@@ -42,9 +53,9 @@ def _id(prefix: str) -> str:
 class ResponseBuilder:
     """Answer events in, Responses stream events out (sans-I/O); `response()` is the object so far."""
 
-    def __init__(self, body: ResponsesRequest) -> None:
+    def __init__(self, body: ResponsesRequest, rid: str | None = None) -> None:
         self.body = body
-        self.rid, self.created = _id("resp_"), int(time.time())
+        self.rid, self.created = rid or _id("resp_"), int(time.time())
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
         self.seq = 0
@@ -62,7 +73,7 @@ class ResponseBuilder:
                 "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
                 "tool_choice": b.tool_choice or "auto", "parallel_tool_calls": b.parallel_tool_calls,
                 "temperature": b.temperature, "top_p": b.top_p, "max_output_tokens": b.max_output_tokens,
-                "previous_response_id": None, "store": b.store, "metadata": {}, "text": {"format": (b.text or {}).get("format") or {"type": "text"}},
+                "previous_response_id": b.previous_response_id, "store": b.store, "metadata": {}, "text": {"format": (b.text or {}).get("format") or {"type": "text"}},
                 "truncation": "disabled", "reasoning": None}
 
     def _ev(self, kind: str, data: dict[str, Any]) -> bytes:
@@ -174,18 +185,36 @@ class ResponseBuilder:
 
 
 async def responses(body: ResponsesRequest, request: Request, node: NodeDep) -> Response:
-    chat = body.chat()
-    session = name_session(request.headers, Named(prompt_cache_key=body.prompt_cache_key, user=body.user),
-                           chat.messages_as_dicts())
+    scope = caller_scope(request, node)
+    prior = await continued(node, body, scope)
+    chat = body.chat(prior[1] if prior else None)
+    if prior is not None:  # the chain's session, whatever this request names: one session, one conversation
+        session = SessionName(prior[0].entry.group, prior[0].entry.source or "previous_response_id",
+                              opening_of(chat.messages_as_dicts()))
+    else:
+        session = name_session(request.headers, Named(prompt_cache_key=body.prompt_cache_key, user=body.user),
+                               chat.messages_as_dicts())
     greq = constrained(prompt_request(node, chat, session), chat)  # response_format, tool_choice
     opened = await open_answer(node, greq, session, request.headers, chat_hop(node, chat, body.stream),
                                stream=body.stream, new_parser=parser_factory(chat))
     headers = dict(opened.headers)
     if ignored := body.ignored():
         headers["X-Kvmesh-Ignored"] = ",".join(ignored)
-    b = ResponseBuilder(body)
+    b = ResponseBuilder(body, new_id(greq.session))  # the session is the conversation's key by now
+
+    async def keep() -> None:
+        if not (body.store and node.responses.enabled):
+            return
+        ran_on = next((v for k, v in headers.items() if k.lower() == "x-kvmesh-host"), None)
+        record = kept_record(body, b.response(), session, greq.session, scope, node.responses.ttl_s,
+                             prior[0] if prior else None)
+        try:
+            await node.responses.keep(record, ran_on)
+        except Exception:  # the answer stands; only its keeping failed
+            log.exception("response %s of %s was not stored", b.rid, greq.session)
+
     if body.stream:
-        return sse_response(rendered(b.start(), b.feed, opened.events), headers)
+        return sse_response(_streamed(b, opened.events, keep), headers)
     events, fin = await collect(opened.events)
     for ev in events:
         b.feed(ev)
@@ -193,16 +222,24 @@ async def responses(body: ResponsesRequest, request: Request, node: NodeDep) -> 
         # collect gathers a whole answer's log probabilities into its Finish: they are the text's
         b.output[-1]["content"][0]["logprobs"] = logprobs_content(fin.logprobs)
     b.finish(fin)
+    await keep()
     return JSONResponse(b.response(), headers=headers)
 
 
-async def stored_response(response_id: str) -> None:
-    raise NotFound(f"response {response_id!r} was not stored: kvmesh keeps no responses (send the whole input "
-                   "each turn, store=false)")
+async def _streamed(b: ResponseBuilder, events: AsyncIterator[AnswerEvent],
+                    keep: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """The Responses stream; a finished answer is kept before its last events go out."""
+    for chunk in b.start():
+        yield chunk
+    async for ev in events:
+        out = b.feed(ev)
+        if isinstance(ev, Finish):
+            await keep()
+        for chunk in out:
+            yield chunk
 
 
 for _prefix in ("/v1", ""):
     router.add_api_route(_prefix + "/responses", responses, methods=["POST"], response_model=None,
                          dependencies=[ClientKey])
-    router.add_api_route(_prefix + "/responses/{response_id}", stored_response, methods=["GET"],
-                         response_model=None, dependencies=[ClientKey])
+router.include_router(stored_router)

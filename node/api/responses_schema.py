@@ -1,25 +1,28 @@
 """OpenAI Responses requests, and their translation into the one internal (chat) request.
 
-The path Codex CLI uses is the one served: `store=false` and the whole conversation in `input`
-every turn (a string, or items: `message` with input_text / output_text parts, `function_call`,
-`function_call_output`; `reasoning` items of earlier turns are dropped, as thinking is).
-`instructions` becomes the system message; function `tools`, `tool_choice`,
-`parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p` map to their chat fields.
-`prompt_cache_key` (and Codex's `session_id` header) names the session.
+Both ways a client keeps a conversation are served. Codex CLI's: `store=false` and the whole conversation in
+`input` every turn (a string, or items: `message` with input_text / output_text parts, `function_call`,
+`function_call_output`; `reasoning` items of earlier turns are dropped, as thinking is). And the stored one
+(OpenAI's default, the Agents SDK's): `store=true` keeps the response and its conversation with the session
+(node.responses), and `previous_response_id` continues it: the stored conversation (that response's whole
+input, then its output) comes first, this request's `input` after it. `instructions` become the system
+message; as OpenAI's, only this request's count (a previous response's are not carried over).
+Function `tools`, `tool_choice`, `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p` map to
+their chat fields. `prompt_cache_key` (and Codex's `session_id` header) names the session; a follow-up runs
+in its chain's session, whatever it names.
 
-Decided: responses are not stored. `previous_response_id` is a 400 saying to send the whole
-input (Codex never sends it); `store=true` is accepted, but GET /v1/responses/{id} finds nothing.
 `reasoning` and `include` are accepted and have no effect (no served template reasons); the
 answer says so in `X-Kvmesh-Ignored`, except `include` asking for `message.output_text.logprobs`,
 which is honoured (with `top_logprobs`): each output_text part and delta carries its tokens' log
 probabilities. `text.format` (json_schema, json_object) is honoured: it
 becomes chat's response_format (node.api.structured constrains the reply). Refused with a 400
 naming the field: non-function tools (web_search, file_search, local_shell, custom), image and
-file input, `background`, `conversation`.
+file input, `background`, `conversation` (OpenAI's Conversations API is not served).
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -30,10 +33,11 @@ from kvmesh.node.errors import InvalidRequest
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _REFUSED = {
-    "previous_response_id": "responses are not stored here; send the whole conversation in input (store=false)",
     "background": "background responses are not supported",
-    "conversation": "conversations are not stored here; send the whole conversation in input",
+    "conversation": "the Conversations API is not served here; chain responses with previous_response_id, or send "
+                    "the whole conversation in input",
 }
+_ITEM_ID = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
 
 
 class Part(BaseModel):
@@ -56,6 +60,7 @@ class Item(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    id: str | None = Field(None, max_length=256)
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[Part] | None = None
     call_id: str | None = Field(None, max_length=256)
@@ -78,6 +83,21 @@ class Item(BaseModel):
         if missing:
             raise ValueError(f"a {self.type} item needs {', '.join(missing)}")
         return self
+
+    def stored(self) -> dict[str, Any] | None:
+        """The item as a stored response lists it (input_items: Responses' item shape, with an id); None for
+        reasoning, which is dropped."""
+        rid = self.id or _ITEM_ID.get(self.type, "item_") + uuid.uuid4().hex[:24]
+        if self.type == "message":
+            return {"type": "message", "id": rid, "role": self.role, "status": "completed",
+                    "content": _parts(self.content, self.role == "assistant")}
+        if self.type == "function_call":
+            return {"type": "function_call", "id": rid, "call_id": self.call_id, "name": self.name,
+                    "arguments": self.arguments or "{}", "status": "completed"}
+        if self.type == "function_call_output":
+            return {"type": "function_call_output", "id": rid, "call_id": self.call_id, "output": _text(self.output),
+                    "status": "completed"}
+        return None
 
 
 class FunctionTool(BaseModel):
@@ -111,6 +131,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     store: bool = True
+    previous_response_id: str | None = Field(None, min_length=1, max_length=1024)
     prompt_cache_key: str | None = Field(None, max_length=1024)
     user: str | None = Field(None, max_length=512)
     reasoning: dict[str, Any] | None = None
@@ -151,12 +172,21 @@ class ResponsesRequest(BaseModel):
         unused = [i for i in self.include or [] if i != LOGPROBS_INCLUDE]
         return [n for n, v in (("reasoning", self.reasoning), ("include", unused)) if v]
 
-    def chat(self) -> ChatCompletionRequest:
+    def items(self) -> list[Item]:
+        """`input` as items (a string is one user message)."""
+        return [Item(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+
+    def stored_items(self) -> list[dict[str, Any]]:
+        """This request's input as a stored response keeps it (node.responses.record)."""
+        return [d for it in self.items() if (d := it.stored()) is not None]
+
+    def chat(self, history: list[Item] | None = None) -> ChatCompletionRequest:
+        """The internal request: the instructions, then `history` (a stored conversation this continues), then
+        `input`."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        items = [Item(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        for it in items:
+        for it in [*(history or []), *self.items()]:
             _add(messages, it)
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
                                 "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
@@ -179,6 +209,21 @@ def _text(content: str | list[Part] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "".join(p.text for p in content)
+
+
+def _parts(content: str | list[Part] | None, assistant: bool) -> list[dict[str, Any]]:
+    kind = "output_text" if assistant else "input_text"
+    if content is None or isinstance(content, str):
+        content = [Part(type="input_text", text=content or "")]
+    out: list[dict[str, Any]] = []
+    for p in content:
+        if p.type == "refusal":
+            out.append({"type": "refusal", "refusal": p.text})
+        elif kind == "output_text":
+            out.append({"type": kind, "text": p.text, "annotations": []})
+        else:
+            out.append({"type": kind, "text": p.text})
+    return out
 
 
 def _add(messages: list[dict[str, Any]], it: Item) -> None:

@@ -2,9 +2,9 @@
 
 The server is the sim engine with a test-only `scripted_reply`: every answer is SCRIPT (some
 text, then one Hermes tool call). With function tools declared the API turns the call into a
-`function_call` output item; without them the whole script is output text. The path served
-is Codex CLI's: store=false, the whole conversation in `input` each turn, prompt_cache_key
-naming the session.
+`function_call` output item; without them the whole script is output text. The path tested
+here is Codex CLI's: store=false, the whole conversation in `input` each turn, prompt_cache_key
+naming the session (stored responses and previous_response_id: test_responses_stored.py).
 """
 
 from __future__ import annotations
@@ -173,13 +173,13 @@ def test_function_call_round_trip_reuses_the_cache(client, http):
     assert _cluster_source(http, key) == "prompt_cache_key"
 
 
-def test_previous_response_id_is_refused_by_name(client):
-    """previous_response_id: openai.BadRequestError naming it (responses are not stored; send the whole input)."""
-    with pytest.raises(openai.BadRequestError) as ei:
+def test_an_unknown_previous_response_id_is_a_404_naming_it(client):
+    """previous_response_id of no stored response: openai.NotFoundError naming it (previous_response_not_found)."""
+    with pytest.raises(openai.NotFoundError) as ei:
         _create(client, "hi", previous_response_id="resp_0123456789abcdef")
-    assert ei.value.status_code == 400
+    assert ei.value.status_code == 404
     assert ei.value.body["param"] == "previous_response_id"
-    assert "previous_response_id" in ei.value.body["message"]
+    assert ei.value.body["code"] == "previous_response_not_found"
 
 
 def test_text_format_of_no_known_type_is_refused(client):
@@ -205,9 +205,11 @@ def test_max_output_tokens_makes_it_incomplete(client):
     assert "response.completed" not in [e.type for e in events]
 
 
-def test_stored_responses_are_not_found(client, http):
-    """GET /v1/responses/{id}: 404, even for an id just answered with store=true."""
-    r = _create(client, "Store me?", max_output_tokens=5, store=True)
+def test_only_stored_responses_are_found(client, http):
+    """GET /v1/responses/{id}: the response answered with store=true (the default); a 404 for store=false's."""
+    kept = _create(client, "Store me?", max_output_tokens=5)
+    assert client.responses.retrieve(kept.id).output_text == kept.output_text
+    r = _create(client, "Forget me.", max_output_tokens=5, store=False)
     with pytest.raises(openai.NotFoundError) as ei:
         client.responses.retrieve(r.id)
     assert ei.value.status_code == 404 and r.id in ei.value.body["message"]
