@@ -16,6 +16,8 @@ and neither segfaults on an AMX host.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import os
 import shlex
@@ -37,6 +39,12 @@ _BASE_ARGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
               "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
               "-DBUILD_SHARED_LIBS=OFF")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the bench that started it dies (Linux's PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 class LlamaServerMissing(FileNotFoundError):
@@ -100,7 +108,8 @@ def build(extra: list[str] | None = None, jobs: int | None = None) -> Path:
 class LlamaServer:
     """One llama-server child: `slots` slots of `ctx_per_slot` tokens each, its own cores, prompt
     cache in RAM (`--cache-ram`); on loopback, or behind `prefix` (a network namespace) listening on
-    `bind` and reached at `host`. `url` once started; `stop` ends it (and only it)."""
+    `bind` and reached at `host`. `url` once started; `stop` ends it (and only it). Start it from a thread
+    that outlives it: the kernel's parent-death signal fires when the starting thread ends."""
 
     def __init__(self, model: Path, *, slots: int, ctx_per_slot: int, threads: int, cores: set[int] | None = None,
                  cache_ram_mib: int = 8192, host: str = "127.0.0.1", log: Path | None = None,
@@ -133,8 +142,10 @@ class LlamaServer:
         self.port = free_port("127.0.0.1") if self.prefix else free_port(self.host)  # another namespace: any port is free there
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115  # closed below; the child holds its copy
         try:
+            # Its own session (a Ctrl-C at the bench's terminal is the bench's to handle), and SIGTERM when the
+            # bench dies however it dies (node.lab.bench.reaper stops it on a signal; this covers SIGKILL).
             self.proc = subprocess.Popen([*self.prefix, *pinned(self.cores), *self.argv()], stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()  # type: ignore[union-attr]
@@ -152,15 +163,22 @@ class LlamaServer:
         raise RuntimeError(f"llama-server did not become healthy within {timeout_s:.0f} s; see {self.log}")
 
     def stop(self) -> None:
+        """SIGTERM its process group (a netns prefix's `ip` and the server alike), then SIGKILL after 10 s."""
         p, self.proc = self.proc, None
-        if p is None or p.poll() is not None:
+        if p is None:
             return
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # anything it left in its group
 
 
 def main(argv: list[str]) -> int:

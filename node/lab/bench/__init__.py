@@ -10,7 +10,20 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark `args.bench`; its exit status is non-zero when its run had errors."""
+    """Run the benchmark `args.bench`; its exit status is non-zero when its run had errors.
+
+    Under `reaper.guarded`: a bench ended by SIGTERM or Ctrl-C stops every process it started first."""
+    from kvmesh.node.lab.bench.reaper import guarded
+
+    with guarded(f"kvmesh bench {args.bench}"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.bench == "nodepath":
+        from kvmesh.node.lab.bench.nodepath import run_nodepath
+
+        return run_nodepath(args)
     if args.bench == "ttft":
         from kvmesh.node.lab.bench.ttft import run_ttft
 
