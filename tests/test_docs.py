@@ -8,7 +8,6 @@ import io
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import yaml
 
 from kvmesh.console.cli import _bench_parser, _run_parser
 from kvmesh.node.cli import build_parser
-from kvmesh.node.lab.docs import COMMAND, generate, stale
+from kvmesh.node.lab.docs import COMMAND, generate, stale, write
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -41,7 +40,8 @@ def test_generated_reference_is_current(fresh: dict[str, bytes]) -> None:
 def test_the_check_names_each_stale_page(fresh: dict[str, bytes], tmp_path: Path) -> None:
     """A page edited by hand, one missing and one the generator no longer makes are each named."""
     docs = tmp_path / "docs"
-    shutil.copytree(DOCS, docs)
+    write(docs, fresh)
+    assert stale(docs, fresh) == []
     (docs / "reference" / "cli.md").write_text("edited by hand\n")
     (docs / "reference" / "metrics.md").unlink()
     (docs / "reference" / "old.md").write_text("# gone\n")
