@@ -40,20 +40,35 @@ def add_bench_control(bsub: Subparsers) -> None:
 
 
 def add_side_by_side(bsub: Subparsers) -> None:
-    """`bench engine` and `bench versus`: kvmesh against llama.cpp's llama-server."""
-    e = bsub.add_parser("engine", help="one host's engine against llama.cpp's llama-server: prefill and decode tok/s")
+    """`bench engine`, `bench nodepath` and `bench versus`: kvmesh against llama-server and vLLM on their own."""
+    e = bsub.add_parser("engine", help="one host's kvmesh node against llama-server and/or vLLM called directly: "
+                        "TTFT, prefill and decode tok/s, inter-token latency, per point with its spread")
     e.add_argument("--json", action="store_true")
-    e.add_argument("--against", choices=["llama-server", "none"], default="llama-server",
-                   help="llama-server: built by `make llama-server`; none: kvmesh's figures alone")
+    e.add_argument("--against", default="llama-server", help="comma-separated, of llama-server (built by `make "
+                   "llama-server`), vllm (a node over vLLM against that vLLM, `make vllm`) and none (kvmesh alone); "
+                   "e.g. llama-server,vllm for the whole table")
     e.add_argument("--model", type=Path, help=GGUF_HELP + " (default: smollm2)")
     e.add_argument("--threads", type=int, default=0, help="compute threads of each server, on as many cores (0: all)")
     e.add_argument("--slots", type=int, default=4)
     e.add_argument("--streams", type=_int_list, default=[1, 4], help="concurrent streams per point (comma-separated)")
-    e.add_argument("--prompts", type=_int_list, default=[1000, 4000, 7000], help="prompt tokens per point (comma-separated)")
-    e.add_argument("--max-tokens", type=int, default=128, help="tokens decoded per stream (ignore_eos)")
+    e.add_argument("--prompts", type=_int_list, help="prompt tokens per point (comma-separated; default: 1/32 and 1/8 "
+                   "of the model's context per slot, 256,1024 on SmolLM2); a size past the context is refused")
+    e.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per stream and turn (ignore_eos)")
+    _add_repeats(e, budget=210.0)
     e.add_argument("--extra-bufts", choices=["auto", "on", "off"], default="auto",
                    help="llama.cpp's repacked weight buffers on both sides (engine.llamacpp.extra_bufts; "
                    "llama-server's --repack/--no-repack): compare on and off on one host")
+    e.add_argument("--gpu-layers", type=int, default=0, help="layers a GPU build offloads, on both sides "
+                   "(engine.llamacpp.gpu_layers; llama-server's -ngl); -1: all")
+    n = bsub.add_parser("nodepath", help="the node's own path: kvmesh over vLLM against the same vLLM called "
+                        "directly, TTFT, decode and inter-token latency at 1, 4 and 16 streams")
+    n.add_argument("--json", action="store_true")
+    n.add_argument("--model", type=Path, help="what vLLM serves: a packaged GGUF's alias or path (converted once), or a "
+                   "checkpoint directory (default: smollm2)")
+    n.add_argument("--streams", type=_int_list, default=[1, 4, 16], help="concurrent streams per point (comma-separated)")
+    n.add_argument("--tokens", type=int, default=1024, help="prompt tokens of every stream's opening")
+    n.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per stream and turn (ignore_eos)")
+    _add_repeats(n, budget=600.0)
     v = bsub.add_parser("versus", help="two hosts: kvmesh against llama-servers behind nginx (sticky, round robin)")
     v.add_argument("--json", action="store_true")
     v.add_argument("--duration", type=float, default=300.0, help="seconds per arm")
@@ -68,6 +83,17 @@ def add_side_by_side(bsub: Subparsers) -> None:
                    help="1gbit|10gbit: the hosts in network namespaces joined by a tbf-shaped veth (root)")
     v.add_argument("--arms", nargs="+", choices=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"],
                    default=["kvmesh", "sticky", "round_robin", "kvmesh_no_share"])
+    v.add_argument("--trace", help="replay an agent trace instead of the synthetic agents: a Claude Code trace "
+                   "directory (kv-cache-tester's format, e.g. ../shared/data/claude_code) or a Mooncake one; "
+                   "prompts scaled to the model's context, --sessions of its sessions")
+    v.add_argument("--span", type=float, help="with --trace: its first SPAN seconds of trace time (default: "
+                   "--duration / --time-scale)")
+
+
+def _add_repeats(p: argparse.ArgumentParser, budget: float) -> None:
+    p.add_argument("--repeats", type=int, default=3, help="rounds of every point on every side (a spread: min/median/max)")
+    p.add_argument("--budget", type=float, default=budget, help="seconds after which no new repeat starts (at least 2 run)")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to serve")
 
 
 def add_bench_tools(bsub: Subparsers) -> None:

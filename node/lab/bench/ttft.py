@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -143,10 +144,41 @@ def _no_replicas(cfg: EngineConfig, reason: str) -> dict[str, object]:
     return {"engine": cfg.kind, "model": cfg.served_model, "replicas": False, "errors": 1, "error_samples": [why]}
 
 
+DEFAULT_TOKENS = 16384  # node.cli's --tokens default: sized down for a model whose context is shorter
+FOLLOW_ROOM = 512  # what the warm turn adds to the conversation: the reply, a ~256-token message, the template
+
+
+def model_context(kind: str, model: Path | None) -> int | None:
+    """The trained context of the model a run would serve; None where the engine has no such bound (tiny, sim)."""
+    from kvmesh.node.engine.hf import read_json
+    from kvmesh.node.modelnames import is_gguf
+
+    if kind == "llamacpp" or (kind == "vllm" and is_gguf(str(model))):
+        return int(read_facts(resolve_model(model if model is not None else ensure_model(spec_for("bench")))).context)
+    if model is not None and (model / "config.json").is_file():
+        return int(read_json(model / "config.json").get("max_position_embeddings") or 0) or None
+    return None
+
+
+def sized_tokens(asked: int, context: int | None) -> tuple[int, str | None]:
+    """The conversation's length for this run and a note when it was sized down; SystemExit naming --tokens for
+    an asked length the model cannot hold. The default (16384) becomes 80% of a shorter context."""
+    if context is None or asked + FOLLOW_ROOM <= context:
+        return asked, None
+    if asked == DEFAULT_TOKENS:
+        fit = int(0.8 * context)
+        return fit, f"--tokens {asked} (the default) sized down to {fit}: 80% of the model's {context}-token context"
+    raise SystemExit(f"kvmesh bench ttft: --tokens {asked} does not fit the model's {context}-token context with "
+                     f"the warm turn's ~{FOLLOW_ROOM} more: give --tokens {context - FOLLOW_ROOM} or less")
+
+
 def run_ttft(args: argparse.Namespace) -> int:
     model = getattr(args, "model", None)
     if args.engine == "vllm" and model is None:
         model = Path("smollm2")
+    args.tokens, sized = sized_tokens(args.tokens, model_context(args.engine, model))
+    if sized is not None:
+        print(f"kvmesh bench ttft: {sized}", file=sys.stderr)
     msgs, rng = _conversation(args.tokens, model, args.engine)
     cfg = _engine_cfg(args.engine, args.tokens, model, getattr(args, "block_size", None), getattr(args, "swa", "full"))
     with tempfile.TemporaryDirectory(prefix="kvmesh-ttft-") as tmp:
@@ -197,4 +229,6 @@ def run_ttft(args: argparse.Namespace) -> int:
             }
 
         result = asyncio.run(scenario())
+    if sized is not None:
+        result["tokens_note"] = sized
     return emit(result, args)

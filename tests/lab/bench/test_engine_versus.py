@@ -1,4 +1,4 @@
-"""`kvmesh bench engine` and `bench versus`: their figures from measured streams, and real runs of the kvmesh side.
+"""`kvmesh bench engine` and `bench versus`: their figures from measured rounds, and real runs of the kvmesh side.
 
 The llama-server side needs `make llama-server` (a 10-30 minute build, not part of `make test`), so
 the end-to-end runs here measure kvmesh's own arms on a generated GGUF; the arithmetic that sets
@@ -14,31 +14,33 @@ from pathlib import Path
 import pytest
 
 from kvmesh.node.lab import testmodels
-from kvmesh.node.lab.bench.enginebench import _decode_tps, _points
+from kvmesh.node.lab.bench.enginebench import _table, default_prompts, fits
 from kvmesh.node.lab.bench.versus import summarize
-from kvmesh.node.lab.streamclient import StreamedTurn
 
 
-def _turn(first: float, stamps: list[float]) -> StreamedTurn:
-    return StreamedTurn(first_at=first, last_at=stamps[-1], stamps=[first, *stamps])
+def test_prompts_are_sized_to_the_context() -> None:
+    """Default prompts are 1/32 and 1/8 of a slot's context; a size past it is refused naming --prompts and what fits."""
+    assert default_prompts(8192) == [256, 1024] and default_prompts(16384) == [512, 2048]
+    assert fits([256, 1024], 64, 8192) is None
+    why = fits([1000, 8000], 64, 8192)
+    assert why is not None and "--prompts 8000" in why and f"{8192 - 128 - 256} tokens or less" in why
 
 
-def test_decode_rate_counts_only_the_window_where_every_stream_decodes() -> None:
-    """Two streams, 10 chunks each, overlapping from t=1 to t=2: 2 x 5 chunks in that second."""
-    a = _turn(0.0, [0.2 * i for i in range(1, 11)])        # 0.2 .. 2.0
-    b = _turn(1.0, [1.0 + 0.1 * i for i in range(1, 11)])  # 1.1 .. 2.0
-    assert _decode_tps([a, b]) == pytest.approx((5 + 10) / 1.0)
-    assert _decode_tps([a]) == pytest.approx(10 / 2.0)  # one stream: its own rate
+def _round(cold: float, decode: float, gaps: list[float]) -> dict[str, object]:
+    return {"prompt_tokens": 1000, "cold_ttft_s": cold, "prefill_tps": 1000 / cold, "warm_ttft_s": cold / 10,
+            "warm_recomputed": 30, "decode_tps": decode, "itl_p50_ms": 10.0, "itl_p99_ms": max(gaps), "gaps_ms": gaps}
 
 
-def test_points_set_kvmesh_against_the_server() -> None:
-    """Each point's ratios are kvmesh over llama-server; a side that did not run leaves them unset."""
-    km = [{"prompt_tokens": 1000, "prefill_tps": 300.0, "decode_tps": 90.0}]
-    sv = [{"prompt_tokens": 1000, "prefill_tps": 400.0, "decode_tps": 100.0}]
-    (row,) = _points([(4, 1000)], {"kvmesh": km, "server": sv})
-    assert row["streams"] == 4 and row["prefill_ratio"] == 0.75 and row["decode_ratio"] == 0.9
-    (alone,) = _points([(4, 1000)], {"kvmesh": km})
-    assert alone["server_prefill_tps"] is None and alone["prefill_ratio"] is None
+def test_table_sets_kvmesh_against_the_other_side() -> None:
+    """Each point's ratios are kvmesh's medians over the other side's; a side that did not run leaves them unset."""
+    km = [[_round(2.0, 90.0, [10.0] * 90 + [20.0] * 10), _round(2.2, 80.0, [10.0]), _round(1.8, 100.0, [10.0])]]
+    sv = [[_round(2.0, 100.0, [10.0] * 100), _round(2.0, 100.0, [10.0]), _round(2.0, 100.0, [10.0])]]
+    (row,) = _table([(4, 1000)], {"kvmesh": km, "llama-server": sv}, ["kvmesh", "llama-server"])
+    assert row["streams"] == 4 and row["cold_ttft_ratio"] == 1.0 and row["decode_ratio"] == 0.9
+    assert row["kvmesh"]["decode_tps"] == {"min": 80.0, "median": 90.0, "max": 100.0} and row["kvmesh"]["rounds"] == 3
+    assert row["itl_p99_delta_ms"] is not None and row["itl_p99_delta_ms"] > 0
+    (alone,) = _table([(4, 1000)], {"kvmesh": km}, ["kvmesh"])
+    assert alone["prefill_ratio"] is None and alone["decode_ratio"] is None
 
 
 def _arm(p95: float, tps: float, errors: int = 0, turns: int = 10) -> dict[str, object]:
@@ -66,16 +68,30 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_bench_engine_kvmesh_side_end_to_end(tiny: Path) -> None:
-    """A real node on a generated GGUF: every point measured, prompts near the asked size, no error."""
+    """A real node on a generated GGUF: every point measured over its repeats, prompts near the asked size, progress on stderr."""
     rc, res, err = _bench("engine", "--against", "none", "--model", str(tiny), "--prompts", "200",
-                          "--streams", "1,2", "--max-tokens", "8")
+                          "--streams", "1,2", "--max-tokens", "8", "--repeats", "2")
     assert rc == 0, err
-    points = res["points"]
+    points = res["comparisons"]["none"]  # type: ignore[index]
     assert isinstance(points, list) and [p["streams"] for p in points] == [1, 2]
     for p in points:
-        assert p["kvmesh_prefill_tps"] > 0 and p["kvmesh_decode_tps"] > 0 and p["server_prefill_tps"] is None
+        assert p["kvmesh"]["decode_tps"]["median"] > 0 and p["kvmesh"]["rounds"] == 2 and p["decode_ratio"] is None
+        assert p["kvmesh"]["cold_ttft_s"]["min"] <= p["kvmesh"]["cold_ttft_s"]["max"]
         assert 150 <= p["prompt_tokens"] <= 300
     assert res["errors"] == 0 and res["ratio_min"] is None
+    assert "warm-up on kvmesh" in err and "repeat 2/2" in err
+
+
+def test_bench_engine_refuses_what_it_cannot_run(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No llama-server built: exit 2 naming `make llama-server`; a prompt past the context: exit 2 naming --prompts."""
+    monkeypatch.setenv("KVMESH_LLAMA_SERVER_DIR", str(tmp_path))
+    monkeypatch.delenv("KVMESH_LLAMA_SERVER", raising=False)
+    p = subprocess.run([sys.executable, "-m", "kvmesh.node.cli", "bench", "engine", "--model", str(tiny), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "make llama-server" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "kvmesh.node.cli", "bench", "engine", "--against", "none", "--model",
+                        str(tiny), "--prompts", "999999", "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--prompts 999999 does not fit" in p.stderr
 
 
 def test_bench_versus_kvmesh_arms_end_to_end(tiny: Path) -> None:
