@@ -4,7 +4,8 @@ Two "hosts" on this machine, each pinned to its own core with one compute thread
 2-core VM both hosts would otherwise share both cores, and a move would buy no capacity); the
 load generator and the proxy run beside them, unpinned. The same GGUF, slots and context per
 slot on every arm, the same coding-agent workload (node.lab.load, sized to the model's context
-by `llama_shape`) and seed. Arms, one after the other:
+by `llama_shape`) and seed, or with `--trace` the same requests of an agent trace (Claude Code's, scaled
+to the model's context: `trace_requests`). Arms, one after the other:
 - `kvmesh`: two kvmesh nodes, llama.cpp engine, kv_share on; turns enter either node;
 - `sticky`: two llama-servers (`--cache-ram`) behind nginx hashing `X-Session-Id`;
 - `round_robin`: the same llama-servers behind nginx round robin;
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,6 +37,7 @@ from kvmesh.node.lab.load import LoadRunner, LoadShape
 from kvmesh.node.lab.netlab.mesh import lab_api, lab_nodes
 from kvmesh.node.lab.netlab.netns import TwoHostLab, can_use_netns
 from kvmesh.node.lab.nginx import Proxy
+from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 
 ARMS = ("kvmesh", "sticky", "round_robin", "kvmesh_no_share")
 
@@ -102,6 +105,28 @@ def _servers(work: Path, model: Path, slots: int, ctx: int, cache_bytes: int, po
     return [proxies[0].url], stop
 
 
+def trace_requests(args: argparse.Namespace, ctx: int, per_token: float) -> tuple[list[TraceRequest], int, dict[str, Any]]:
+    """`--trace`: the requests every arm replays, and the prompt characters per 512-token trace block.
+
+    The trace's first `--sessions` sessions (by name), their requests in the first `--span` seconds of
+    trace time (default: what --duration covers at --time-scale). Prompts keep the trace's proportions
+    (shared prefixes, growth, compaction) scaled so the longest one selected fills 80% of the context
+    per slot, in the model's tokens: a real agent's 100k-token prompts become a small model's few thousand."""
+    reqs = read_trace(args.trace)
+    span = args.span if args.span is not None else args.duration / args.time_scale
+    keep = set(sorted({r.session for r in reqs})[: args.sessions])
+    sel = [r for r in reqs if r.session in keep and r.t < span]
+    if not sel:
+        raise SystemExit(f"kvmesh bench versus: no request in {args.trace}'s first {span:g} s of its first "
+                         f"{args.sessions} sessions")
+    biggest = max(r.input_length for r in sel)
+    block_chars = max(1, int(0.8 * ctx * per_token * TRACE_BLOCK_TOKENS / biggest))
+    said = {"trace": str(args.trace), "span_s": span, "sessions": len(keep), "clients": len({r.client or r.session for r in sel}),
+            "requests": len(sel), "block_chars": block_chars, "scale": round(block_chars / per_token / TRACE_BLOCK_TOKENS, 5),
+            "trace_prompt_tokens_max": biggest, "prompt_tokens_max": int(biggest * block_chars / TRACE_BLOCK_TOKENS / per_token)}
+    return sel, block_chars, said
+
+
 def run_versus(args: argparse.Namespace) -> int:
     from kvmesh.node.engine.modelfiles import resolve
 
@@ -109,12 +134,15 @@ def run_versus(args: argparse.Namespace) -> int:
     overrides, said = llama_shape(str(model))
     ctx = said["context"]
     cache_bytes = args.cache_mib << 20
+    replay = trace_requests(args, ctx, said["chars_per_token"]) if args.trace else None
+    if replay is not None:
+        said = {**said, "trace": replay[2]}
     arms: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
         lab = None if args.link == "loopback" else stack.enter_context(_lab(args.link))
         for arm in args.arms:
-            arms[arm] = _arm(arm, args, model, overrides, ctx, cache_bytes, lab)
-            print(f"versus: {arm}: {arms[arm]}", flush=True)
+            arms[arm] = _arm(arm, args, model, overrides, ctx, cache_bytes, lab, replay)
+            print(f"versus: {arm}: {arms[arm]}", file=sys.stderr, flush=True)
     result: dict[str, Any] = {"arms": arms, "model": model.stem, "link": args.link, "sessions": args.sessions,
                               "slots_per_host": args.slots, "ctx_per_slot": ctx, "duration_s": args.duration,
                               "hosts": ("2 on loopback" if lab is None else f"2 network namespaces, {args.link} between them")
@@ -132,8 +160,8 @@ def _lab(link: str) -> TwoHostLab:
 
 
 def _arm(arm: str, args: argparse.Namespace, model: Path, overrides: dict[str, Any], ctx: int, cache_bytes: int,
-         lab: TwoHostLab | None) -> dict[str, Any]:
-    """One arm, started, driven for --duration and stopped; its figures."""
+         lab: TwoHostLab | None, replay: tuple[list[TraceRequest], int, dict[str, Any]] | None) -> dict[str, Any]:
+    """One arm, started, driven for --duration (the agent workload, or the trace's requests) and stopped; its figures."""
     with tempfile.TemporaryDirectory(prefix=f"kvmesh-versus-{arm}-") as tmp:
         work = Path(tmp)
         if arm.startswith("kvmesh"):
@@ -144,7 +172,10 @@ def _arm(arm: str, args: argparse.Namespace, model: Path, overrides: dict[str, A
             shape = LoadShape(sessions=args.sessions, seed=args.seed, max_tokens=args.max_tokens, **overrides)
             runner = LoadRunner(urls, shape, time_scale=args.time_scale)
             t0 = time.monotonic()
-            load = asyncio.run(runner.run(args.duration)).summary()
+            if replay is None:
+                load = asyncio.run(runner.run(args.duration)).summary()
+            else:
+                load = asyncio.run(runner.replay_requests(replay[0], block_chars=replay[1], until_s=args.duration)).summary()
             elapsed = time.monotonic() - t0
         finally:
             stop()
