@@ -146,6 +146,8 @@ class StoredResponses:
             got = await self._fetch(host, session)
             if got is not None and (e := got.find(response_id, scope, now)) is not None:
                 return Found(got, e)
+        # A conversation too short to replicate has its record on a host that holds none of its cache (its home's
+        # death leaves none that does): every host is asked, as a turn of a session no entry knows asks them all.
         rest = [h for h, p in self.peers.peers.items() if p.reachable and h not in asked]
         for got in await asyncio.gather(*(self._fetch(h, session) for h in rest)):
             if got is not None and (e := got.find(response_id, scope, now)) is not None:
@@ -199,7 +201,7 @@ class StoredResponses:
     # ---- on the wire ----------------------------------------------------------------------
 
     async def _holders(self, session: str) -> list[str]:
-        """The other hosts that hold the conversation or ran it, its home first (as the mesh knows them)."""
+        """The other reachable hosts that hold the conversation or ran it, its home first (as the mesh knows them)."""
         if self.where.needs_lookup(session):
             await self.where.refresh(session)
         held = self.where.holdings(session)
