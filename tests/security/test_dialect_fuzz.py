@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,8 +137,10 @@ def check_answer(dialect: str, resp: httpx.Response, field: str | None) -> None:
         err = openai_error(resp)
         message, param = err["message"], err.get("param")
     if resp.status_code == 400 and field is not None:
-        # The refusal names the field it is about (the param, or the field's name in the message).
-        named = (param or "").split(".")[0].split("[")[0] == field or field in message
+        # The refusal names the field it is about (the param, or the field's name in the message); a prompt
+        # past the context is about the whole prompt, which every field of it makes up.
+        named = (param or "").split(".")[0].split("[")[0] == field or field in message or \
+            message.startswith("the prompt is ")
         assert named, (field, text[:500])
 
 
@@ -176,6 +179,7 @@ def test_hostile_bodies_never_reach_a_5xx(dialect: str, keyed: ThreadedServer, c
     """Mutated bodies of each dialect get a 2xx or a 4xx in its shape naming the field, and the node logs no traceback."""
     route, _ = DIALECTS[dialect]
     caplog.set_level(logging.ERROR)
+    statuses: Counter[int] = Counter()
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -184,9 +188,11 @@ def test_hostile_bodies_never_reach_a_5xx(dialect: str, keyed: ThreadedServer, c
     def one(case: tuple[bytes, str | None]) -> None:
         raw, field = case
         resp = client.post(route, content=raw, headers={"Content-Type": "application/json"})
+        statuses[resp.status_code] += 1
         check_answer(dialect, resp, field)
 
     one()
+    print(f"{dialect}: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}")
     tracebacks = [r for r in caplog.records if r.exc_info]
     assert not tracebacks, [r.getMessage() for r in tracebacks]
 
