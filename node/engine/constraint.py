@@ -18,7 +18,10 @@ lazy grammars a tool call's trigger needs (outlines-core compiles regular langua
 
 JSON is written the way `json.dumps` writes it (", " and ": ", no other whitespace): what the
 tool prompt shows the model and what a client sends back, so the constraint never makes the
-model write JSON it has not seen, nor whitespace without end.
+model write JSON it has not seen, nor whitespace without end. Every grammar is Lark text whose JSON
+values are node.engine.constraint_json's rules: llguidance's own JSON where it can bound what a
+model writes, and a number of at most 17 digits that float() reads as a finite double where it
+cannot (node.engine.constraint_numbers), so a model looping on digits meets the end of its number.
 """
 
 from __future__ import annotations
@@ -33,10 +36,9 @@ import numpy as np
 import torch
 
 from kvmesh.node.engine.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from kvmesh.node.engine.constraint_json import JSON_STYLE, LarkJson, map_schema
 from kvmesh.node.engine.tokenizer import Tokenizer
 from kvmesh.node.errors import InvalidRequest
-
-JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _llg() -> Any:
@@ -45,41 +47,28 @@ def _llg() -> Any:
     return llguidance
 
 
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+def _close(s: dict[str, Any]) -> dict[str, Any]:
+    # An empty `properties` names none: such a tool (a common way to say "any arguments") stays open.
+    if s.get("properties") and "additionalProperties" not in s and "unevaluatedProperties" not in s:
+        return {**s, "additionalProperties": False}
+    return s
 
 
 def closed(schema: Any) -> Any:
     """The schema with every object that names its properties and says nothing of others closed to others
     (additionalProperties false, as llama.cpp's converter does): left open, a small model writes on past the
     properties it was asked for (SmolLM2 copied the schema itself into the arguments)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for k in _SCHEMA_MAPS:
-        if isinstance(out.get(k), dict):
-            out[k] = {name: closed(sub) for name, sub in out[k].items()}
-    for k in _SCHEMA_LISTS:
-        if isinstance(out.get(k), list):
-            out[k] = [closed(sub) for sub in out[k]]
-    for k in _SCHEMA_ONE:
-        if isinstance(out.get(k), dict):
-            out[k] = closed(out[k])
-    # An empty `properties` names none: such a tool (a common way to say "any arguments") stays open.
-    if out.get("properties") and "additionalProperties" not in out and "unevaluatedProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+    return map_schema(schema, _close)
 
 
 def json_grammar(schema: Any, *, strict: bool) -> str:
     """A grammar for one JSON value following `schema` (None: any JSON object). `strict` false ignores the
     keywords llguidance does not implement (a non-strict schema promises no more); true refuses them."""
-    try:
-        return str(_llg().LLMatcher.grammar_from_json_schema(
-            {"type": "object"} if schema is None else closed(schema), overrides={**JSON_STYLE, "lenient": not strict}))
-    except (ValueError, TypeError) as e:
-        raise InvalidRequest(f"the JSON schema is not a JSON object: {e}", param="response_format") from None
+    if schema is not None and not isinstance(schema, dict | bool):
+        raise InvalidRequest(f"the JSON schema is not a JSON object: {json.dumps(schema)[:200]}", param="response_format")
+    rules = LarkJson()
+    start = rules.root(None if schema is None else closed(schema), lenient=not strict)
+    return f"%llguidance {{}}\nstart: {start}\n" + rules.text()
 
 
 @dataclass(frozen=True)
@@ -91,40 +80,39 @@ class ToolShape:
     strict: bool = False
 
 
-def _call_schema(tools: Sequence[ToolShape]) -> dict[str, Any]:
-    """The JSON of a call in the Hermes form: {"name": <one of them>, "arguments": <its schema>}."""
-    variants = [{"type": "object", "properties": {"name": {"const": t.name},
-                                                  "arguments": closed(t.parameters or {"type": "object"})},
-                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    lenient = not all(t.strict for t in tools)
-    body: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    return {**body, "x-guidance": {**JSON_STYLE, "lenient": lenient}}
-
-
 def tool_grammar(tools: Sequence[ToolShape], *, forced: bool, parallel: bool, answer: str | None = None) -> str:
     """A grammar for tool calls, `<tool_call>\\n{...}\\n</tool_call>` (the generic prompt's form).
 
     forced (tool_choice required or named): the reply is calls, one or (parallel) several, nothing else.
     Otherwise lazy: free text, and once the model writes `<tool_call>` the call must be whole and
-    valid; with `answer` (a JSON grammar's schema, response_format beside tools) the reply is either
-    calls or that JSON."""
+    valid; with `answer` (answer_schema's text: response_format beside tools) the reply is either
+    calls or that JSON. A call is `{"name": <one of them>, "arguments": <its schema>}`, each tool's
+    parameters a root of their own (their `$ref`s name their own `$defs`)."""
+    rules = LarkJson()
+    variants = []
+    for t in tools:
+        args = rules.root(closed(t.parameters or {"type": "object"}), lenient=not t.strict)
+        head = json.dumps('{"name": ' + json.dumps(t.name, ensure_ascii=False) + ', "arguments": ', ensure_ascii=False)
+        variants.append(rules.add_rule(f'{head} {args} "}}"'))
     call = f'call: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n'
-    body = f"body: %json {json.dumps(_call_schema(tools))}\n"
+    body = f"body: {' | '.join(variants)}\n"
     calls = "calls: call (\"\\n\" call)*\n" if parallel else "calls: call\n"
     if forced:
         start = "start: calls\n"
     elif answer is not None:
-        start = f"start: calls | answer\nanswer: %json {answer}\n"
+        schema = json.loads(answer)
+        options = schema.pop("x-guidance", {}) if isinstance(schema, dict) else {}
+        start = f"start: calls | answer\nanswer: {rules.root(schema, lenient=bool(options.get('lenient', True)))}\n"
     else:  # lazy: any text until the trigger; then the call; then (parallel) text and calls again
         head = f'head[lazy]: TEXT {json.dumps(TOOL_CALL_OPEN + chr(10))}\n'
         lazy_call = f'lcall: head body {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n'
         loop = "start: lcall* TEXT\n" if parallel else "start: TEXT | lcall\n"
-        return "%llguidance {}\n" + loop + head + lazy_call + body + "TEXT: /(.|\\n)*/\n"
-    return "%llguidance {}\n" + start + calls + call + body
+        return "%llguidance {}\n" + loop + head + lazy_call + body + "TEXT: /(.|\\n)*/\n" + rules.text()
+    return "%llguidance {}\n" + start + calls + call + body + rules.text()
 
 
 def answer_schema(schema: Any, *, strict: bool) -> str:
-    """A JSON schema as the inline `%json` of a tool grammar's answer alternative."""
+    """A JSON schema (closed, with its leniency) as the text tool_grammar takes for its answer alternative."""
     return json.dumps({**({"type": "object"} if schema is None else closed(schema)),
                        "x-guidance": {**JSON_STYLE, "lenient": not strict}})
 

@@ -150,12 +150,14 @@ def test_remove_stale_pools_judges_each_owner(tmp_path: Path) -> None:
 
 
 def test_json_form_grammars_become_lark_for_vllm() -> None:
-    """response_format's grammar (llguidance's JSON form) is sent as `start: %json <schema>`; Lark passes as is."""
-    lark = vllm_grammar(constraint.json_grammar(SCHEMA, strict=True))
+    """A grammar in llguidance's JSON form is sent as `start: %json <schema>`; Lark (what json_grammar and
+    tool_grammar build, since their numbers are bounded in Lark) passes as is."""
+    lark = vllm_grammar('{"grammars": [{"json_schema": ' + json.dumps(SCHEMA) + '}]}')
     assert lark.startswith("%llguidance {}\nstart: %json {")
     constraint.check(lark, "response_format")  # llguidance compiles what vLLM will be given
-    tools = constraint.tool_grammar([constraint.ToolShape("f", None)], forced=True, parallel=False)
-    assert vllm_grammar(tools) == tools
+    for grammar in (constraint.json_grammar(SCHEMA, strict=True),
+                    constraint.tool_grammar([constraint.ToolShape("f", None)], forced=True, parallel=False)):
+        assert vllm_grammar(grammar) == grammar
 
 
 @pytest.mark.parametrize("grammar", ['{"grammars": [{"lark_grammar": "start: a"}, {"json_schema": {}}]}',

@@ -55,10 +55,11 @@ def vllm_grammar(constraint: str) -> str:
     """The turn's llguidance grammar as vLLM's `structured_outputs.grammar` takes it: Lark text.
 
     vLLM hands a grammar to llguidance as Lark or GBNF (the server runs with the guidance backend, see
-    node.engine.vllm.server), never as llguidance's JSON form, which json_grammar (response_format) builds;
-    so a JSON schema's grammar becomes the one-rule Lark grammar `start: %json <schema>`, the schema keeping
-    its x-guidance (separators, leniency). A JSON form that is not a single grammar has no Lark spelling
-    here: refused, naming it, rather than sent and misread."""
+    node.engine.vllm.server), never as llguidance's JSON form. node.engine.constraint builds Lark (its JSON
+    numbers bounded in Lark rules), which passes as it is; a grammar in the JSON form becomes the one-rule
+    Lark grammar `start: %json <schema>`, the schema keeping its x-guidance (separators, leniency). A JSON
+    form that is not a single grammar has no Lark spelling here: refused, naming it, rather than sent and
+    misread."""
     if not constraint.lstrip().startswith("{"):
         return constraint  # Lark already (tool_grammar)
     try:
