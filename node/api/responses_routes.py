@@ -206,9 +206,9 @@ async def responses(body: ResponsesRequest, request: Request, node: NodeDep) -> 
         if not (body.store and node.responses.enabled):
             return
         ran_on = next((v for k, v in headers.items() if k.lower() == "x-kvmesh-host"), None)
-        record = kept_record(body, b.response(), session, greq.session, scope, node.responses.ttl_s,
-                             prior[0] if prior else None)
         try:
+            record = kept_record(body, b.response(), session, greq.session, scope, node.responses.ttl_s,
+                                 prior[0] if prior else None)
             await node.responses.keep(record, ran_on)
         except Exception:  # the answer stands; only its keeping failed
             log.exception("response %s of %s was not stored", b.rid, greq.session)
