@@ -21,7 +21,8 @@ def add_bench_transfer(bsub: Subparsers) -> None:
     x.add_argument("--model", type=Path, help=GGUF_HELP + " (default: a generated one)")
     x.add_argument("--block-size", type=int, help="with --engine llamacpp: tokens per KV block (default: from the model's context)")
     x.set_defaults(engine_default="sim")
-    x.add_argument("--tokens", type=int, default=16384, help="with --engine llamacpp: the session's length")
+    x.add_argument("--tokens", type=int, help="with --engine llamacpp: the session's length (default: 16384, or 80%% "
+                   "of a shorter model context; a length past the context is refused)")
 
 
 def add_bench_control(bsub: Subparsers) -> None:

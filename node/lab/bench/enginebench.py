@@ -29,7 +29,7 @@ import httpx
 from kvmesh.node.config import LlamaCppConfig
 from kvmesh.node.engine.llamamodel import weight_buffers
 from kvmesh.node.lab.bench.common import EXTRA_BUFTS, LLAMA_CONTEXT_CAP, chars_per_token, emit
-from kvmesh.node.lab.bench.nodepath import VllmMissing, engine_config, vllm_of, vllm_ready
+from kvmesh.node.lab.bench.nodepath import QUEUE_NOT_REFUSE, VllmMissing, engine_config, vllm_of, vllm_ready
 from kvmesh.node.lab.bench.streams import Plan, Side, measure, ratios, say, summarize
 from kvmesh.node.lab.launcher import client_key_headers, pinned, write_mesh
 from kvmesh.node.lab.llamaserver import LlamaServer, LlamaServerMissing, find
@@ -117,7 +117,7 @@ def _servers(other: str, stack: contextlib.ExitStack, work: Path, model: Path, a
     if other == "vllm":
         most = max(args.streams)
         engine = engine_config(str(args.model or "smollm2"), max(most, args.slots), max(args.prompts), args.max_tokens, ctx)
-        mesh = write_mesh(work, ["a"], engine=engine, extra={"kvshare": {"enabled": False}})
+        mesh = write_mesh(work, ["a"], engine=engine, extra={"kvshare": {"enabled": False}, "mesh": QUEUE_NOT_REFUSE})
         say("bench engine", "starting a node over vLLM: a minute or more")
         stack.callback(mesh.stop)
         mesh.start(ready_timeout=args.start_timeout, peers_timeout=None)
@@ -128,7 +128,7 @@ def _servers(other: str, stack: contextlib.ExitStack, work: Path, model: Path, a
     engine = {"kind": "llamacpp", "model": str(model), "slots": args.slots, "max_context": ctx,
               "cache_tokens": args.slots * ctx * 2, "queue_timeout_s": 1800.0,
               "llamacpp": {"threads": threads, "extra_bufts": repack, "gpu_layers": args.gpu_layers}}
-    mesh = write_mesh(work, ["a"], engine=engine, extra={"kvshare": {"enabled": False}})
+    mesh = write_mesh(work, ["a"], engine=engine, extra={"kvshare": {"enabled": False}, "mesh": QUEUE_NOT_REFUSE})
     mesh.nodes["a"].prefix = pinned(cores)
     stack.callback(mesh.stop)
     say("bench engine", f"starting a kvmesh node (llama.cpp, {threads} threads, {args.slots} slots x {ctx})")

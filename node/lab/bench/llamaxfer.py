@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +24,9 @@ import numpy as np
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig
 from kvmesh.node.engine.engine import Engine, GenerateRequest
+from kvmesh.node.engine.ggufmeta import read_facts
 from kvmesh.node.engine.llamacpp import LlamaRunner
+from kvmesh.node.engine.modelfiles import resolve as resolve_model
 from kvmesh.node.lab.bench.common import emit
 from kvmesh.node.lab.testmodels import ensure_model, spec_for
 
@@ -77,8 +80,14 @@ def _measure(engine: Engine, r: LlamaRunner, repeat: int) -> dict[str, float]:
 
 
 def run_llama_transfer(args: argparse.Namespace) -> int:
-    tokens = int(getattr(args, "tokens", 16384))
     model = getattr(args, "model", None) or ensure_model(spec_for("bench"))
+    context = read_facts(resolve_model(model)).context
+    asked = getattr(args, "tokens", None)
+    if asked is not None and asked + 1024 > context:  # a session past the trained context measures positions no model has
+        print(f"kvmesh bench transfer: --tokens {asked} does not fit the model's {context}-token context: give --tokens "
+              f"{context - 1024} or less", file=sys.stderr)
+        return 2
+    tokens = asked if asked is not None else min(16384, int(0.8 * context))
     block = {"block_size": args.block_size} if getattr(args, "block_size", None) else {}  # unset: from the model's context
     cfg = EngineConfig(kind="llamacpp", model=str(Path(model)), slots=1, max_context=tokens + 1024, **block,
                        cache_tokens=tokens + 2048, llamacpp=LlamaCppConfig())

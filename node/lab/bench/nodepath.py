@@ -30,6 +30,9 @@ from kvmesh.node.lab.bench.streams import Plan, Side, measure, ratios, say, summ
 from kvmesh.node.lab.launcher import LocalMesh, client_key_headers, write_mesh
 from kvmesh.node.lab.streamclient import TurnFailed
 
+# A bench's turns queue for a slot rather than be refused as overloaded (mesh.admit_wait_s): a turn sent as the
+# previous one's stream ends can find its slot not yet released, and vLLM called directly never refuses one.
+QUEUE_NOT_REFUSE = {"admit_wait_s": 1800.0, "admit_new_wait_s": 1800.0}
 TARGETS = {"cold_ttft_ratio_max": 1.05, "decode_ratio_min": 0.95, "itl_p99_delta_ms_max": 2.0}
 REPO = Path(__file__).resolve().parents[3]
 
@@ -119,7 +122,7 @@ def run_nodepath(args: argparse.Namespace) -> int:
     rounds: dict[str, list[list[dict[str, Any]]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-nodepath-") as tmp:
         engine = engine_config(model, max(args.streams), args.tokens, args.max_tokens, context)
-        mesh = write_mesh(Path(tmp), ["a"], engine=engine, extra={"kvshare": {"fsync": "never"}})
+        mesh = write_mesh(Path(tmp), ["a"], engine=engine, extra={"kvshare": {"fsync": "never"}, "mesh": QUEUE_NOT_REFUSE})
         say("nodepath", f"starting a node over vLLM ({model}, {engine['slots']} slots): a minute or more")
         try:
             mesh.start(ready_timeout=args.start_timeout, peers_timeout=None)
