@@ -67,7 +67,7 @@ def add_side_by_side(bsub: Subparsers) -> None:
     n.add_argument("--model", type=Path, help="what vLLM serves: a packaged GGUF's alias or path (converted once), or a "
                    "checkpoint directory (default: smollm2)")
     n.add_argument("--streams", type=_int_list, default=[1, 4, 16], help="concurrent streams per point (comma-separated)")
-    n.add_argument("--tokens", type=int, default=1024, help="prompt tokens of every stream's opening")
+    n.add_argument("--tokens", type=int, default=512, help="prompt tokens of every stream's opening")
     n.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per stream and turn (ignore_eos)")
     _add_repeats(n, budget=600.0)
     v = bsub.add_parser("versus", help="two hosts: kvmesh against llama-servers behind nginx (sticky, round robin)")
@@ -149,9 +149,11 @@ def add_bench_llamacpp_suite(bsub: Subparsers) -> None:
 
 
 def add_bench_policies(bsub: Subparsers) -> None:
+    from kvmesh.node.lab.clientmodel import add_client_args
     from kvmesh.node.lab.sim.params import POLICIES
 
     b = bsub.add_parser("policies", help="real sim nodes replaying a trace: kvmesh against mesh.policy baselines")
+    add_client_args(b)
     b.add_argument("--json", action="store_true")
     b.add_argument("--trace", default="mooncake", help="as `kvmesh load --trace` takes it (Claude Code traces: a directory)")
     b.add_argument("--hosts", type=int, default=4)

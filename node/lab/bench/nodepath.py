@@ -95,9 +95,12 @@ def vllm_of(node_pid: int) -> tuple[str, str]:
 def engine_config(model: str, streams: int, tokens: int, max_tokens: int, context: int) -> dict[str, Any]:
     """One node's vLLM engine: a slot per stream, the context it needs, a pool and a vLLM cache for every stream's turns."""
     per_stream = tokens + 2 * max_tokens + 512  # a warm turn: the opening, the reply, the follow-up, the template
-    kv_gib = max(1, math.ceil(streams * per_stream * 2 * 46080 / (1 << 30)))  # fp32 SmolLM2-sized KV, twice over
+    # A round's sessions and a quarter more, no more: the pool is pre-touched shared memory and vLLM's cache is
+    # resident, beside vLLM's ~4.5 GB; twice as much got a bench's node killed by the OOM killer on a shared 24 GB box.
+    need = int(1.25 * streams * per_stream)
+    kv_gib = max(1, math.ceil(need * 46080 / (1 << 30)))  # fp32 KV of SmolLM2's size per token
     return {"kind": "vllm", "model": model, "slots": streams, "max_context": min(context, per_stream + 512),
-            "cache_tokens": 2 * streams * per_stream, "queue_timeout_s": 1800.0, "vllm": {"kvcache_gib": kv_gib}}
+            "cache_tokens": need, "queue_timeout_s": 1800.0, "vllm": {"kvcache_gib": kv_gib}}
 
 
 def run_nodepath(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 A point is `streams` conversations at once, each opening with a prompt of about `tokens` tokens. One
 round of a point is two turns per stream, every stream together: a cold turn (a prompt no server has
-seen: its TTFT is queueing plus prefill) and then a warm turn (the same conversation one reply and a
+seen: its TTFT is queueing plus prefill; a short reply) and then a warm turn (the same conversation one reply and a
 short user message on, its prefix cached: its TTFT is the reuse path, its stream is the decode rate and
 the inter-token gaps). Every side of a bench gets the same rounds from the same client, and the same
 warm-up round before it is measured. A point is repeated, so each figure comes with its spread
@@ -27,6 +27,7 @@ import httpx
 from kvmesh.node.lab.streamclient import StreamedTurn, stream_chat
 from kvmesh.node.lab.workload import text
 
+COLD_REPLY = 16  # tokens of a cold turn's reply
 FOLLOW_UP = "Thanks. Now list the three points above that matter most, one line each."
 
 
@@ -104,15 +105,16 @@ def figures(cold: list[StreamedTurn], warm: list[StreamedTurn], t0: float) -> di
 async def one_round(client: httpx.AsyncClient, side: Side, opening: list[list[dict[str, str]]], max_tokens: int,
                     tag: str) -> dict[str, Any]:
     """Every stream's cold turn together, then every stream's warm turn together (see the module docstring)."""
-    async def turn(i: int, msgs: list[dict[str, str]]) -> StreamedTurn:
-        body = {"model": side.model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    async def turn(i: int, msgs: list[dict[str, str]], n: int) -> StreamedTurn:
+        body = {"model": side.model, "messages": msgs, "max_tokens": n, "temperature": 0, "ignore_eos": True}
         return await stream_chat(client, f"{side.url}/v1/chat/completions", body, {**side.headers, "X-Session-Id": f"{tag}-{i}"})
 
     t0 = time.monotonic()
-    cold = await asyncio.gather(*(turn(i, m) for i, m in enumerate(opening)))
+    # the cold turn's reply is short: its figures are TTFT and prefill, and decode is the warm turn's to measure
+    cold = await asyncio.gather(*(turn(i, m, min(COLD_REPLY, max_tokens)) for i, m in enumerate(opening)))
     follow = [m + [{"role": "assistant", "content": c.text}, {"role": "user", "content": FOLLOW_UP}]
               for m, c in zip(opening, cold)]
-    warm = await asyncio.gather(*(turn(i, m) for i, m in enumerate(follow)))
+    warm = await asyncio.gather(*(turn(i, m, max_tokens) for i, m in enumerate(follow)))
     return figures(list(cold), list(warm), t0)
 
 
