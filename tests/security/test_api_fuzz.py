@@ -102,7 +102,11 @@ def test_every_operation_answers_without_5xx_and_with_openai_shaped_errors(fuzz_
                     raise
                 no_negative.append(label)
     # The fuzz reached past validation: turns ran, and the admin token got past the auth check everywhere.
-    assert statuses[("POST /v1/chat/completions +model", 200)] > 0, statuses
+    # Chat's generated bodies are rarely a valid conversation (a tool message first, a response_format without
+    # its type: rules the schema cannot state), so the engine is reached through the other dialects here and
+    # through chat in test_dialect_fuzz, which mutates valid requests.
+    reached = {k[0] for k, n in statuses.items() if k[0].endswith("+model") and k[1] == 200 and n}
+    assert {"POST /v1/completions +model", "POST /v1/messages +model", "POST /v1/responses +model"} <= reached, statuses
     assert not [k for k in statuses if k[0].endswith("+admin") and k[1] == 401], statuses
     assert {k[0] for k in statuses if k[0].startswith("POST /v1/admin/") and k[0].endswith("+admin")}, statuses
     print(sorted(statuses.items()), "no negative cases for:", no_negative)
