@@ -31,7 +31,12 @@ def convert(gguf: Path, out: Path) -> None:
         model.hf_quantizer = None  # type: ignore[assignment]  # the weights are dequantized already (transformers 5 refuses to save otherwise)
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            # Another node converting the same file at once got there first: its folder is as whole as ours.
+            if not (out / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
