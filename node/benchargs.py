@@ -173,6 +173,8 @@ def add_bench_policies(bsub: Subparsers) -> None:
     b.add_argument("--cache-bytes", type=int, default=512 << 20)
     b.add_argument("--slo", type=float, default=2.0, help="goodput's TTFT bound, seconds")
     b.add_argument("--seed", type=int, default=1)
+    b.add_argument("--chart", metavar="DIR", default=None,
+                   help="also draw the runs against load, one SVG per trace and size, into DIR (node/lab/charts.py)")
 
 
 def _float_list(v: str) -> list[float]:

@@ -80,13 +80,19 @@ def cmd_netlab(args: argparse.Namespace) -> int:
 
 def cmd_load(args: argparse.Namespace) -> int:
     from kvmesh.node.lab.bench.common import emit
+    from kvmesh.node.lab.clientmodel import check_client_args, client_from_args
     from kvmesh.node.lab.load import LoadRunner, LoadShape
 
+    problem = check_client_args(args)
+    if problem:
+        print(f"kvmesh load: {problem}", file=sys.stderr)
+        return 2
     shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, max_tokens=args.max_tokens,
                       seed=args.seed)
     record = open(args.record, "w") if args.record else None
     try:
-        runner = LoadRunner([u.rstrip("/") for u in args.node], shape, record=record, time_scale=args.time_scale)
+        runner = LoadRunner([u.rstrip("/") for u in args.node], shape, record=record, time_scale=args.time_scale,
+                            client=client_from_args(args))
         if args.trace or args.mooncake:
             from kvmesh.node.lab.workload import read_trace, scale_trace
 
@@ -283,6 +289,9 @@ def _add_load(sub: Subparsers) -> None:
                     "its own id, as Claude Code does (each conversation is still told apart by its opening)")
     ld.add_argument("--block-chars", type=int, default=512, help="with a trace: characters of text per 512-token "
                     "block (512 for the sim's byte tokenizer; about 2000 for a BPE model's; less scales prompts down)")
+    from kvmesh.node.lab.clientmodel import add_client_args
+
+    add_client_args(ld)
     ld.add_argument("--json", action="store_true")
     ld.set_defaults(func=cmd_load)
 

@@ -252,13 +252,14 @@ class MeshConfig(_Strict):
     # A rack or zone label the console groups hosts by (`g`); "" for none.
     zone: str = Field("", max_length=64, pattern=r"^[\w.:/-]*$")
     # Under mesh.policy kvmesh, a turn no host can start within admit_wait_s of queueing for a slot (a new
-    # session's first turn: admit_new_wait_s; either growing by the time the turn has been refused, up to
-    # admit_max_wait_s) is refused at once as overloaded: 429 with Retry-After (Anthropic's dialect: 529
-    # overloaded_error), which agents retry (node.mesh.admission).
+    # session's first turn: admit_new_wait_s) is refused as overloaded: 429 with a Retry-After of at most 60 s
+    # (Anthropic's dialect: 529 overloaded_error), which the SDKs honour, and a place in line kept for its retry;
+    # a turn that could not start within admit_client_timeout_s (the SDKs' attempt timeout) gets no place
+    # (node.mesh.admission).
     admission: bool = True
-    admit_wait_s: float = Field(3.0, gt=0)
-    admit_new_wait_s: float = Field(1.0, gt=0)
-    admit_max_wait_s: float = Field(5.0, gt=0)
+    admit_wait_s: float = Field(60.0, gt=0)
+    admit_new_wait_s: float = Field(60.0, gt=0)
+    admit_client_timeout_s: float = Field(600.0, gt=0)
     # A session id names an affinity group; each conversation under it (a subagent's, a side request's)
     # keeps its own cache, replica and handoffs (node.mesh.threads). A session keeps at most this many.
     max_threads: int = Field(16, ge=2, le=1024)

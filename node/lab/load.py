@@ -7,6 +7,9 @@ starts. Deterministic from the seed (texts, sizes, think times; not which host
 answers). Turns go to the entry nodes round-robin. A JSONL trace (one line per
 turn: session, time offset, appended messages) can be recorded and replayed,
 and a Mooncake-format trace (the reader `kvmesh sim` uses) replayed as chat turns.
+The client is node.lab.clientmodel's, as in `kvmesh sim`: a refused turn (429/529) is retried after its
+Retry-After (or a backoff) until its retries run out, an attempt with no byte for the client's timeout
+fails its turn, and a failed turn is counted, not retried: the conversation goes on with its next turn.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from typing import Any, TextIO
 
 import httpx
 
+from kvmesh.node.lab.clientmodel import ClientModel
 from kvmesh.node.lab.launcher import client_key_headers
 from kvmesh.node.lab.streamclient import TurnFailed, stream_chat
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TracePrompts, TraceRequest, system_prompt, text
 
-# An overloaded mesh's refusal (node.mesh.admission; Anthropic's dialect says 529): retried after Retry-After.
+# An overloaded mesh's refusal (node.mesh.admission; Anthropic's dialect says 529): retried as the SDKs do.
 OVERLOAD_STATUSES = (429, 529)
 
 
@@ -55,8 +59,11 @@ class LoadStats:
     prompt_tokens: int = 0
     recomputed_tokens: int = 0  # prompt tokens not served from a cache
     error_samples: list[str] = field(default_factory=list)
-    refused: int = 0  # attempts refused as overloaded (429/529), each retried after its Retry-After, as agents do
-    ttft_with_retries_s: list[float] = field(default_factory=list)  # from a turn's first attempt
+    refused: int = 0  # attempts refused as overloaded (429/529)
+    turns_refused: int = 0  # turns refused at least once
+    failed_refused: int = 0  # turns whose client ran out of retries
+    failed_timeout: int = 0  # turns whose attempt had no answer within the client's timeout
+    ttft_with_retries_s: list[float] = field(default_factory=list)  # a served turn's, from its first attempt
     elapsed_s: float = 0.0
     slo_s: float = 2.0
 
@@ -65,13 +72,23 @@ class LoadStats:
             v = sorted(xs)
             return round(v[min(len(v) - 1, int(q * len(v)))], 4) if v else None
 
+        failed = self.failed_refused + self.failed_timeout
+        tried = self.turns + failed  # every turn a client sent (and did not leave to the run's end)
         return {
             "turns": self.turns, "errors": self.errors, "conversations": self.conversations,
             "status": dict(self.status), "handoffs": dict(self.handoffs), "hosts": dict(self.hosts),
             "ttft_p50_s": pct(self.ttft_s, 0.5), "ttft_p95_s": pct(self.ttft_s, 0.95), "ttft_p99_s": pct(self.ttft_s, 0.99),
             "latency_p50_s": pct(self.latency_s, 0.5), "latency_p99_s": pct(self.latency_s, 0.99),
             "prompt_tokens": self.prompt_tokens, "prompt_tokens_recomputed": self.recomputed_tokens,
-            "refused": self.refused, "ttft_with_retries_p99_s": pct(self.ttft_with_retries_s, 0.99),
+            "refused": self.refused,
+            # What the clients lived: turns that failed in their face, turns refused at least once, refusals per turn,
+            # and a served turn's TTFT from its first attempt.
+            "failed_turns": failed, "failed_refused": self.failed_refused, "failed_timeout": self.failed_timeout,
+            "failed_pct": round(100.0 * failed / tried, 2) if tried else 0.0,
+            "turns_refused_once_pct": round(100.0 * self.turns_refused / tried, 2) if tried else 0.0,
+            "refusals_per_turn": round(self.refused / tried, 4) if tried else 0.0,
+            "ttft_with_retries_p50_s": pct(self.ttft_with_retries_s, 0.5),
+            "ttft_with_retries_p99_s": pct(self.ttft_with_retries_s, 0.99),
             # Turns whose first token came within the SLO, per second (a refused attempt is not a served turn).
             "goodput_per_s": round(sum(1 for x in self.ttft_s if x <= self.slo_s) / self.elapsed_s, 4)
             if self.elapsed_s else None, "slo_s": self.slo_s, "elapsed_s": round(self.elapsed_s, 1),
@@ -81,8 +98,10 @@ class LoadStats:
 
 class LoadRunner:
     def __init__(self, nodes: list[str], shape: LoadShape, *, model: str | None = None, record: TextIO | None = None,
-                 time_scale: float = 1.0):
+                 time_scale: float = 1.0, client: ClientModel | None = None):
         self.nodes = nodes
+        self.client = client or ClientModel()
+        self._jitter = random.Random(shape.seed * 7919 + 1)  # the clients' backoff
         self.shape = shape
         self.model = model
         self.record = record
@@ -98,22 +117,32 @@ class LoadRunner:
 
     async def turn(self, client: httpx.AsyncClient, session: str, messages: list[dict[str, str]], *,
                    max_tokens: int | None = None) -> str | None:
-        """One streamed turn; returns the reply text, or None when it failed."""
+        """One streamed turn, retried as the client model does; returns the reply text, or None when it failed."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens or self.shape.max_tokens,
                 "temperature": 0}
         st = self.stats
         first = time.monotonic()
+        retries = 0
         while True:
             try:
                 r = await stream_chat(client, f"{self._entry()}/v1/chat/completions", body, {"X-Session-Id": session})
                 break
             except TurnFailed as e:
-                if e.status in OVERLOAD_STATUSES and not self._stop.is_set():
-                    st.refused += 1
-                    await self._sleep(min(60.0, max(1.0, e.retry_after_s)))
-                    continue
                 if e.status in OVERLOAD_STATUSES:
-                    return None  # refused as the run ended: not sent again, and no error
+                    st.refused += 1
+                    st.turns_refused += retries == 0
+                    if self._stop.is_set():
+                        return None  # refused as the run ended: not sent again, and no error
+                    delay = self.client.retry_delay(retries, e.retry_after_s or None, self._jitter)
+                    if delay is None:
+                        st.failed_refused += 1
+                        return None
+                    retries += 1
+                    await self._sleep(delay)
+                    continue
+                if e.timed_out:
+                    st.failed_timeout += 1
+                    return None
                 st.errors += 1
                 if e.status:
                     st.status[str(e.status)] += 1
@@ -153,7 +182,8 @@ class LoadRunner:
                 self._log(session, appended)
                 reply = await self.turn(client, session, msgs)
                 if reply is None:
-                    await asyncio.sleep(0.5)  # a failed turn is retried after a pause, same messages
+                    # The turn failed in the user's face: after a think the user asks again (same messages, a new turn).
+                    await self._sleep(rng.uniform(*sh.think_s) * self.time_scale)
                     continue
                 tool = text(rng, rng.randint(*sh.tool_tokens))
                 appended = [{"role": "assistant", "content": reply}, {"role": "tool", "content": tool}]
@@ -179,7 +209,7 @@ class LoadRunner:
         self._t0 = time.monotonic()
         limits = httpx.Limits(max_connections=self.shape.sessions * 2 + 8)
         # A mesh with client keys (kvmesh init writes one) wants it: KVMESH_API_KEY, as the node reads it.
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits,
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.client.timeout_s, connect=5), limits=limits,
                                      headers=client_key_headers()) as client:
             await self._discover_model(client)
             agents = [asyncio.create_task(self._agent(client, i)) for i in range(self.shape.sessions)]
@@ -200,7 +230,7 @@ class LoadRunner:
         by_session: dict[str, list[dict[str, Any]]] = {}
         for rec in lines:
             by_session.setdefault(rec["session"], []).append(rec)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5)) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.client.timeout_s, connect=5)) as client:
             await self._discover_model(client)
 
             async def one(session: str, recs: list[dict[str, Any]]) -> None:
@@ -235,7 +265,7 @@ class LoadRunner:
         for r in requests:
             by_client.setdefault(r.client or r.session, []).append(r)
         limits = httpx.Limits(max_connections=len(by_client) + 8)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5), limits=limits) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.client.timeout_s, connect=5), limits=limits) as client:
             await self._discover_model(client)
 
             async def one(reqs: list[TraceRequest]) -> None:

@@ -19,10 +19,11 @@ import httpx
 class TurnFailed(RuntimeError):
     """A turn that did not complete: a non-200 answer (`status`), an error in the stream, or a broken stream."""
 
-    def __init__(self, message: str, status: int = 0, retry_after_s: float = 0.0) -> None:
+    def __init__(self, message: str, status: int = 0, retry_after_s: float = 0.0, *, timed_out: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s  # the answer's Retry-After (an overload refusal's), 0 if none
+        self.timed_out = timed_out  # no byte within the client's timeout (as an SDK's attempt times out)
 
 
 @dataclass
@@ -82,7 +83,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
             if not done:
                 raise TurnFailed("the stream ended without [DONE]")
     except (httpx.HTTPError, json.JSONDecodeError) as e:
-        raise TurnFailed(f"{type(e).__name__}: {e}") from e
+        raise TurnFailed(f"{type(e).__name__}: {e}", timed_out=isinstance(e, httpx.TimeoutException)) from e
     out.total_s = time.monotonic() - t0
     out.ttft_s = (out.first_at or time.monotonic()) - t0
     out.text = "".join(parts)

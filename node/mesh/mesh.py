@@ -18,7 +18,7 @@ from typing import Protocol
 
 from kvmesh.node.config import MeshConfig
 from kvmesh.node.engine.boundary import EngineAPI
-from kvmesh.node.mesh.admission import Admission, Refusal, admit
+from kvmesh.node.mesh.admission import Admission, Refusal, Reservations, admit_turn
 from kvmesh.node.mesh.auth import peer_token
 from kvmesh.node.mesh.clusterview import assemble
 from kvmesh.node.mesh.directory import directory_host
@@ -46,7 +46,7 @@ from kvmesh.node.protocol import (
     SessionHolding,
 )
 
-MAX_REFUSED_TRACKED = 10_000  # sessions whose refusal time is kept (oldest forgotten first)
+MAX_REFUSED_TRACKED = 10_000  # sessions whose place in line is kept (oldest forgotten first)
 
 
 class ReplicaView(Protocol):
@@ -105,11 +105,10 @@ class Mesh:
         self.policy_name = cfg.policy  # mesh.policy: kvmesh, or a baseline (node.mesh.placement.choose_by)
         self._turns_placed = 0  # round_robin's counter
         # The baselines queue every turn, as the routers they stand for do; only kvmesh refuses early.
-        self.admission = Admission(cfg.admit_wait_s, cfg.admit_new_wait_s, cfg.admit_max_wait_s,
-                                   enabled=cfg.admission and cfg.policy == "kvmesh")
+        self.admission = Admission(wait_s=cfg.admit_wait_s, new_wait_s=cfg.admit_new_wait_s,
+                                   timeout_s=cfg.admit_client_timeout_s, enabled=cfg.admission and cfg.policy == "kvmesh")
         self._on_refused = on_refused
-        # session -> when a turn of it was first refused and not admitted since (a new session's bound grows with it)
-        self._refused_since: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.reservations = Reservations(cap=MAX_REFUSED_TRACKED)  # refused turns' places in line, by session
         self.refused = collections.Counter[str]()  # "new" / "running": turns refused as overloaded
         # Where this entry node last sent each session, and when: fresher than any poll.
         # session -> (host, turn sequence) of the last turn this entry placed; LRU, capped like the book
@@ -291,19 +290,11 @@ class Mesh:
 
     def _admit(self, session: str, d: Decision, hosts: dict[str, HostLoad], holdings: dict[str, Holding],
                prompt_tokens: int, unavailable: frozenset[str], *, thread: bool = False) -> Decision | Refusal:
-        now = time.monotonic()
-        since = self._refused_since.get(session)
-        a = admit(d, hosts, holdings, prompt_tokens, self.policy, self.admission,
-                  unavailable=unavailable, session=session, waited_s=now - since if since is not None else 0.0,
-                  new_session=False if thread else None)
+        a = admit_turn(self.reservations, session, time.monotonic(), d, hosts, holdings, prompt_tokens, self.policy,
+                       self.admission, unavailable=unavailable, new_session=False if thread else None)
         if isinstance(a, Refusal):
-            self._refused_since.setdefault(session, now)
-            while len(self._refused_since) > MAX_REFUSED_TRACKED:
-                self._refused_since.popitem(last=False)
             self.refused["new" if a.new_session else "running"] += 1
             self._on_refused(a.new_session)
-        else:
-            self._refused_since.pop(session, None)
         return a
 
     def home(self, session: str) -> str | None:

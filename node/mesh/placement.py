@@ -101,6 +101,11 @@ class Policy:
     # follow-ups that made Mooncake's p99 at 8 hosts (8-14 s behind 100k-token prefills at their homes); 30 let
     # Claude Code's p50 at 8 hosts slip, and a flat 3 s wait, whatever the recompute, cost 0.2-0.4 points of warm %.
     cold_move_ratio: float = 10.0
+    # When every host would keep a new conversation waiting longer than this, it goes where its id hashes (beside
+    # its session's home, for a subagent's), as session hashing would send it: queue estimates that deep rank hosts
+    # worse than a hash does (placed by them, new conversations herded onto the host that looked shortest, and
+    # `kvmesh sim` failed 3x session hashing's turns at 8 hosts and 1.2 on the Mooncake trace).
+    spread_new_after_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,10 @@ def choose(
         if stay in est and hosts[stay].free and hosts[stay].prefill_wait_s() <= policy.home_prefill_wait_s:
             ttft, reuse, _ = est[stay]
             return Decision(stay, home, prev, reuse, ttft, reason)
+    if home is None and min(h.ahead_s() for h in cands) > policy.spread_new_after_s:
+        spot = group_home if group_home in est else directory_host(session, [h.name for h in cands])
+        ttft, reuse, _ = est[spot]
+        return Decision(spot, None, prev, reuse, ttft, "spread")
     home_wait = hosts[home].ahead_s() if home in est else None
 
     def allowed(name: str) -> bool:

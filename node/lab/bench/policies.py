@@ -4,11 +4,13 @@ For each load and each policy a fresh mesh of `--hosts` nodes on loopback (sim e
 set) replays the same requests: the trace's first `--span` seconds, its sessions copied (as `kvmesh
 sim --load` does) so that each host is offered `load` of its busier resource by the sim engine's
 own rates, prompts scaled to `--block-chars` characters (tokens, on the byte tokenizer) per 512-token
-block. The client is `kvmesh load`'s: a refused turn (429/529) is retried after its Retry-After, as
-agents do, and counted as refused, not as an error. Per run: turns, errors, refusals, TTFT p50/p99,
-goodput (turns per second with TTFT within `--slo`), the prompt tokens the mesh recomputed, and
-its handoff counters. The last line is one JSON object; the exit status is non-zero if any run had
-an error other than a refusal.
+block. The client is `kvmesh load`'s (node.lab.clientmodel: `--client`, `--client-retries`,
+`--client-timeout-s`): a refused turn (429/529) is retried after its Retry-After until its retries run
+out, and a turn that runs out of retries or time fails, counted apart from errors. Per run: turns,
+errors, refusals, failed turns, TTFT p50/p99 (and from a served turn's first attempt), goodput (turns
+per second with TTFT within `--slo`), the prompt tokens the mesh recomputed, and its handoff
+counters. The last line is one JSON object; the exit status is non-zero if any run had an error
+other than a refusal or a failed turn.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 import httpx
 
 from kvmesh.node.lab.bench.common import emit, start_mesh
+from kvmesh.node.lab.charts import POLICIES_METRICS, ChartsUnavailable, policies_rows, require_matplotlib, write_charts
+from kvmesh.node.lab.clientmodel import check_client_args, client_from_args
 from kvmesh.node.lab.launcher import client_key_headers, wait_peers
 from kvmesh.node.lab.load import LoadRunner, LoadShape
 from kvmesh.node.lab.sim.params import POLICIES
@@ -60,7 +64,7 @@ def _one(args: argparse.Namespace, reqs: list[TraceRequest], policy: str, load: 
     try:
         wait_peers(nodes)
         shape = LoadShape(max_tokens=args.max_tokens, seed=args.seed)
-        runner = LoadRunner([n.api for n in nodes], shape, time_scale=1.0)
+        runner = LoadRunner([n.api for n in nodes], shape, time_scale=1.0, client=client_from_args(args))
         runner.stats.slo_s = args.slo
         t0 = time.monotonic()
         stats = asyncio.run(runner.replay_requests(reqs, block_chars=args.block_chars, until_s=args.duration))
@@ -77,8 +81,14 @@ def run_policies(args: argparse.Namespace) -> int:
     unknown = sorted(set(args.policies) - set(POLICIES))
     if args.span is None:
         args.span = args.duration
-    if unknown or not args.policies or args.hosts < 1 or args.span <= 0 or args.duration <= 0:
-        why = f"unknown policy {', '.join(unknown)} (one of {', '.join(POLICIES)})" if unknown else \
+    client = check_client_args(args)
+    if getattr(args, "chart", None) and not client:
+        try:
+            require_matplotlib()  # before the runs, not after
+        except ChartsUnavailable as e:
+            client = str(e)
+    if unknown or client or not args.policies or args.hosts < 1 or args.span <= 0 or args.duration <= 0:
+        why = f"unknown policy {', '.join(unknown)} (one of {', '.join(POLICIES)})" if unknown else client or \
             "--policies, --hosts, --span and --duration must be given and above 0"
         print(f"kvmesh bench policies: {why}", file=sys.stderr)
         return 2
@@ -103,17 +113,28 @@ def run_policies(args: argparse.Namespace) -> int:
                 run = _one(args, reqs, policy, load, work)
                 run["copies"] = round(copies, 2)
                 runs.append(run)
-                print(f"  load {load} {policy}: {run['turns']} turns, {run['refused']} refused, {run['errors']} errors, "
+                print(f"  load {load} {policy}: {run['turns']} turns, {run['refused']} refused, "
+                      f"{run['failed_turns']} failed, {run['errors']} errors, "
                       f"TTFT p50 {run['ttft_p50_s']} p99 {run['ttft_p99_s']} s, goodput {run['goodput_per_s']}/s",
                       file=sys.stderr, flush=True)
-    keep = ("policy", "load", "copies", "turns", "errors", "refused", "ttft_p50_s", "ttft_p99_s", "goodput_per_s",
-            "ttft_with_retries_p99_s", "prompt_tokens", "prompt_tokens_recomputed", "prefill_tokens", "handoffs",
+    keep = ("policy", "load", "copies", "turns", "errors", "refused", "failed_turns", "failed_pct",
+            "turns_refused_once_pct", "refusals_per_turn", "ttft_p50_s", "ttft_p99_s", "goodput_per_s",
+            "ttft_with_retries_p50_s", "ttft_with_retries_p99_s", "prompt_tokens", "prompt_tokens_recomputed", "prefill_tokens", "handoffs",
             "refused_by_mesh", "elapsed_s", "error_samples")
     result: dict[str, Any] = {
         "bench": "policies", "trace": args.trace, "hosts": args.hosts, "slots": args.slots, "span_s": args.span,
+        "client_retries": client_from_args(args).retries, "client_timeout_s": client_from_args(args).timeout_s,
         "duration_s": args.duration, "slo_s": args.slo, "runs": [{k: r.get(k) for k in keep} for r in runs],
         "errors": sum(r["errors"] for r in runs), "turns": sum(r["turns"] for r in runs),
         "error_samples": [s for r in runs for s in r.get("error_samples", [])][:5],
     }
-    return emit(result, args)
+    drawn = True
+    if getattr(args, "chart", None):
+        try:
+            for path in write_charts(policies_rows(result), Path(args.chart), POLICIES_METRICS, title="kvmesh bench policies"):
+                print(f"chart: {path}", file=sys.stderr)
+        except (ChartsUnavailable, OSError) as e:
+            print(f"kvmesh bench policies: {e}", file=sys.stderr)
+            drawn = False
+    return max(emit(result, args), 0 if drawn else 2)
 

@@ -18,6 +18,7 @@ import random
 import sys
 import time
 
+from kvmesh.node.lab.clientmodel import check_client_args, client_from_args
 from kvmesh.node.lab.sim.params import SimParams
 from kvmesh.node.lab.sim.run import Figures, Simulation
 from kvmesh.node.lab.workload import TraceRequest, agent_trace, read_trace, scale_trace
@@ -56,15 +57,25 @@ def workload(args: argparse.Namespace, p: SimParams) -> tuple[list[TraceRequest]
     return reqs, args.duration, f"agents:{agents}", dataclasses.replace(p, until_s=args.duration)
 
 
+def _params_kw(args: argparse.Namespace) -> dict[str, object]:
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimParams) if hasattr(args, f.name)}
+    client = client_from_args(args)
+    return {**kw, "client_retries": client.retries, "client_timeout_s": client.timeout_s}
+
+
 def check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with `kvmesh sim`'s arguments, or None."""
     if not 1 <= args.hosts <= 4096:
         return f"--hosts must be 1-4096, got {args.hosts}"
     if args.load is not None and not 0 < args.load <= 1.5:
         return f"--load is a utilisation per host, 0-1.5; got {args.load}"
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimParams) if hasattr(args, f.name)}
+    kw = _params_kw(args)
     bad = [f"--{k.replace('_', '-')} must be above 0, got {v}" for k, v in kw.items()
-           if isinstance(v, int | float) and not isinstance(v, bool) and v <= 0 and k not in ("replicate_min_tokens", "seed")]
+           if isinstance(v, int | float) and not isinstance(v, bool) and v <= 0
+           and k not in ("replicate_min_tokens", "seed", "client_retries", "client_timeout_s")]
+    client = check_client_args(args)
+    if client:
+        bad.append(client)
     if args.span is not None and args.span <= 0:
         bad.append(f"--span must be above 0, got {args.span}")
     if args.duration <= 0:
@@ -79,8 +90,7 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
 
 def run_once(args: argparse.Namespace) -> tuple[dict[str, object], Figures]:
     """One run's figures, and what they were computed from (a sweep pools the TTFTs of several seeds)."""
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimParams) if hasattr(args, f.name)}
-    p = SimParams(**{**kw, "hosts": args.hosts, "policy": args.policy})
+    p = SimParams(**{**_params_kw(args), "hosts": args.hosts, "policy": args.policy})  # type: ignore[arg-type]
     reqs, span, what, p = workload(args, p)
     t0 = time.perf_counter()
     sim = Simulation(p, reqs)

@@ -120,6 +120,7 @@ class SimHost:
     busy: int = 0
     backlog: int = 0  # prompt tokens of its turns still to prefill (Engine.prefill_backlog)
     queue: collections.deque[object] = field(default_factory=collections.deque)
+    abandoned: int = 0  # of the queued turns, those whose client gave up (skipped when a slot frees)
     queued_tokens: int = 0  # prompt tokens its queued turns will prefill (as far as their prefixes predict)
     prefill_free_at: float = 0.0
     link_free_at: float = 0.0
@@ -129,7 +130,7 @@ class SimHost:
     changes: list[float] = field(default_factory=list)  # times its load changed (pushed state)
 
     def load(self) -> HostLoad:
-        return HostLoad(self.name, self.slots, self.busy, len(self.queue), self.mean_turn_s, self.prefill_tps,
+        return HostLoad(self.name, self.slots, self.busy, len(self.queue) - self.abandoned, self.mean_turn_s, self.prefill_tps,
                         self.import_bps, backlog_tokens=self.backlog, queued_tokens=self.queued_tokens)
 
 

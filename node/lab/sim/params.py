@@ -7,6 +7,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from kvmesh.node.lab.clientmodel import ClientModel, add_client_args
+
 POLICIES = ("kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin")
 
 
@@ -27,10 +29,12 @@ class SimParams:
     heartbeat_s: float = 1.0
     directory_after_hosts: int = 16
     # kvmesh refuses a turn no host can start within these (node.mesh.admission); the client retries after Retry-After.
-    admit_wait_s: float = 3.0
-    admit_new_wait_s: float = 1.0
-    admit_max_wait_s: float = 5.0
+    admit_wait_s: float = 60.0
+    admit_new_wait_s: float = 60.0
     admission: bool = True
+    # The clients (node.lab.clientmodel): retries of a refused turn, and how long an attempt may take to its first token.
+    client_retries: int = ClientModel.retries
+    client_timeout_s: float = ClientModel.timeout_s
     slo_s: float = 2.0  # goodput: turns per second whose TTFT is within this
     until_s: float | None = None  # no turn is sent after this (closed-loop workloads)
     seed: int = 1
@@ -52,11 +56,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
                    "(a trace whose think times run to hours needs hundreds of copies to load a mesh over its whole span)")
     s.add_argument("--agents-per-host", type=float, default=None, help="agent workload without --load (default 4)")
     for f in dataclasses.fields(SimParams):
-        if f.name in ("hosts", "policy", "until_s", "seed", "admission"):
+        if f.name in ("hosts", "policy", "until_s", "seed", "admission", "client_retries", "client_timeout_s"):
             continue
         s.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)  # type: ignore[arg-type]
     s.add_argument("--no-admission", dest="admission", action="store_false",
                    help="kvmesh queues every turn instead of refusing what no host can start within --admit-wait-s")
+    add_client_args(s.add_argument_group("clients", "how a refused or slow turn is retried or given up (node/lab/clientmodel.py)"))
     s.add_argument("--seed", type=int, default=1)
     s.add_argument("--json", action="store_true", help="only the JSON line")
     w = s.add_argument_group("sweep", "--sweep: every policy at every size and load on each trace; a table, then "
@@ -69,4 +74,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     w.add_argument("--seeds", type=int, default=3, help="runs of each policy per cell, on seeds --seed, --seed+1, ...; "
                    "a cell's row pools them")
     w.add_argument("--jobs", type=int, default=0, help="runs at once (default: the CPUs this process may use)")
+    w.add_argument("--chart", metavar="DIR", default=None,
+                   help="also draw the rows against load, one SVG per trace and size, into DIR (node/lab/charts.py)")
     return s

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from kvmesh.node.lab.sim.cluster import Cluster
 from kvmesh.node.lab.sim.params import POLICIES
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
-from kvmesh.node.mesh.admission import Admission, Refusal, admit
+from kvmesh.node.mesh.admission import Admission, Refusal, Reservations, admit_turn
 from kvmesh.node.mesh.directory import directory_host
 from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, home_of, predict_next
 
@@ -45,10 +45,10 @@ class Router:
         self.cluster, self.rng = cluster, rng
         self.placement = Policy(kv_bytes_per_token=kv_bytes_per_token)
         self.admission = admission
+        self.reservations = Reservations(cap=1 << 30)  # the places in line refused turns hold (every entry's)
         self.directory = len(cluster.names) > directory_after_hosts
 
-    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
-        """`waited_s`: how long ago the turn was first refused (0: never)."""
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
         raise NotImplementedError
 
     def replica_target(self, session: str, now: float) -> str | None:
@@ -58,7 +58,7 @@ class Router:
 class KvmeshRouter(Router):
     name, replicates = "kvmesh", True
 
-    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
         c = self.cluster
         lookups = int(self.directory and directory_host(req.session, c.names) != entry)
         held = c.holdings(req.thread, now)  # a thread's cache is its own (subagents share the session id)
@@ -69,9 +69,10 @@ class KvmeshRouter(Router):
             cands[group_home] = c.loads()[group_home]
         d = choose(cands, held, req.input_length, self.placement, session=req.thread, group_home=group_home)
         assert d is not None, "every simulated host is available"
-        # A subagent's first turn belongs to a running session: only a session's first turn is new.
-        a = admit(d, cands, held, req.input_length, self.placement, self.admission, session=req.thread,
-                  new_session=req.turn == 0 and req.thread == req.session, waited_s=waited_s)
+        # A subagent's first turn belongs to a running session; a session's turn is new while no host holds anything
+        # of it (its first, or the next after the first failed), as the node judges it.
+        a = admit_turn(self.reservations, req.thread, now, d, cands, held, req.input_length, self.placement, self.admission,
+                       new_session=False if req.thread != req.session else None)
         if isinstance(a, Refusal):
             return Route(d.host, lookups, refused=a)
         d = a
@@ -93,20 +94,24 @@ class KvmeshRouter(Router):
         nothing can only win as one of those, so the decision is the one over all hosts, at a cost that
         does not grow with the mesh."""
         loads, c = self.cluster.loads(), self.cluster
-        return {n: loads[n] for n in (*held, *c.least_loaded(3, session, prompt), *c.least_loaded(3, session, prompt, idle=True))}
+        # With no home, the host its id hashes to (rendezvous: it wins among any hosts that include it), where a
+        # new conversation goes when every host's queue is deep (node.mesh.placement.Policy.spread_new_after_s).
+        spot = () if home_of(held) is not None else (directory_host(session, c.names),)
+        return {n: loads[n] for n in (*held, *spot, *c.least_loaded(3, session, prompt),
+                                      *c.least_loaded(3, session, prompt, idle=True))}
 
 
 class SessionHashRouter(Router):
     name = "session_hash"
 
-    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
         return Route(directory_host(req.session, self.cluster.names))
 
 
 class KvOverlapRouter(Router):
     name = "kv_overlap"
 
-    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
         def cost(name: str) -> tuple[float, int, float]:
             h = self.cluster.hosts[name]
             held = max(h.engine.prefix(req.blocks), h.store.prefix(req.blocks))  # both tiers, as a KV block manager's
@@ -123,7 +128,7 @@ class KvOverlapRouter(Router):
 class LeastLoadedRouter(Router):
     name = "least_loaded"
 
-    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
         loads = self.cluster.loads()
         return Route(min(self.cluster.names, key=lambda n: ((loads[n].busy + loads[n].queued) / loads[n].slots,
                                                               self.rng.random())))
@@ -136,7 +141,7 @@ class RoundRobinRouter(Router):
         super().__init__(*args, **kw)  # type: ignore[arg-type]
         self._next = itertools.cycle(self.cluster.names)
 
-    def route(self, req: TraceRequest, entry: str, now: float, waited_s: float = 0.0) -> Route:
+    def route(self, req: TraceRequest, entry: str, now: float) -> Route:
         return Route(next(self._next))
 
 

@@ -1,7 +1,11 @@
 """The event loop of `kvmesh sim`: clients send turns, hosts run them, kv_share pushes replicas, in virtual time.
 
 A client sends a turn to a random entry host (a load balancer in front of the mesh); the policy
-picks the host; a lookup and a forward cost a round trip each. A host runs up to `slots` turns,
+picks the host; a lookup and a forward cost a round trip each. Clients are node.lab.clientmodel's: a
+refused turn is retried after Retry-After (or a backoff) until the client's retries run out, and a
+turn whose first token would come after the client's timeout fails there (its host is spared the
+work, as an engine aborts a request whose client is gone); either way the conversation goes on
+with its next turn. A host runs up to `slots` turns,
 FIFO; a turn's prefill queues for the host's one prefill engine (chunked prefill runs one prompt
 at a time), after importing what it reuses from the replica store, then decodes on its slot. Only
 what the engine or the store holds is reused: the prefix of the prompt's blocks found there.
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.node.kvshare.pushorder import PushFacts, push_key
 from kvmesh.node.kvshare.store.manifest import common_prefix
+from kvmesh.node.lab.clientmodel import ClientModel
 from kvmesh.node.lab.sim.cluster import BlockLRU, Cluster, SimHost, StoreLRU
 from kvmesh.node.lab.sim.control import Sizes, load_stream_bytes
 from kvmesh.node.lab.sim.params import SimParams
@@ -40,6 +45,8 @@ class _Turn:
     first_sent: float  # its first attempt (earlier than `sent` when it was refused and retried)
     ttft: float = 0.0
     todo: int = 0  # tokens it prefills
+    started: bool = False
+    failed: bool = False  # its client gave up waiting (the timeout) while it queued
 
 
 @dataclass
@@ -57,6 +64,9 @@ class Figures:
     ttft_with_retries: list[float] = field(default_factory=list)  # from its first attempt
     refused: int = 0  # attempts refused as overloaded (each retried after its Retry-After)
     refused_new: int = 0  # ...of them, sessions' first turns
+    turns_refused: int = 0  # turns refused at least once
+    failed_refused: int = 0  # turns whose client ran out of retries
+    failed_timeout: int = 0  # turns whose first token would have come after the client's timeout
     prefill_tokens: int = 0
     prompt_tokens: int = 0
     follow: Counter[str] = field(default_factory=Counter)  # follow-up turns by class
@@ -77,7 +87,7 @@ class Simulation:
         hosts = [SimHost(f"h{i:03d}", p.slots, p.prefill_tps, p.decode_tps, p.import_gbps * 1e9 / 8,
                          BlockLRU(blocks(p.engine_tokens)), StoreLRU(blocks(p.store_tokens))) for i in range(p.hosts)]
         self.cluster = Cluster(hosts)
-        admission = Admission(p.admit_wait_s, p.admit_new_wait_s, p.admit_max_wait_s, enabled=p.admission)
+        admission = Admission(wait_s=p.admit_wait_s, new_wait_s=p.admit_new_wait_s, enabled=p.admission)
         self.router: Router = ROUTERS[p.policy](self.cluster, self.rng, kv_bytes_per_token=p.kv_bytes_per_token,
                                                 directory_after_hosts=p.directory_after_hosts, admission=admission)
         self.fig = Figures()
@@ -90,7 +100,9 @@ class Simulation:
         self._pushes: dict[str, list[_Push]] = defaultdict(list)
         self._link_busy: set[str] = set()
         self._think: dict[str, tuple[float, float]] = {}  # session -> (last reply, think-time EWMA)
-        self._first_sent: dict[str, float] = {}  # client -> when its refused request was first sent
+        self.client = ClientModel(retries=p.client_retries, timeout_s=p.client_timeout_s)
+        self._jitter = random.Random(p.seed * 7919 + 1)  # the clients' backoff, apart from the entries' draws
+        self._retrying: dict[str, tuple[float, int]] = {}  # client -> (its refused turn's first attempt, retries made)
 
     def _at(self, t: float, handler: Callable[..., None], *args: object) -> None:
         heapq.heappush(self._events, (t, next(self._order), handler, args))
@@ -111,31 +123,75 @@ class Simulation:
             self._clients[client].clear()
             return
         entry = self.rng.choice(self.cluster.names)
-        route = self.router.route(req, entry, now, now - self._first_sent.get(client, now))
+        first, retries = self._retrying.pop(client, (now, 0))
+        route = self.router.route(req, entry, now)
         self.fig.lookups += route.lookups
         if route.refused is not None:
-            # Refused at the entry: the client hears it a round trip later and sends again after Retry-After.
+            # Refused at the entry: the client hears it a round trip later and sends again after Retry-After
+            # (whole seconds, as the node's header says it: node.api.errors), or gives up.
             self.fig.refused += 1
             self.fig.refused_new += route.refused.new_session
-            self._first_sent.setdefault(client, now)
+            self.fig.turns_refused += retries == 0
+            heard = now + self.p.rtt_s * (1 + route.lookups)
+            delay = self.client.retry_delay(retries, max(1, round(route.refused.retry_after_s)), self._jitter)
+            if delay is None:
+                self.fig.failed_refused += 1
+                self._next_turn(heard, client)
+                return
+            self._retrying[client] = (first, retries + 1)
             self._clients[client].appendleft(req)
-            self._at(now + self.p.rtt_s * (1 + route.lookups) + route.refused.retry_after_s, self._send, client)
+            self._at(heard + delay, self._send, client)
             return
         self.fig.forwards += route.host != entry
         delay = self.p.rtt_s * (route.lookups + (route.host != entry))
-        turn = _Turn(req, now, route, self._first_sent.pop(client, now), ttft=delay)
+        turn = _Turn(req, now, route, first, ttft=delay)
         host = self.cluster.hosts[route.host]
-        if host.busy < host.slots and not host.queue:
+        if host.busy < host.slots and len(host.queue) == host.abandoned:
             self._start(now, host, turn)
         else:
             host.queue.append(turn)
-            host.queued_tokens += req.input_length - req.shared
+            # What it will prefill, as the node's slot queue counts it: the prompt less what the host holds of it now.
+            held = max(host.engine.prefix(req.blocks), host.store.prefix(req.blocks)) * TRACE_BLOCK_TOKENS
+            turn.todo = max(0, req.input_length - held)
+            host.queued_tokens += turn.todo
             self.cluster.changed(host)
+            self._at(now + self.client.timeout_s, self._expire, host.name, turn)
 
-    def _start(self, now: float, host: SimHost, turn: _Turn) -> None:
+    def _next_turn(self, now: float, client: str) -> None:
+        """The conversation goes on: its next turn after its think time (never before its trace time)."""
+        queue = self._clients[client]
+        if queue:
+            self._at(max(queue[0].t, now + queue[0].think_s), self._send, client)
+
+    def _expire(self, now: float, name: str, turn: _Turn) -> None:
+        """The client's timeout, for a turn that queued: one still queued fails, and leaves the queue."""
+        if turn.started:
+            return
+        host = self.cluster.hosts[name]
+        turn.failed = True
+        host.abandoned += 1
+        host.queued_tokens -= turn.todo
+        self.cluster.changed(host)
+        self.fig.failed_timeout += 1
+        self._next_turn(now, turn.req.client or turn.req.session)
+
+    def _start_next(self, now: float, host: SimHost) -> None:
+        """A slot freed: the first queued turn whose client still waits starts."""
+        while host.queue:
+            nxt = host.queue.popleft()
+            assert isinstance(nxt, _Turn)
+            if nxt.failed:
+                host.abandoned -= 1
+                continue
+            host.queued_tokens -= nxt.todo
+            if self._start(now, host, nxt):
+                return
+
+    def _start(self, now: float, host: SimHost, turn: _Turn) -> bool:
+        """Start the turn on a slot (False: its first token would come after its client's timeout, so it fails
+        and the slot stays free)."""
         req, c = turn.req, self.cluster
-        host.busy += 1
-        host.changes.append(now)
+        turn.started = True
         held = c.holding(req.thread, host.name)
         begin = now
         if turn.route.counted_inbound and held.inbound and held.inbound_eta > now:
@@ -147,6 +203,12 @@ class Simulation:
         imported = max(0, store - engine) * TRACE_BLOCK_TOKENS
         start = max(begin, host.prefill_free_at)
         prefill_s = imported * self.p.kv_bytes_per_token / host.import_bps + (req.input_length - reused) / host.prefill_tps
+        if turn.ttft + start + prefill_s - turn.sent > self.client.timeout_s:
+            self.fig.failed_timeout += 1
+            self._next_turn(max(now, turn.sent + self.client.timeout_s), req.client or req.session)
+            return False
+        host.busy += 1
+        host.changes.append(now)
         host.prefill_free_at = start + prefill_s
         turn.todo = req.input_length - reused
         host.backlog += turn.todo
@@ -162,6 +224,7 @@ class Simulation:
         self.fig.session_deltas += 1
         self.fig.kv_events += len(req.blocks) - engine + len(evicted)
         self._at(start + prefill_s, self._prefilled, host.name, turn, now)
+        return True
 
     def _account_reuse(self, req: TraceRequest, host: str, reused: int) -> None:
         prev = self._last_host.get(req.thread)
@@ -204,14 +267,8 @@ class Simulation:
         self.cluster.holding(req.thread, host.name).stored = req.blocks
         if self.router.replicates:
             self._after_turn(now, host, req)
-        if host.queue:
-            nxt = host.queue.popleft()
-            assert isinstance(nxt, _Turn)
-            host.queued_tokens -= nxt.req.input_length - nxt.req.shared
-            self._start(now, host, nxt)
-        queue = self._clients[req.client or req.session]
-        if queue:
-            self._at(max(queue[0].t, now + queue[0].think_s), self._send, req.client or req.session)
+        self._start_next(now, host)
+        self._next_turn(now, req.client or req.session)
 
     # ---- kv_share: replicas after a turn ---------------------------------------------
 
@@ -267,7 +324,9 @@ class Simulation:
     def summary(self, duration_s: float) -> dict[str, object]:
         f, p, n = self.fig, self.p, len(self.cluster.hosts)
         sizes = Sizes.measured()
-        ttft = sorted(f.ttft)
+        ttft, with_retries = sorted(f.ttft), sorted(f.ttft_with_retries)
+        failed = f.failed_refused + f.failed_timeout
+        turns = f.turns + failed
         follow, moves = sum(f.follow.values()), sum(f.moves.values())
         load_aware = p.policy in ("kvmesh", "kv_overlap", "least_loaded")
         control = 0
@@ -289,8 +348,16 @@ class Simulation:
             # retries cost its turn is in ttft_with_retries_p99_s.
             "goodput_per_s": round(sum(1 for x in ttft if x <= p.slo_s) / duration_s, 4), "slo_s": p.slo_s,
             "refused": f.refused, "refused_new_sessions": f.refused_new,
-            "refused_pct": round(100.0 * f.refused / (f.turns + f.refused), 2) if f.turns else 0.0,
-            "ttft_with_retries_p99_s": percentile(sorted(f.ttft_with_retries), 0.99),
+            "refused_pct": round(100.0 * f.refused / (f.turns + f.refused + f.failed_timeout), 2) if turns else 0.0,
+            # What the clients lived: turns that failed in their face (out of retries, or timed out), turns refused
+            # at least once, refusals per turn, and a served turn's TTFT from its first attempt.
+            "client_retries": self.client.retries, "client_timeout_s": self.client.timeout_s,
+            "failed_turns": failed, "failed_refused": f.failed_refused, "failed_timeout": f.failed_timeout,
+            "failed_pct": round(100.0 * failed / turns, 2) if turns else 0.0,
+            "turns_refused": f.turns_refused, "turns_refused_once_pct": round(100.0 * f.turns_refused / turns, 2) if turns else 0.0,
+            "refusals_per_turn": round(f.refused / turns, 4) if turns else 0.0,
+            "ttft_with_retries_p50_s": percentile(with_retries, 0.5),
+            "ttft_with_retries_p99_s": percentile(with_retries, 0.99),
             "prefill_tokens": f.prefill_tokens, "prompt_tokens": f.prompt_tokens,
             "replica_bytes": f.replica_bytes,
             # in and out, per host: every byte one host sends another receives

@@ -3,11 +3,14 @@
 A cell is one (trace, hosts, load); every policy in it replays the same requests on each of `--seeds`
 seeds (a seed draws the trace's copies, their offsets and the entry hosts). A policy's row in a cell
 pools its runs: TTFT percentiles over all their turns, warm % over all their follow-ups, goodput
-over their summed time, refusals over their attempts, prefill tokens and utilisation their mean.
+over their summed time, refusals over their attempts, failed turns and turns refused over all their
+turns, prefill tokens and utilisation their mean.
 One seed's p50 moves by a few percent with where a handful of long prompts land, more than the
 policies differ at low load, so one seed cannot rank them. In each cell kvmesh is checked against
 the others: warm % at least the best other's minus 0.2 points, TTFT p50 and p99 at most every
-other's, goodput at least every other's, prefill tokens at most 1.05x session_hash's. The runs go
+other's, goodput at least every other's, prefill tokens at most 1.05x session_hash's; and as the clients
+lived it (node.lab.clientmodel), failed turns at most every other's and TTFT from a served turn's first
+attempt at p99 at most every other's. The runs go
 to a process pool, the largest first; the table is printed at the end, then the failed checks,
 then one JSON line (the rows and the verdict).
 """
@@ -20,8 +23,10 @@ import itertools
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
+from kvmesh.node.lab.charts import SWEEP_METRICS, ChartsUnavailable, require_matplotlib, write_charts
 from kvmesh.node.lab.sim.cli import check_args, run_once
 from kvmesh.node.lab.sim.params import POLICIES
 from kvmesh.node.lab.sim.run import percentile
@@ -30,8 +35,9 @@ Row = dict[str, Any]
 Run = tuple[Row, list[float], list[float]]  # a run's figures, its TTFTs, and those from first attempts
 COLUMNS = (("trace", "trace"), ("hosts", "hosts"), ("load", "load"), ("policy", "policy"), ("requests", "requests"),
            ("warm_pct", "warm %"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p99_s", "TTFT p99 s"),
-           ("goodput_per_s", "goodput/s"), ("refused_pct", "refused %"), ("prefill_mtok", "prefill Mtok"),
-           ("utilisation", "slot util"))
+           ("goodput_per_s", "goodput/s"), ("refused_pct", "refused %"), ("turns_refused_once_pct", "turns refused %"),
+           ("failed_pct", "failed %"), ("ttft_with_retries_p50_s", "with retries p50 s"),
+           ("ttft_with_retries_p99_s", "with retries p99 s"), ("prefill_mtok", "prefill Mtok"), ("utilisation", "slot util"))
 
 
 def _one(job: tuple[argparse.Namespace, str]) -> Run:
@@ -47,15 +53,23 @@ def pool(runs: list[Run]) -> Row:
     ttft = sorted(x for _, t, _ in runs for x in t)
     follow = sum(r["follow_ups"] for r in rows)
     served, refused = sum(r["requests"] for r in rows), sum(r["refused"] for r in rows)
+    failed, timed_out = sum(r["failed_turns"] for r in rows), sum(r["failed_timeout"] for r in rows)
+    turns = served + failed
+    once = sum(r["turns_refused"] for r in rows)
+    with_retries = sorted(x for _, _, t in runs for x in t)
     prefill = round(sum(r["prefill_tokens"] for r in rows) / len(rows))
     return {
         "trace": first["trace"], "hosts": first["hosts"], "load": first["load"], "policy": first["policy"],
-        "seeds": len(rows), "requests": served,
+        "seeds": len(rows), "client_retries": first["client_retries"], "requests": served,
         "warm_pct": round(100.0 * sum(r["follow_ups_by_class"].get("warm", 0) for r in rows) / follow, 2) if follow else None,
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
         "goodput_per_s": round(sum(1 for x in ttft if x <= first["slo_s"]) / sum(r["duration_s"] for r in rows), 4),
-        "refused_pct": round(100.0 * refused / (served + refused), 2) if served else 0.0,
-        "ttft_with_retries_p99_s": percentile(sorted(x for _, _, t in runs for x in t), 0.99),
+        "refused_pct": round(100.0 * refused / (served + refused + timed_out), 2) if turns else 0.0,
+        "failed_turns": failed, "failed_pct": round(100.0 * failed / turns, 2) if turns else 0.0,
+        "turns_refused_once_pct": round(100.0 * once / turns, 2) if turns else 0.0,
+        "refusals_per_turn": round(refused / turns, 4) if turns else 0.0,
+        "ttft_with_retries_p50_s": percentile(with_retries, 0.5),
+        "ttft_with_retries_p99_s": percentile(with_retries, 0.99),
         "prefill_tokens": prefill, "prefill_mtok": round(prefill / 1e6, 1),
         "utilisation": round(sum(r["utilisation"] for r in rows) / len(rows), 4),
         "moves": sum(r["moves"] for r in rows), "wall_s": round(sum(r["wall_s"] for r in rows), 1),
@@ -79,6 +93,13 @@ def failures(cell: list[Row]) -> list[str]:
     rival = max(others, key=lambda r: r["goodput_per_s"])
     if mine["goodput_per_s"] < rival["goodput_per_s"]:
         out.append(f"goodput {mine['goodput_per_s']} < {rival['policy']}'s {rival['goodput_per_s']}")
+    rival = min(others, key=lambda r: r["failed_turns"])
+    if mine["failed_turns"] > rival["failed_turns"]:
+        out.append(f"failed turns {mine['failed_turns']} > {rival['policy']}'s {rival['failed_turns']}")
+    rival = min(others, key=lambda r: r["ttft_with_retries_p99_s"] or 0.0)
+    if (mine["ttft_with_retries_p99_s"] or 0.0) > (rival["ttft_with_retries_p99_s"] or 0.0):
+        out.append(f"ttft_with_retries_p99_s {mine['ttft_with_retries_p99_s']} > {rival['policy']}'s "
+                   f"{rival['ttft_with_retries_p99_s']}")
     sh = next((r for r in others if r["policy"] == "session_hash"), None)
     if sh is not None and mine["prefill_tokens"] > 1.05 * sh["prefill_tokens"]:
         out.append(f"prefill {mine['prefill_mtok']} Mtok > 1.05 x session_hash's {sh['prefill_mtok']}")
@@ -119,7 +140,9 @@ def table(rows: list[Row]) -> list[str]:
 def run_sweep(args: argparse.Namespace) -> int:
     try:
         jobs = _jobs(args)
-    except ValueError as e:
+        if getattr(args, "chart", None):
+            require_matplotlib()  # before an hour of runs, not after
+    except (ValueError, ChartsUnavailable) as e:
         print(f"kvmesh sim --sweep: {e}", file=sys.stderr)
         return 2
     workers = args.jobs or len(os.sched_getaffinity(0))
@@ -144,5 +167,19 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(line)
     for where, checks in failed.items():
         print(f"kvmesh did not hold at {where}: {'; '.join(checks)}")
+    drawn = _draw(rows, getattr(args, "chart", None))
     print(json.dumps({"cells": len(cells), "held": len(cells) - len(failed), "failed": failed, "rows": rows}), flush=True)
-    return 0
+    return 0 if drawn else 2
+
+
+def _draw(rows: list[Row], chart: str | None) -> bool:
+    """The rows' charts into `chart` (a folder), if asked; False if they could not be written (said on stderr)."""
+    if not chart:
+        return True
+    try:
+        for path in write_charts(rows, Path(chart), SWEEP_METRICS, title="kvmesh sim --sweep"):
+            print(f"chart: {path}", file=sys.stderr)
+    except (ChartsUnavailable, OSError) as e:
+        print(f"kvmesh sim --sweep: {e}", file=sys.stderr)
+        return False
+    return True

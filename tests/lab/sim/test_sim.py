@@ -107,7 +107,9 @@ def test_the_cli_prints_the_issue_keys_on_the_shipped_trace(policy: str) -> None
     for k in ("hosts", "policy", "requests", "warm_pct", "ttft_p50_s", "ttft_p99_s", "prefill_tokens", "replica_bytes",
               "control_bytes_per_host_s", "utilisation", "link_utilisation"):
         assert k in r, k
-    assert r["hosts"] == 2 and r["policy"] == policy and r["requests"] == len(read_mooncake("mooncake"))
+    # Every turn of the trace is either served or failed in its client's face (out of retries, or timed out).
+    assert r["hosts"] == 2 and r["policy"] == policy
+    assert r["requests"] + r["failed_turns"] == len(read_mooncake("mooncake"))
 
 
 def test_the_cli_refuses_a_missing_trace_with_a_clear_error() -> None:
@@ -139,13 +141,15 @@ def _trace_sim(policy: str, hosts: int, load: float, trace: str = "mooncake", *,
 @pytest.mark.parametrize(("hosts", "load"), [(2, 0.7), (8, 0.9)])
 def test_under_load_kvmesh_recomputes_no_more_than_session_hashing(hosts: int, load: float) -> None:
     """The shipped Mooncake trace under load: kvmesh's moves pay for themselves, so it recomputes at most 5% more
-    prompt tokens than session hashing, is as warm (to 0.2 points) and no slower at p99 (cold moves onto busy hosts
+    prompt tokens than session hashing, is as warm (to 0.3 points) and no slower at p99 (cold moves onto busy hosts
     once recomputed 1.6x and 2.2x session hashing's tokens here: load turned into recompute). The move rule alone:
-    admission off (it refuses turns, which the test below covers)."""
+    admission off (it refuses turns, which the test below covers). The 0.3: placing a new conversation where its id
+    hashes once every queue is past a minute (Policy.spread_new_after_s) costs 0.3 points at 8 hosts and 0.9 (93.21%
+    against 93.49%) and fails 268 turns instead of 655 at 1.2, where session hashing fails 266."""
     km, sh = _trace_sim("kvmesh", hosts, load, admission=False), _trace_sim("session_hash", hosts, load)
     assert km["requests"] == sh["requests"]
     assert km["prefill_tokens"] <= 1.05 * sh["prefill_tokens"], (km, sh)  # type: ignore[operator]
-    assert km["warm_pct"] >= sh["warm_pct"] - 0.2, (km, sh)  # type: ignore[operator]
+    assert km["warm_pct"] >= sh["warm_pct"] - 0.3, (km, sh)  # type: ignore[operator]
     assert km["ttft_p99_s"] <= sh["ttft_p99_s"], (km, sh)  # type: ignore[operator]
 
 

@@ -12,7 +12,7 @@ from kvmesh.node.lab.sim.sweep import failures, pool
 
 def _row(policy: str, **kw: Any) -> dict[str, Any]:
     base = {"policy": policy, "warm_pct": 99.0, "ttft_p50_s": 1.0, "ttft_p99_s": 5.0, "goodput_per_s": 2.0,
-            "prefill_tokens": 100, "prefill_mtok": 0.0}
+            "prefill_tokens": 100, "prefill_mtok": 0.0, "failed_turns": 0, "ttft_with_retries_p99_s": 5.0}
     return {**base, **kw}
 
 
@@ -32,8 +32,19 @@ def test_each_check_kvmesh_fails_is_named() -> None:
     assert failures([_row("kvmesh", warm_pct=98.85), _row("session_hash")]) == []  # within 0.2 points
 
 
+def test_a_cell_where_kvmesh_fails_more_turns_or_keeps_them_longer_in_all_is_not_held() -> None:
+    """As the clients lived it: one failed turn more than session hashing, or a TTFT from the first attempt 0.1 s
+    longer at p99 than kv_overlap's, is a failed check, each named, whatever the other figures."""
+    why = failures([_row("kvmesh", failed_turns=3), _row("session_hash", failed_turns=2), _row("kv_overlap", failed_turns=9)])
+    assert why == ["failed turns 3 > session_hash's 2"], why
+    why = failures([_row("kvmesh", ttft_with_retries_p99_s=5.1), _row("session_hash", ttft_with_retries_p99_s=6.0),
+                    _row("kv_overlap")])
+    assert why == ["ttft_with_retries_p99_s 5.1 > kv_overlap's 5.0"], why
+
+
 def _run(seed: int, ttft: list[float], warm: int, follow: int, prefill: int) -> tuple[dict[str, Any], list[float], list[float]]:
     row = {"trace": "t", "hosts": 2, "load": 0.3, "policy": "kvmesh", "seed": seed, "requests": len(ttft), "refused": 1,
+           "failed_turns": seed, "failed_timeout": 1, "turns_refused": 1, "client_retries": 2,
            "follow_ups": follow, "follow_ups_by_class": {"warm": warm, "cold": follow - warm}, "slo_s": 2.0,
            "duration_s": 10.0, "prefill_tokens": prefill, "utilisation": 0.5, "moves": 1, "wall_s": 0.1}
     return row, sorted(ttft), sorted(x + 1 for x in ttft)
@@ -41,11 +52,15 @@ def _run(seed: int, ttft: list[float], warm: int, follow: int, prefill: int) -> 
 
 def test_a_cells_row_pools_its_seeds_runs() -> None:
     """Percentiles over both runs' turns (not the mean of each run's), warm % over all follow-ups, goodput over
-    the summed time, refusals over all attempts, prefill the mean."""
+    the summed time, refusals over all attempts, failed turns and turns refused over all turns, prefill the mean."""
     row = pool([_run(1, [0.1] * 60, warm=9, follow=10, prefill=100), _run(2, [3.0] * 40, warm=1, follow=10, prefill=300)])
     assert row["seeds"] == 2 and row["requests"] == 100
     assert row["ttft_p50_s"] == 0.1 and row["ttft_p99_s"] == 3.0 and row["ttft_with_retries_p99_s"] == 4.0, row
-    assert row["warm_pct"] == 50.0 and row["goodput_per_s"] == 3.0 and row["refused_pct"] == round(200 / 102, 2)
+    assert row["ttft_with_retries_p50_s"] == 1.1, row
+    assert row["warm_pct"] == 50.0 and row["goodput_per_s"] == 3.0 and row["refused_pct"] == round(200 / 104, 2)
+    # 3 of 103 turns failed (one run's 1, the other's 2); one turn each refused: 2 of 103; 2 refusals
+    assert row["failed_turns"] == 3 and row["failed_pct"] == round(300 / 103, 2), row
+    assert row["turns_refused_once_pct"] == round(200 / 103, 2) and row["refusals_per_turn"] == round(2 / 103, 4), row
     assert row["prefill_tokens"] == 200 and row["moves"] == 2, row
 
 
