@@ -115,10 +115,12 @@ class EngineConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_context: int = Field(32768, ge=64, description="context limit per slot (tokens), torch and llamacpp engines")
     reuse_tail: bool | None = Field(None, description="a session's next turn reuses its own partial last block "
-                                    "token by token. false: whole blocks only, as a replica holds, so a turn that "
-                                    "moved computes exactly what it would have computed where it was, at up to "
-                                    "block_size-1 more tokens of prefill per turn. Unset: false for llamacpp (its "
-                                    "logits move with the shape of the batches that computed a position), else true")
+                                    "token by token. false: whole blocks only, as a replica holds, at up to "
+                                    "block_size-1 more tokens of prefill per turn. true: every common token, though "
+                                    "llama.cpp's logits then move with the shape of the batches that computed a "
+                                    "position. Unset: true for torch and the sim; for llamacpp, the slot's own cells "
+                                    "past the last block are kept where they compute exactly what whole blocks "
+                                    "would (probed at start), else whole blocks")
     prefill_chunk: int = Field(2048, ge=16)
     first_chunk: int = Field(16384, ge=16)
     sim: SimConfig = SimConfig()

@@ -243,6 +243,7 @@ class Node:
                        "cached_tokens": self.engine.counters.cached_tokens,
                        "evicted_sessions": self.engine.counters.evicted_sessions,
                        "imported_blocks": self.engine.counters.imported_blocks,
+                       "settled_tokens": self.engine.counters.settled_tokens,
                        "prefill_tps": round(self.engine.prefill_rate(), 1),
                        "weights": self.engine.weights.as_dict() if self.engine.weights is not None else None},
             "kvshare": self.kvshare.stats(),

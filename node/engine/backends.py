@@ -133,7 +133,8 @@ def _open_llamacpp(cfg: EngineConfig) -> Backend:
     ctx = llama_context(cfg, model.n_ctx_train)
     bs = llama_block_size(cfg, model.n_ctx_train)  # the file's, so every host of a mesh agrees
     try:
-        runner = LlamaRunner(model, cfg.llamacpp, slots=cfg.slots, max_context=ctx, block_size=bs)
+        runner = LlamaRunner(model, cfg.llamacpp, slots=cfg.slots, max_context=ctx, block_size=bs,
+                             exact_tail=cfg.reuse_tail is None)
     except BaseException:
         model.close()
         raise

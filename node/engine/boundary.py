@@ -121,6 +121,7 @@ class EngineCounters:
     imported_blocks: int = 0
     imports_refused: int = 0
     restores_failed: int = 0  # cached blocks the runner could not restore (the turn recomputed)
+    settled_tokens: int = 0  # of prefill_tokens: cells turns' ends recomputed so the next turn keeps them exactly
     prefill_s: float = 0.0
     recent_prefill_tps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=16))
 

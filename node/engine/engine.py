@@ -42,7 +42,7 @@ from kvmesh.node.engine.export_import import BlockTransfers, ImportTxn
 from kvmesh.node.engine.hashing import chain_seed
 from kvmesh.node.engine.hf import Checkpoint
 from kvmesh.node.engine.holding import BlockHolding
-from kvmesh.node.engine.live import LiveCaches, LivePrefix
+from kvmesh.node.engine.live import LiveCaches, LivePrefix, OwnTail
 from kvmesh.node.engine.llamarestore import RestoreFailed
 from kvmesh.node.engine.prefix import BlockPrefix, PrefixIndex
 from kvmesh.node.engine.runner import Runner, blocks_for
@@ -99,9 +99,18 @@ class Engine(BlockHolding):
         self.counters = EngineCounters()
         self.table = SessionTable(self.blocks, self.counters)
         self.sessions = self.table.seqs  # LRU first
+        # Unset reuse_tail: a llama.cpp turn keeps its slot's own cells token by token where that computes what
+        # whole blocks (a replica) compute, to the bit (node.engine.tailshapes), and whole blocks elsewhere.
+        self.own_tail: OwnTail | None = None
+        if backend.llama is not None and self.slot_caches is not None and cfg.reuse_tail is None and reason is None:
+            if (why := backend.llama.exact_tail) is None:
+                self.own_tail = OwnTail(self.slot_caches, backend.llama, self._count_settled)
+            else:
+                log.info("%s: a turn reuses whole blocks of its session's cache only: %s", self.model_name, why)
         self.prefix: PrefixIndex = (
             LivePrefix(self.slot_caches, self.table) if reason is not None and self.slot_caches is not None
-            else BlockPrefix(self.table, runner, self.seed_hash, resumable=self.snapshots, tail_reused=cfg.tail_reused))
+            else BlockPrefix(self.table, runner, self.seed_hash, resumable=self.snapshots, tail_reused=cfg.tail_reused,
+                             own=self.own_tail))
         self.transfers = BlockTransfers(self.table, self.pool, seed_hash=self.seed_hash, fingerprint=self.fingerprint,
                                         cached_prefix=self.cached_prefix, inexact_reason=reason)
         self._locks = SessionLocks()
@@ -128,6 +137,8 @@ class Engine(BlockHolding):
     async def _turn(self, slot: int, req: GenerateRequest, tokens: np.ndarray, t0: float) -> AsyncIterator[TurnBegin | TextDelta | TurnDone]:
         bs = self.block_size
         stats = TurnStats(req.session, prompt_tokens=len(tokens), cached_tokens=0, queue_s=time.monotonic() - t0)
+        if self.own_tail is not None:
+            await self.own_tail.ready(slot)  # the last turn's settle on this slot has ended
         match = self.prefix.match(req.session, tokens, slot)
         # Another session's cache in this slot is gone from here on; the slot is this session's once it commits.
         overwritten = self.slot_caches.take(slot, req.session) if self.slot_caches is not None else None
@@ -156,6 +167,8 @@ class Engine(BlockHolding):
             pins_held = False
             await self._commit(slot, req.session, kv_tokens, match, reuse, load_ids)
             committed = True
+            if self.own_tail is not None:
+                self.own_tail.settle(slot, len(kv_tokens), reuse // bs * bs, len(tokens))
             stats.total_s = time.monotonic() - t0
             self.counters.turns += 1
             yield TurnDone(stats)
@@ -200,6 +213,10 @@ class Engine(BlockHolding):
         c.prefill_s += secs
         if n >= 256 and secs > 0:
             c.recent_prefill_tps.append(n / secs)
+
+    def _count_settled(self, n: int) -> None:
+        self.counters.settled_tokens += n
+        self.counters.prefill_tokens += n
 
     def prefill_backlog(self) -> int:
         """Prompt tokens of running turns still to be prefilled (each counted whole until it is done)."""

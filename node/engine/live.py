@@ -10,17 +10,25 @@ remembers which session wrote each slot last.
 
 `LivePrefix` is such an engine's prefix index (node.engine.prefix). Every llama.cpp engine also uses
 `LiveCaches` to choose a turn's slot (`preference`): the one still holding
-the session, so a block model's turn skips restoring from the pool too.
+the session, so a block model's turn skips restoring from the pool too. A block model's turn also keeps
+its slot's cells past the session's last full block, token by token, where that is exact (`OwnTail`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
 from kvmesh.node.engine.sequence import Match
 from kvmesh.node.engine.sessiontable import SessionTable
+from kvmesh.node.engine.tailshapes import Shapes
+
+log = logging.getLogger("kvmesh.engine")
 
 
 class LiveCaches:
@@ -55,6 +63,9 @@ class LiveCaches:
         if held is None or not 0 < len(held) < len(tokens) or not np.array_equal(tokens[: len(held)], held):
             return 0
         return len(held)
+
+    def owns(self, slot: int, session: str) -> bool:
+        return self._owner.get(slot) == session
 
     def reusable(self, session: str, slot: int, tokens: np.ndarray) -> int:
         """What a turn of `session` on `slot` reuses: the session's cache only if it is on this slot."""
@@ -120,3 +131,74 @@ class LivePrefix:
 
     def evict_all(self) -> int:
         return sum(self.evict(s) for s in self.live.sessions())
+
+
+class TailRunner(Protocol):
+    """What `OwnTail` uses of a llama.cpp runner (node.engine.llamacpp)."""
+
+    shapes: Shapes
+
+    def held_tokens(self, slot: int) -> np.ndarray: ...
+
+    def held_kinds(self, slot: int) -> np.ndarray: ...
+
+    def settle(self, slot: int, n: int, floor: int, fresh: int) -> concurrent.futures.Future[int]: ...
+
+
+class OwnTail:
+    """A block model's turn keeps the cells its session's slot holds past the last full block, token by token,
+    where that computes what a host holding the whole blocks computes (node.engine.tailshapes); each turn's end
+    settles its last partial block for the next, on the compute thread, while the turn's answer is delivered."""
+
+    def __init__(self, live: LiveCaches, runner: TailRunner, counted: Callable[[int], None]):
+        """`counted`: told the cells each settle recomputed (on the event loop)."""
+        self.live, self.runner, self.counted = live, runner, counted
+        self._common: dict[int, int] = {}  # slot -> what its session's cells and its running turn's prompt share
+        # slot -> its settle, until it ends. A compute-thread future, not a task: a settle outlives the event loop
+        # of the turn that started it (benches and tests run each turn in a loop of its own).
+        self._settling: dict[int, concurrent.futures.Future[int]] = {}
+
+    def reuse(self, session: str, slot: int | None, tokens: np.ndarray, floor: int) -> int:
+        own = self.live.slot_of(session) if slot is None else slot
+        if slot is not None:
+            self._common.pop(slot, None)
+        if own is None or not self.live.owns(own, session):
+            return floor
+        held, kinds = self.runner.held_tokens(own), self.runner.held_kinds(own)
+        n = min(len(held), len(tokens), len(kinds))
+        diff = np.flatnonzero(held[:n] != tokens[:n])
+        common = int(diff[0]) if len(diff) else n
+        if slot is not None:
+            self._common[slot] = common
+        return self.runner.shapes.reuse(kinds, common, floor, len(tokens))
+
+    def settle(self, slot: int, n: int, floor: int, prompt: int) -> None:
+        """Start settling the slot's `n` committed tokens (its turn, of a `prompt`-token prompt, kept blocks to
+        `floor`). The next turn is guessed to add as many tokens as this one added to what the slot held (its
+        whole prompt, for a session new to the slot: an agent's next message is a tool result as often as not)."""
+        common = self._common.pop(slot, None)
+        loop = asyncio.get_running_loop()
+        fut = self.runner.settle(slot, n, floor, prompt if common is None else prompt - common)
+        self._settling[slot] = fut
+
+        def ended(f: concurrent.futures.Future[int]) -> None:  # on the event loop
+            if self._settling.get(slot) is f:
+                del self._settling[slot]
+            if f.cancelled():
+                return
+            if (e := f.exception()) is not None:  # the runner erased the slot: its next turn recomputes
+                log.warning("slot %d: settling its last block failed: %s", slot, e)
+            else:
+                self.counted(f.result())
+
+        def back_on_loop(f: concurrent.futures.Future[int]) -> None:
+            try:
+                loop.call_soon_threadsafe(ended, f)
+            except RuntimeError:  # that turn's loop has closed: nobody reads the counters there
+                pass
+        fut.add_done_callback(back_on_loop)
+
+    async def ready(self, slot: int) -> None:
+        """Wait until the slot's settle, if one runs, has ended (however it ended)."""
+        if (fut := self._settling.get(slot)) is not None:
+            await asyncio.wait([asyncio.wrap_future(fut)])

@@ -32,31 +32,31 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
-import dataclasses
 import logging
-import os
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvmesh.node.config import LlamaCppConfig
-from kvmesh.node.engine import llamastate
+from kvmesh.node.engine import llamaprobe, llamastate
 from kvmesh.node.engine.batcher import DecodeBatcher, DecodeStep
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.llamamodel import LlamaModel, llama_error
 from kvmesh.node.engine.llamarestore import Held, RestoreFailed, Restorer
 from kvmesh.node.engine.snapshots import Snapshots
-from kvmesh.node.errors import CheckpointError
+from kvmesh.node.engine.tailshapes import DECODE, Shapes
 
-_GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 log = logging.getLogger("kvmesh.engine")
 
 
 class LlamaRunner:
     """llama.cpp under the Engine: one sequence per slot, blocks as per-sequence state (module docstring)."""
 
-    def __init__(self, model: LlamaModel, cfg: LlamaCppConfig, *, slots: int, max_context: int, block_size: int):
+    def __init__(self, model: LlamaModel, cfg: LlamaCppConfig, *, slots: int, max_context: int, block_size: int,
+                 exact_tail: bool = False):
+        """`exact_tail`: keep a slot's own cells past its last full block where that computes what whole blocks
+        would (node.engine.tailshapes), if this context's kernels allow it (`exact_tail` then says why not)."""
         self.model, self.lib, self.cfg = model, model.lib, cfg
         self.slots, self.block_size, self.max_context = slots, block_size, max_context
         # torch only samples here. Its own OpenMP team, spinning after each op on the event loop's
@@ -73,7 +73,7 @@ class LlamaRunner:
         self.partial = getattr(self.lib, "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY", 1)
         self.scratch = slots  # unified only: the extra sequence blocks pass through
         self._whole: tuple[int, np.ndarray] | None = None  # (slot, its one-stream state) until the slot changes
-        self.ctx = self._new_context()
+        self.ctx = llamaprobe.new_context(self)
         self.mem = self.lib.llama_get_memory(self.ctx)
         self.batch = self.lib.llama_batch_init(cfg.n_batch, 0, 1)
         self.held = [Held() for _ in range(slots)]
@@ -88,7 +88,7 @@ class LlamaRunner:
         self._layout: llamastate.Layout | None = None
         self.inexact: str | None = None  # why this model's state cannot be cut into blocks, or None
         try:
-            self._layout = self._exec.submit(self._probe_layout).result()
+            self._layout = self._exec.submit(llamaprobe.layout, self).result()
         except ValueError as e:
             self.inexact = f"kvmesh cannot read its llama.cpp sequence state ({e})"
             self.snapshotted = False  # nothing to resume a snapshot on
@@ -96,8 +96,16 @@ class LlamaRunner:
             self.block_bytes = self._layout.size(block_size)
             self.kv_bytes_per_token = -(-self.block_bytes // block_size)
         else:
-            self.kv_bytes_per_token = self._exec.submit(self._probe_growth).result()
+            self.kv_bytes_per_token = self._exec.submit(llamaprobe.growth, self, self.ctx).result()
             self.block_bytes = self.kv_bytes_per_token * block_size
+        n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
+        self.shapes = Shapes(block_size, cfg.n_batch, n_ubatch, llamaprobe.large_from(cfg.flash_attn, cfg.type_k, cfg.type_v))
+        self.exact_tail: str | None = (
+            "engine.reuse_tail is set" if not exact_tail
+            else "its cache resumes at snapshots, not at any position" if self.snapshotted
+            else "it keeps no blocks" if self.inexact
+            else self._exec.submit(llamaprobe.tail_reason, self, self.shapes).result())
+        self.settled = 0  # cells turns' ends recomputed so that the next turn keeps them (tailshapes.settle)
 
         self.snapshots = (Snapshots(cfg.snapshot_mib << 20, self.restorer.check_snapshot, block_size=block_size)
                           if self.snapshotted else None)
@@ -112,55 +120,9 @@ class LlamaRunner:
         """The tokens whose KV (and recurrent state) the slot's sequence holds now."""
         return self.held[slot].tokens
 
-    def _new_context(self) -> Any:
-        lib, cfg = self.lib, self.cfg
-        cp = lib.llama_context_default_params()
-        cp.n_ctx = self.slots * self.max_context + (0 if self.streams else self.block_size)
-        cp.n_batch = cfg.n_batch
-        cp.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
-        cp.n_seq_max = self.slots if self.streams else self.slots + 1
-        threads = cfg.threads or len(os.sched_getaffinity(0))
-        cp.n_threads = threads
-        cp.n_threads_batch = cfg.threads_batch or threads
-        cp.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if cfg.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        cp.type_k = _GGML_TYPES[cfg.type_k]
-        cp.type_v = _GGML_TYPES[cfg.type_v]
-        cp.kv_unified = not self.streams  # unified: one cell pool, so seq_cp shares cells instead of copying
-        # Sliding-window layers keep every position, not the last window: a block then restores exactly,
-        # at the memory of a full-attention cache for those layers (llama-server's --swa-full). Window mode
-        # keeps llama.cpp's windowed cache, and its window travels as snapshots (node.engine.snapshots).
-        cp.swa_full = self.model.n_swa > 0 and not self.snapshotted
-        cp.no_perf = True
-        ctx = lib.llama_init_from_model(self.model.handle, cp)
-        if not ctx:
-            raise CheckpointError(f"llama.cpp could not create a context for {self.model.path} ({self.slots} slots x "
-                                  f"{self.max_context} tokens, K {cfg.type_k}, V {cfg.type_v}): "
-                                  f"{llama_error('see the log')}", path=str(self.model.path))
-        return ctx
-
-    def _probe_layout(self) -> llamastate.Layout:
-        """Decode one token into a spare sequence and learn the state layout from its blob (and, for bare
-        blocks, the other caches' sections from an empty sequence's)."""
-        seq = 0 if self.streams else self.scratch
-        empty = self._state(seq) if self.snapshotted else None
-        self._decode([1 % self.model.n_vocab], [seq], [0], logits_last=False)
-        blob = self._state(seq)
-        self.lib.llama_memory_seq_rm(self.mem, seq, -1, -1)
-        lay = llamastate.learn(blob.data, self.model.n_layer, recurrent=self.model.recurrent)
-        # An empty sequence's blob: magic, seq id, the attention cache's section (n_stream 1, 0 cells) if
-        # there is one, then the others' (the window cache's, the recurrent state's) with no cell.
-        if empty is None:
-            return lay
-        return dataclasses.replace(lay, bare=True, tail=bytes(empty[16:] if lay.n_layer else empty[8:]))
-
-    def _probe_growth(self) -> int:
-        """Bytes a position adds to a sequence's state (its attention KV; the recurrent state is per sequence)."""
-        self._decode([1 % self.model.n_vocab], [0], [0], logits_last=False)
-        one = self.lib.llama_state_seq_get_size(self.ctx, 0)
-        self._decode([1 % self.model.n_vocab], [0], [1], logits_last=False)
-        two = self.lib.llama_state_seq_get_size(self.ctx, 0)
-        self.lib.llama_memory_seq_rm(self.mem, 0, -1, -1)
-        return max(1, int(two - one))
+    def held_kinds(self, slot: int) -> np.ndarray:
+        """How each of those cells was computed (node.engine.tailshapes)."""
+        return self.held[slot].kinds
 
     def _state(self, seq: int) -> np.ndarray:
         """The sequence's whole state in the one-stream form blocks use (`llamastate.one_stream`)."""
@@ -206,27 +168,27 @@ class LlamaRunner:
         ptr = self.lib.llama_get_logits_ith(self.ctx, i)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy())
 
-    def _prefill(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
+    def _prefill(self, slot: int, tokens: np.ndarray, start: int, logits: bool = True) -> torch.Tensor | None:
         held = self.held[slot]
         if held.n != start:
             raise RuntimeError(f"slot {slot} holds {held.n} tokens; a forward at {start} does not follow them")
         self._changed(slot)
-        # The prompt's last block boundary is a checkpoint (snapshots): a chunk ends there for its snapshot.
-        mark = (start + len(tokens)) // self.block_size * self.block_size - start if self.snapshotted else 0
+        end = start + len(tokens)
+        # The prompt's last block boundary is a checkpoint (snapshots): a ubatch ends there for its snapshot.
+        mark = end // self.block_size * self.block_size if self.snapshotted else 0
         try:
-            lo = 0
-            while lo < len(tokens):
-                hi = min(lo + self.cfg.n_batch, len(tokens))
-                hi = mark if lo < mark < hi else hi
-                self._decode(tokens[lo:hi], [slot], np.arange(start + lo, start + hi), logits_last=hi == len(tokens))
-                held.extend(tokens[lo:hi])
+            # One llama_decode per ubatch, on the grid from the block boundary (tailshapes: the kinds of cells).
+            lo = start
+            for hi in self.shapes.edges(start, end, mark):
+                self._decode(tokens[lo - start : hi - start], [slot], np.arange(lo, hi), logits_last=logits and hi == end)
+                held.extend(tokens[lo - start : hi - start], self.shapes.kind(hi - lo))
                 if hi == mark:
                     self.restorer.snapshot(slot)
                 lo = hi
         except BaseException:
             self.erase(slot)  # never a sequence that holds part of a chunk
             raise
-        return self._logits(-1)
+        return self._logits(-1) if logits else None
 
     def erase(self, slot: int) -> None:
         self._changed(slot)
@@ -249,6 +211,9 @@ class LlamaRunner:
         n, held = len(tokens), self.held[slot]
         self._changed(slot)
         own = held.n >= n and np.array_equal(held.tokens[:n], tokens)
+        if not own and not self.snapshotted:
+            n = min(n, len(block_ids) * self.block_size)  # a slot's own tail is kept, never restored
+            tokens = tokens[:n]
         if self.snapshotted and n:
             return self.restorer.from_snapshot(slot, block_ids, tokens, own)
         if own:
@@ -274,6 +239,31 @@ class LlamaRunner:
             return await self.decoder.step(slot, int(tokens[0]), start)
         return await self._run(self._prefill, slot, np.ascontiguousarray(tokens, dtype=np.int32), start)  # type: ignore[no-any-return]
 
+    def settle(self, slot: int, n: int, floor: int, fresh: int) -> concurrent.futures.Future[int]:
+        """Recompute, on the compute thread, the cells of the slot's last partial block the next turn would
+        recompute, as one batch (tailshapes.settle); the slot first drops what it decoded past its `n` committed
+        tokens. The future's result: the cells recomputed."""
+        return self._exec.submit(self._settle, slot, n, floor, fresh)
+
+    def _settle(self, slot: int, n: int, floor: int, fresh: int) -> int:
+        held = self.held[slot]
+        if held.n > n and self.lib.llama_memory_seq_rm(self.mem, slot, n, -1):
+            self._changed(slot)
+            held.n = n
+        span = self.shapes.settle(held.kinds, held.n, floor, fresh) if held.n == n else None
+        if span is None:
+            return 0
+        lo, hi = span
+        redo = held.tokens[lo:hi].copy()
+        self._changed(slot)
+        if not self.lib.llama_memory_seq_rm(self.mem, slot, lo, -1):
+            self.erase(slot)
+            return 0
+        held.n = lo
+        self._prefill(slot, redo, lo, logits=False)  # erases the slot if it fails: a later turn recomputes
+        self.settled += hi - lo
+        return hi - lo
+
     def _decode_batch(self, steps: list[DecodeStep]) -> list[torch.Tensor]:
         """Compute thread: every pending decode step (one per running slot) in one llama_decode."""
         for st in steps:
@@ -284,7 +274,7 @@ class LlamaRunner:
                      logits_last=False, logits_all=True)
         rows = []
         for i, st in enumerate(steps):
-            self.held[st.slot].extend(np.array([st.token], dtype=np.int32))
+            self.held[st.slot].extend(np.array([st.token], dtype=np.int32), DECODE)
             rows.append(self._logits(i))
             if self.snapshotted and self.held[st.slot].n % self.block_size == 0:
                 self.restorer.snapshot(st.slot)  # a block boundary the reply crossed: a checkpoint as well

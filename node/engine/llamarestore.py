@@ -18,6 +18,7 @@ from kvmesh.node.engine import llamastate
 from kvmesh.node.engine.blocks import BlockPool
 from kvmesh.node.engine.llamamodel import LlamaModel, llama_error
 from kvmesh.node.engine.snapshots import Snapshots
+from kvmesh.node.engine.tailshapes import UNKNOWN
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -32,27 +33,35 @@ class RestoreFailed(RuntimeError):
 
 
 class Held:
-    """The tokens whose KV a slot's llama.cpp sequence holds, in position order."""
+    """The tokens whose KV a slot's llama.cpp sequence holds, in position order, and how each cell was
+    computed (`node.engine.tailshapes` kinds: what a turn may keep of them token by token)."""
 
     def __init__(self) -> None:
         self.buf = np.empty(1024, dtype=np.int32)
+        self.kind_buf = np.empty(1024, dtype=np.uint8)
         self.n = 0
 
     @property
     def tokens(self) -> np.ndarray:
         return self.buf[: self.n]
 
-    def set(self, tokens: np.ndarray) -> None:
-        self.n = 0
-        self.extend(tokens)
+    @property
+    def kinds(self) -> np.ndarray:
+        return self.kind_buf[: self.n]
 
-    def extend(self, tokens: np.ndarray) -> None:
+    def set(self, tokens: np.ndarray, kinds: np.ndarray | int = UNKNOWN) -> None:
+        self.n = 0
+        self.extend(tokens, kinds)
+
+    def extend(self, tokens: np.ndarray, kinds: np.ndarray | int = UNKNOWN) -> None:
         need = self.n + len(tokens)
         if need > len(self.buf):
-            grown = np.empty(max(need, 2 * len(self.buf)), dtype=np.int32)
-            grown[: self.n] = self.buf[: self.n]
-            self.buf = grown
+            size = max(need, 2 * len(self.buf))
+            grown, grown_kinds = np.empty(size, dtype=np.int32), np.empty(size, dtype=np.uint8)
+            grown[: self.n], grown_kinds[: self.n] = self.buf[: self.n], self.kind_buf[: self.n]
+            self.buf, self.kind_buf = grown, grown_kinds
         self.buf[self.n : need] = tokens
+        self.kind_buf[self.n : need] = kinds
         self.n = need
 
 

@@ -27,6 +27,13 @@ class Resumable(Protocol):
     def usable(self, tokens: np.ndarray, n: int) -> int: ...
 
 
+class OwnCells(Protocol):
+    """A slot's own cells past a session's last full block, kept token by token where exact (node.engine.live)."""
+
+    def reuse(self, session: str, slot: int | None, tokens: np.ndarray, floor: int) -> int:
+        """Leading tokens of `tokens` the session's slot (`slot`, else the one holding it) serves; >= `floor`."""
+
+
 class PrefixIndex(Protocol):
     """What the engine asks of its cache, whatever its strategy."""
 
@@ -53,16 +60,18 @@ class PrefixIndex(Protocol):
 
 
 class BlockPrefix:
-    """Blocks by chained hash, then the session's own last block token by token."""
+    """Blocks by chained hash, then the session's own last block token by token (from its block table, or
+    from the cells its slot still holds)."""
 
     def __init__(self, table: SessionTable, runner: Runner, seed_hash: bytes, *, resumable: Resumable | None,
-                 tail_reused: bool):
+                 tail_reused: bool, own: OwnCells | None = None):
         """`resumable`: a model that resumes only at a snapshot (window or recurrent state), else None;
-        `tail_reused`: a prompt may reuse part of the session's next block, not only whole ones."""
+        `tail_reused`: a prompt may reuse part of the session's next block, not only whole ones, from the block
+        table; `own`: from the cells the session's slot holds, where they compute what whole blocks would."""
         self.table, self.runner, self.seed_hash = table, runner, seed_hash
         self.blocks: BlockManager = table.blocks
         self.block_size = table.blocks.block_size
-        self.resumable, self.tail_reused = resumable, tail_reused
+        self.resumable, self.tail_reused, self.own = resumable, tail_reused, own
 
     def match(self, session: str, tokens: np.ndarray, slot: int | None = None) -> Match:
         bs = self.block_size
@@ -93,6 +102,8 @@ class BlockPrefix:
             if m:
                 ids.append(seq.block_ids[full])
                 n += m
+        elif self.own is not None and n < len(tokens):
+            n = self.own.reuse(session, slot, tokens, n)  # the slot keeps them: no block of them is loaded
         return Match(tokens=n, block_ids=ids, full_blocks=full, hashes=hashes)
 
     def resident(self, session: str) -> int:

@@ -132,9 +132,10 @@ def test_prefix_reuse_in_slot_and_from_pool_equals_full_prefill(llama) -> None: 
     assert close(got, full_prefill(llama, p3)) <= TOL
 
 
-def test_a_llamacpp_session_reuses_whole_blocks_only_by_default(llama) -> None:  # type: ignore[no-untyped-def]
-    """Unset `reuse_tail`: the next turn recomputes the session's partial last block, as a host holding its replica
-    would, so the logits are bit-identical to that host's."""
+def test_own_cells_of_another_kind_than_a_block_hosts_are_recomputed(llama) -> None:  # type: ignore[no-untyped-def]
+    """Unset `reuse_tail`: the slot's 44 cells past its last full block came from a small batch, and a host holding
+    the replica computes a 133-token continuation as a large one, so the home recomputes them too and its
+    logits are bit-identical to that host's."""
     p1, p2 = prompt(300), prompt(300) + prompt(90, seed=1)[1:]
     home, away = llama(), llama()
     Capture(home).turn("s", p1)
@@ -143,6 +144,43 @@ def test_a_llamacpp_session_reuses_whole_blocks_only_by_default(llama) -> None: 
     on_home, done = Capture(home).turn("s", p2)
     moved, moved_done = Capture(away).turn("s", p2)
     assert done.stats.cached_tokens == moved_done.stats.cached_tokens == (300 // BS) * BS
+    assert torch.equal(on_home, moved)
+
+
+@pytest.mark.parametrize(("first", "added"), [(300, 10), (200, 100)], ids=["small-batch", "large-batch"])
+def test_a_llamacpp_session_keeps_its_own_cells_past_whole_blocks_where_exact(llama, first: int, added: int) -> None:  # type: ignore[no-untyped-def]
+    """Unset `reuse_tail`: where the slot's cells past the last full block are of the kind the replica host's own
+    prefill computes (44 small-batch cells, 10 tokens more; 8 large-batch ones, 100 more), the home keeps every
+    token of the common prefix and its logits are still bit-identical to the replica host's."""
+    p1, p2 = prompt(first), prompt(first) + prompt(added + 1, seed=1)[1:]
+    home, away = llama(), llama()
+    Capture(home).turn("s", p1)
+    toks, hashes, data = _export(home, "s")
+    assert away.import_blocks("s", home.fingerprint, toks, hashes, data) == (first // BS) * BS
+    on_home, done = Capture(home).turn("s", p2)
+    moved, moved_done = Capture(away).turn("s", p2)
+    assert done.stats.cached_tokens == first and moved_done.stats.cached_tokens == (first // BS) * BS
+    assert torch.equal(on_home, moved)
+
+
+def test_a_turns_end_settles_its_reply_so_the_next_short_turn_keeps_it(llama) -> None:  # type: ignore[no-untyped-def]
+    """A short turn's reply (decode steps, a kind no prefill has) is recomputed as one batch once the turn ends,
+    so the next short turn keeps the whole conversation, reply included, bit-identical to a replica host's."""
+    home, away = llama(), llama()
+    cap = Capture(home)
+    p1 = prompt(300)
+    cap.turn("s", p1)
+    cap.turn("s", p1 + prompt(6, seed=1)[1:], max_tokens=8)  # 5 tokens more: the reply goes into block 4 as decodes
+    assert home.own_tail is not None
+    asyncio.run(home.own_tail.ready(0))
+    held = [int(t) for t in home.runner.held_tokens(0)]  # type: ignore[attr-defined]
+    assert len(held) > 305 and isinstance(home.runner, LlamaRunner) and home.runner.settled == len(held) - 256
+    p3 = held + prompt(6, seed=2)[1:]
+    toks, hashes, data = _export(home, "s")
+    assert away.import_blocks("s", home.fingerprint, toks, hashes, data) == 256
+    on_home, done = Capture(home).turn("s", p3)
+    moved, moved_done = Capture(away).turn("s", p3)
+    assert done.stats.cached_tokens == len(held) and moved_done.stats.cached_tokens == 256
     assert torch.equal(on_home, moved)
 
 
