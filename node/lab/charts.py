@@ -19,9 +19,9 @@ from typing import Any
 Row = dict[str, Any]
 # (row key, panel title, y axis label); a row without the key (or with None) leaves a gap in its line.
 SWEEP_METRICS = (("warm_pct", "warm handoffs", "% of follow-ups warm"), ("ttft_p50_s", "TTFT p50", "seconds"),
-                 ("ttft_p99_s", "TTFT p99", "seconds"), ("failed_pct", "turns failed (clients' retries ran out)", "% of turns"))
+                 ("ttft_p99_s", "TTFT p99", "seconds"), ("failed_pct", "turns failed", "% of turns (retries out or timed out)"))
 POLICIES_METRICS = (("reused_pct", "prompt reused from cache", "% of prompt tokens"), ("ttft_p50_s", "TTFT p50", "seconds"),
-                    ("ttft_p99_s", "TTFT p99", "seconds"), ("failed_pct", "turns failed (clients' retries ran out)", "% of turns"))
+                    ("ttft_p99_s", "TTFT p99", "seconds"), ("failed_pct", "turns failed", "% of turns (retries out or timed out)"))
 
 
 class ChartsUnavailable(RuntimeError):
