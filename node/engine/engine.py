@@ -168,7 +168,7 @@ class Engine(BlockHolding):
             await self._commit(slot, req.session, kv_tokens, match, reuse, load_ids)
             committed = True
             if self.own_tail is not None:
-                self.own_tail.settle(slot, len(kv_tokens), reuse // bs * bs, len(tokens))
+                self.own_tail.settle(slot, len(kv_tokens), reuse // bs * bs)
             stats.total_s = time.monotonic() - t0
             self.counters.turns += 1
             yield TurnDone(stats)

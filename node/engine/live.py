@@ -142,7 +142,7 @@ class TailRunner(Protocol):
 
     def held_kinds(self, slot: int) -> np.ndarray: ...
 
-    def settle(self, slot: int, n: int, floor: int, fresh: int) -> concurrent.futures.Future[int]: ...
+    def settle(self, slot: int, n: int, floor: int) -> concurrent.futures.Future[int]: ...
 
 
 class OwnTail:
@@ -153,32 +153,24 @@ class OwnTail:
     def __init__(self, live: LiveCaches, runner: TailRunner, counted: Callable[[int], None]):
         """`counted`: told the cells each settle recomputed (on the event loop)."""
         self.live, self.runner, self.counted = live, runner, counted
-        self._common: dict[int, int] = {}  # slot -> what its session's cells and its running turn's prompt share
         # slot -> its settle, until it ends. A compute-thread future, not a task: a settle outlives the event loop
         # of the turn that started it (benches and tests run each turn in a loop of its own).
         self._settling: dict[int, concurrent.futures.Future[int]] = {}
 
     def reuse(self, session: str, slot: int | None, tokens: np.ndarray, floor: int) -> int:
         own = self.live.slot_of(session) if slot is None else slot
-        if slot is not None:
-            self._common.pop(slot, None)
         if own is None or not self.live.owns(own, session):
             return floor
         held, kinds = self.runner.held_tokens(own), self.runner.held_kinds(own)
         n = min(len(held), len(tokens), len(kinds))
         diff = np.flatnonzero(held[:n] != tokens[:n])
         common = int(diff[0]) if len(diff) else n
-        if slot is not None:
-            self._common[slot] = common
         return self.runner.shapes.reuse(kinds, common, floor, len(tokens))
 
-    def settle(self, slot: int, n: int, floor: int, prompt: int) -> None:
-        """Start settling the slot's `n` committed tokens (its turn, of a `prompt`-token prompt, kept blocks to
-        `floor`). The next turn is guessed to add as many tokens as this one added to what the slot held (its
-        whole prompt, for a session new to the slot: an agent's next message is a tool result as often as not)."""
-        common = self._common.pop(slot, None)
+    def settle(self, slot: int, n: int, floor: int) -> None:
+        """Start settling the slot's `n` committed tokens (its turn kept blocks to `floor`)."""
         loop = asyncio.get_running_loop()
-        fut = self.runner.settle(slot, n, floor, prompt if common is None else prompt - common)
+        fut = self.runner.settle(slot, n, floor)
         self._settling[slot] = fut
 
         def ended(f: concurrent.futures.Future[int]) -> None:  # on the event loop

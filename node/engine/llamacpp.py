@@ -146,8 +146,9 @@ class LlamaRunner:
     # ---- compute (compute thread only) ---------------------------------------------------
 
     def _decode(self, tokens: list[int] | np.ndarray, seqs: list[int], pos: list[int] | np.ndarray, *,
-                logits_last: bool, logits_all: bool = False) -> None:
-        """One llama_decode of len(tokens) tokens (<= n_batch); logits for the last, or for all."""
+                logits_last: bool, logits_all: bool = False, pad: int = 0) -> None:
+        """One llama_decode of len(tokens) tokens (<= n_batch); logits for the last, or for all. The last `pad` are
+        padding (tailshapes): `logits_last` flags the one before them."""
         b, n = self.batch, len(tokens)
         np.ctypeslib.as_array(b.token, shape=(n,))[:] = tokens
         np.ctypeslib.as_array(b.pos, shape=(n,))[:] = pos
@@ -155,7 +156,7 @@ class LlamaRunner:
         lg = np.ctypeslib.as_array(b.logits, shape=(n,))
         lg[:] = 1 if logits_all else 0
         if logits_last:
-            lg[n - 1] = 1
+            lg[n - 1 - pad] = 1
         for i, s in enumerate(seqs if len(seqs) == n else [seqs[0]] * n):
             b.seq_id[i][0] = s
         b.n_tokens = n
@@ -180,8 +181,16 @@ class LlamaRunner:
             # One llama_decode per ubatch, on the grid from the block boundary (tailshapes: the kinds of cells).
             lo = start
             for hi in self.shapes.edges(start, end, mark):
-                self._decode(tokens[lo - start : hi - start], [slot], np.arange(lo, hi), logits_last=logits and hi == end)
-                held.extend(tokens[lo - start : hi - start], self.shapes.kind(hi - lo))
+                part = tokens[lo - start : hi - start]
+                # An exact-tail first ubatch is padded to the kind every host computes it in (tailshapes);
+                # never past the sequence's room, where every host is short of it alike.
+                pad = min(self.shapes.pad(start, end), self.max_context - hi) if lo == start and self.exact_tail is None else 0
+                if pad > 0:
+                    part = np.concatenate([part, np.full(pad, part[-1], dtype=np.int32)])
+                self._decode(part, [slot], np.arange(lo, hi + pad), logits_last=logits and hi == end, pad=max(pad, 0))
+                if pad > 0 and not self.lib.llama_memory_seq_rm(self.mem, slot, hi, -1):
+                    raise RuntimeError("llama.cpp could not drop a padded ubatch's padding")
+                held.extend(tokens[lo - start : hi - start], self.shapes.kind(len(part)))
                 if hi == mark:
                     self.restorer.snapshot(slot)
                 lo = hi
@@ -239,18 +248,18 @@ class LlamaRunner:
             return await self.decoder.step(slot, int(tokens[0]), start)
         return await self._run(self._prefill, slot, np.ascontiguousarray(tokens, dtype=np.int32), start)  # type: ignore[no-any-return]
 
-    def settle(self, slot: int, n: int, floor: int, fresh: int) -> concurrent.futures.Future[int]:
+    def settle(self, slot: int, n: int, floor: int) -> concurrent.futures.Future[int]:
         """Recompute, on the compute thread, the cells of the slot's last partial block the next turn would
         recompute, as one batch (tailshapes.settle); the slot first drops what it decoded past its `n` committed
         tokens. The future's result: the cells recomputed."""
-        return self._exec.submit(self._settle, slot, n, floor, fresh)
+        return self._exec.submit(self._settle, slot, n, floor)
 
-    def _settle(self, slot: int, n: int, floor: int, fresh: int) -> int:
+    def _settle(self, slot: int, n: int, floor: int) -> int:
         held = self.held[slot]
         if held.n > n and self.lib.llama_memory_seq_rm(self.mem, slot, n, -1):
             self._changed(slot)
             held.n = n
-        span = self.shapes.settle(held.kinds, held.n, floor, fresh) if held.n == n else None
+        span = self.shapes.settle(held.kinds, held.n, floor) if held.n == n else None
         if span is None:
             return 0
         lo, hi = span

@@ -50,7 +50,8 @@ def new_context(r: ProbeHost) -> Any:
     flash attention, cache types and batch sizes as configured."""
     lib, cfg = r.lib, r.cfg
     cp = lib.llama_context_default_params()
-    cp.n_ctx = r.slots * r.max_context + (0 if r.streams else r.block_size)
+    # One unified stream: room for the scratch sequence's block and a padded ubatch's padding (tailshapes) too.
+    cp.n_ctx = r.slots * r.max_context + (0 if r.streams else r.block_size + (large_from(cfg.flash_attn, cfg.type_k, cfg.type_v) or 2))
     cp.n_batch = cfg.n_batch
     cp.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
     cp.n_seq_max = r.slots if r.streams else r.slots + 1
@@ -110,17 +111,18 @@ def large_from(flash_attn: bool, type_k: str, type_v: str) -> int | None:
 def tail_reason(r: ProbeHost, shapes: Shapes) -> str | None:
     """Why a slot's own cells past its last full block cannot be kept token by token here (None: they can).
 
-    A span of positions computed as one ubatch and as several, every piece of one kind (`tailshapes`), must
-    give bit-identical cells: where it does, no cell depends on its batch beyond that kind (not on the batch's
-    size, nor on the cell's place in it), and a turn keeping them computes what a host restoring whole blocks
-    computes. A GPU build is not probed: its kernels change at more batch sizes than two."""
+    A span of positions computed as one ubatch and as several, every piece of one kind (`tailshapes`), the last
+    one padded past the span or not, must give bit-identical cells: where it does, no cell depends on its batch
+    beyond that kind (not on the batch's size, nor on the cell's place in it), and a turn keeping them computes
+    what a host restoring whole blocks computes. A GPU build is not probed: its kernels change at more batch sizes than two."""
     if r.lib.llama_supports_gpu_offload():
         return "a GPU build: its kernels change with the batch size at more sizes than kvmesh tells apart"
     ub, big = shapes.n_ubatch, shapes.large_from
     small = min(ub, 40 if big is None else big - 1)
-    spans = {SMALL: [[small], [2, small - 2], [small - 5, 5]]}
+    # The last piece of a case may run past the compared span: rows past it are padding (trimmed before comparing).
+    spans = {SMALL: [[small], [2, small - 2], [small - 5, 5], [small - 1, 2]]}
     if big is not None and 2 * big + 3 <= ub:
-        spans[LARGE] = [[2 * big + 3], [big + 3, big]]
+        spans[LARGE] = [[2 * big + 3], [big + 3, big], [2 * big - 4, big]]
     elif big is None and ub >= 80:
         spans[SMALL].append([80, 3])  # one kind for every size: the other variants' pieces are a prefix of 83
     toks = (np.arange(_PREFIX + max(sum(c) for cases in spans.values() for c in cases)) * 7919 + 17) % r.model.n_vocab

@@ -6,14 +6,16 @@ batch computed it, within one *kind* of micro-batch (ubatch): one token (a decod
 product, a split-KV attention), fewer than 64 (tinyBLAS matrix products, the one-row flash attention) and 64 or
 more (the same products, the tiled flash attention, for an f16/f32/bf16 cache). Measured on SmolLM2: within a
 kind, 2..63 and 64..512 tokens give identical cells; across kinds the logits move by up to ~1.2 (of ~35). With a
-quantized cache the last two kinds are one. So a turn that keeps cells [B, r) past its last full block B computes
-what a host restoring the blocks to B and computing [B, L) computes only if every kept cell is of the kind that
-host's first ubatch has, and the turn's own first ubatch [r, ...) is of that kind too, its later ubatches on the
-same grid (`Shapes.edges`: a prefill's ubatches are cut from its block boundary, wherever it starts).
+quantized cache the last two kinds are one. A row's cells never depend on the rows after it (causal attention),
+so rows of padding past a ubatch's last token, dropped once it is computed, give it the kind of a longer one.
 
-A reply's cells are decode steps, a kind no prefill has: `Shapes.settle` says which of the last partial block's
-cells a turn's end recomputes as one batch, so the next turn can keep them (the cells a next turn holding only
-blocks would recompute anyway: the same work, done before instead of inside the next turn's time to first token).
+So every prefill of an exact-tail engine runs its first ubatch at least `Shapes.least` rows long (padded where
+shorter), on a grid from its block boundary (`Shapes.edges`): its first ubatch, the only one whose start differs
+between a host starting at the block boundary and one keeping cells past it, is then of the kind `Shapes.want`
+on every host, and the later ones are the same ubatches. A turn keeps its slot's cells past the last full block
+where they are of that kind (`Shapes.reuse`): every common token, up to the block's end. A reply's cells are decode
+steps, another kind: a turn's end recomputes its last partial block's cells not of that kind as one padded batch
+(`Shapes.settle`), the work a next turn holding only blocks would do anyway, done before its time to first token.
 
 Pure arithmetic on positions and kinds: `node.engine.llamacpp` (LlamaRunner) and `node.engine.live` (OwnTail)
 apply it to a llama.cpp slot.
@@ -73,43 +75,38 @@ class Shapes:
             lo = e
         return out
 
+    @property
+    def least(self) -> int:
+        """The fewest rows of a padded first ubatch: the size from which cells are LARGE where this context has
+        that kind within a ubatch, else 2 (one row would be a decode step)."""
+        big = self.large_from
+        return big if big is not None and big <= self.n_ubatch else 2
+
+    @property
+    def want(self) -> int:
+        """The kind of every first ubatch's cells (padded to `least`): the only kind a turn keeps past a block."""
+        return self.kind(self.least)
+
+    def pad(self, start: int, end: int) -> int:
+        """Rows of padding the first ubatch of a prefill of [start, end) takes, to be `least` rows long."""
+        return max(0, self.least - (self.edges(start, end)[0] - start))
+
     def reuse(self, kinds: np.ndarray, common: int, floor: int, end: int) -> int:
         """How many leading tokens of a prompt of `end` tokens a turn keeps from a slot whose cells have these
         `kinds` and agree with the prompt on `common` tokens, where a host holding whole blocks starts at
-        `floor` (a block boundary). At least `floor`; at most `common`, and less where the kinds ask it."""
-        if common <= floor:
+        `floor` (a block boundary): every common token of the block past it that is of kind `want`, leaving at
+        least two tokens to compute (one is a decode step, of another kind than that host's prefill). At least
+        `floor`."""
+        r = min(common, floor + self.block_size - 1, end - 2)
+        if r <= floor:
             return floor
-        first = self.edges(floor, end)[0]  # that host's first ubatch is [floor, first)
-        want = self.kind(first - floor)
-        if want == DECODE:
-            return floor
-        r = min(common, floor + self.block_size - 1)  # within the block: the turn's own grid starts at floor too
-        bad = np.flatnonzero(kinds[floor:r] != want)
-        if len(bad):
-            r = floor + int(bad[0])
-        # The turn's first ubatch [r, first) must be of that kind as well: >= 2 tokens, >= large_from if LARGE.
-        least = self.large_from if want == LARGE and self.large_from is not None else 2
-        return max(floor, min(r, first - least))
+        bad = np.flatnonzero(kinds[floor:r] != self.want)
+        return floor + int(bad[0]) if len(bad) else r
 
-    def settle(self, kinds: np.ndarray, n: int, floor: int, fresh: int) -> tuple[int, int] | None:
-        """The cells [lo, n) a turn's end recomputes as one batch (None: none), so that the next turn keeps them.
-
-        Only the last partial block's, never one before `floor` (blocks the turn reused whole are in the pool
-        as they are). With two prefill kinds, the next turn is guessed to add as many tokens as this one
-        computed (`fresh`; a first turn's whole prompt): a chat's short messages SMALL, an agent's long tool
-        results LARGE. Only a batch of the last block's own cells is
-        recomputed, which the next turn would otherwise recompute itself, so cells that would need a longer
-        batch (LARGE ones, in 64-token blocks) are left as they are."""
+    def settle(self, kinds: np.ndarray, n: int, floor: int) -> tuple[int, int] | None:
+        """The cells [lo, n) a turn's end recomputes as one (padded) batch, so that the next turn keeps them; None
+        when every cell of the last partial block is of kind `want` already. Never one before `floor`: the
+        blocks the turn reused whole are in the pool as they are."""
         lo = max(n - n % self.block_size, floor)
-        if n - lo < 2:
-            return None
-        if self.large_from is None:  # one prefill kind: recompute from the first cell not of it
-            bad = np.flatnonzero(kinds[lo:n] != SMALL)
-            if not len(bad):
-                return None
-            lo = min(lo + int(bad[0]), n - 2)  # >= 2 tokens; a SMALL cell recomputed comes out the same
-            return lo, n
-        want = self.kind(min(n - lo + fresh, self.n_ubatch))
-        if self.kind(n - lo) != want or bool((kinds[lo:n] == want).all()):
-            return None
-        return lo, n
+        bad = np.flatnonzero(kinds[lo:n] != self.want)
+        return (lo + int(bad[0]), n) if len(bad) else None

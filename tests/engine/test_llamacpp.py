@@ -132,19 +132,26 @@ def test_prefix_reuse_in_slot_and_from_pool_equals_full_prefill(llama) -> None: 
     assert close(got, full_prefill(llama, p3)) <= TOL
 
 
-def test_own_cells_of_another_kind_than_a_block_hosts_are_recomputed(llama) -> None:  # type: ignore[no-untyped-def]
-    """Unset `reuse_tail`: the slot's 44 cells past its last full block came from a small batch, and a host holding
-    the replica computes a 133-token continuation as a large one, so the home recomputes them too and its
-    logits are bit-identical to that host's."""
-    p1, p2 = prompt(300), prompt(300) + prompt(90, seed=1)[1:]
-    home, away = llama(), llama()
-    Capture(home).turn("s", p1)
-    toks, hashes, data = _export(home, "s")
-    assert away.import_blocks("s", home.fingerprint, toks, hashes, data) == (300 // BS) * BS
-    on_home, done = Capture(home).turn("s", p2)
-    moved, moved_done = Capture(away).turn("s", p2)
-    assert done.stats.cached_tokens == moved_done.stats.cached_tokens == (300 // BS) * BS
-    assert torch.equal(on_home, moved)
+def test_every_turn_keeps_the_common_prefix_and_computes_what_a_replica_host_does(llama) -> None:  # type: ignore[no-untyped-def]
+    """Unset `reuse_tail`: over four turns adding 10, 100, 3 and 70 tokens after a reply of 8, the home keeps every
+    token its slot shares with the prompt, reply included, and its logits are bit-identical to those of a host that
+    imported the session's whole blocks and computed the rest."""
+    home = llama()
+    cap = Capture(home)
+    cap.turn("s", prompt(300), max_tokens=8)
+    assert home.own_tail is not None and isinstance(home.runner, LlamaRunner)
+    for i, added in enumerate((10, 100, 3, 70)):
+        asyncio.run(home.own_tail.ready(0))
+        held = [int(t) for t in home.runner.held_tokens(0)]
+        p = held + prompt(added + 1, seed=i + 1)[1:]
+        toks, hashes, data = _export(home, "s")
+        away = llama()
+        assert away.import_blocks("s", home.fingerprint, toks, hashes, data) == len(held) // BS * BS
+        on_home, done = cap.turn("s", p, max_tokens=8)
+        moved, moved_done = Capture(away).turn("s", p)
+        assert (done.stats.cached_tokens, moved_done.stats.cached_tokens) == (len(held), len(held) // BS * BS), i
+        assert torch.equal(on_home, moved), i
+    assert home.runner.settled > 0
 
 
 @pytest.mark.parametrize(("first", "added"), [(300, 10), (200, 100)], ids=["small-batch", "large-batch"])
@@ -164,8 +171,9 @@ def test_a_llamacpp_session_keeps_its_own_cells_past_whole_blocks_where_exact(ll
 
 
 def test_a_turns_end_settles_its_reply_so_the_next_short_turn_keeps_it(llama) -> None:  # type: ignore[no-untyped-def]
-    """A short turn's reply (decode steps, a kind no prefill has) is recomputed as one batch once the turn ends,
-    so the next short turn keeps the whole conversation, reply included, bit-identical to a replica host's."""
+    """A short turn's reply (decode steps, a kind no prefill has) is recomputed as one batch once the turn ends (as
+    were the first turn's last 44 cells, a 44-row ubatch of a 256-token call), so the next short turn keeps the
+    whole conversation, reply included, bit-identical to a replica host's."""
     home, away = llama(), llama()
     cap = Capture(home)
     p1 = prompt(300)
@@ -174,7 +182,7 @@ def test_a_turns_end_settles_its_reply_so_the_next_short_turn_keeps_it(llama) ->
     assert home.own_tail is not None
     asyncio.run(home.own_tail.ready(0))
     held = [int(t) for t in home.runner.held_tokens(0)]  # type: ignore[attr-defined]
-    assert len(held) > 305 and isinstance(home.runner, LlamaRunner) and home.runner.settled == len(held) - 256
+    assert len(held) > 305 and isinstance(home.runner, LlamaRunner) and home.runner.settled == (300 - 256) + (len(held) - 305)
     p3 = held + prompt(6, seed=2)[1:]
     toks, hashes, data = _export(home, "s")
     assert away.import_blocks("s", home.fingerprint, toks, hashes, data) == 256

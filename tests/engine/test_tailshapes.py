@@ -30,46 +30,46 @@ def test_ubatch_edges_are_on_a_grid_from_the_block_boundary_wherever_the_prefill
     assert (kinds[200:256] == SMALL).all() and (kinds[256:456] == LARGE).all()
 
 
-def test_reuse_keeps_own_cells_only_of_the_kind_a_block_host_computes() -> None:
-    """A 40-token tail computed SMALL. A next prompt to 200, whose block host's first ubatch [128, 200) is LARGE: none
-    is kept. A prompt to 188 (that ubatch 60 tokens, SMALL): all 40 are kept; to 169, all but one, so the turn's own
-    first ubatch is at least 2 tokens (one would be a decode step)."""
-    kinds = np.concatenate([np.full(128, LARGE), np.full(40, SMALL)]).astype(np.uint8)
-    assert F16_FLASH.reuse(kinds, common=168, floor=128, end=200) == 128
-    assert F16_FLASH.reuse(kinds, common=168, floor=128, end=188) == 168
-    assert F16_FLASH.reuse(kinds, common=168, floor=128, end=169) == 167  # one new token: the turn recomputes two
+def test_a_first_ubatch_is_padded_to_the_kind_every_host_computes_it_in() -> None:
+    """With f16 flash attention a first ubatch is padded to 64 rows (LARGE), with one kind to 2 rows; a first ubatch
+    long enough already, or cut short only by the grid of a longer prefill, is padded by what it lacks."""
+    assert (F16_FLASH.least, F16_FLASH.want, ONE_KIND.least, ONE_KIND.want) == (64, LARGE, 2, SMALL)
+    assert F16_FLASH.pad(128, 138) == 54 and F16_FLASH.pad(128, 300) == 0 and F16_FLASH.pad(130, 300) == 0
+    assert Shapes(BS, 256, 100, 64).pad(620, 700) == 8  # the grid from 576 cuts the first ubatch at 676: 56 rows
+    assert ONE_KIND.pad(128, 129) == 1 and ONE_KIND.pad(128, 130) == 0
+    assert Shapes(BS, 512, 32, 64).least == 2  # ubatches never reach 64 rows: one prefill kind
+
+
+def test_reuse_keeps_every_common_token_of_the_kind_a_block_host_computes() -> None:
+    """A 40-token tail computed LARGE is kept to the common prefix whatever the next prompt's length, leaving two
+    tokens to compute (one would be a decode step); SMALL cells are not kept where a first ubatch is LARGE."""
+    kinds = np.concatenate([np.full(128, LARGE), np.full(40, LARGE)]).astype(np.uint8)
+    assert F16_FLASH.reuse(kinds, common=168, floor=128, end=200) == 168
+    assert F16_FLASH.reuse(kinds, common=168, floor=128, end=170) == 168
+    assert F16_FLASH.reuse(kinds, common=168, floor=128, end=169) == 167
+    small = np.concatenate([np.full(128, LARGE), np.full(40, SMALL)]).astype(np.uint8)
+    assert F16_FLASH.reuse(small, common=168, floor=128, end=200) == 128
+    assert ONE_KIND.reuse(small, common=168, floor=128, end=200) == 168
 
 
 def test_reuse_stops_at_the_first_cell_of_another_kind_and_never_below_the_floor() -> None:
     """Decoded cells (a reply) are never kept: reuse stops where they start; a prompt sharing only the blocks keeps
-    the floor; restored cells (UNKNOWN) are never kept past it either."""
+    the floor; restored cells (UNKNOWN) are never kept past it either, nor cells past the block's end."""
     kinds = np.concatenate([np.full(128, LARGE), np.full(10, SMALL), np.full(20, DECODE)]).astype(np.uint8)
     assert ONE_KIND.reuse(kinds, common=158, floor=128, end=170) == 138
     assert ONE_KIND.reuse(kinds, common=120, floor=128, end=170) == 128
     restored = np.concatenate([np.full(128, UNKNOWN), np.full(30, UNKNOWN)]).astype(np.uint8)
     assert ONE_KIND.reuse(restored, common=158, floor=128, end=170) == 128
+    assert ONE_KIND.reuse(np.full(300, SMALL, dtype=np.uint8), common=290, floor=128, end=300) == 191
 
 
-def test_reuse_of_a_large_kind_leaves_the_turns_first_ubatch_large() -> None:
-    """A 64-token block host's first ubatch [128, 300) is LARGE: own LARGE cells are kept up to where the turn's own
-    first ubatch would still be 64 tokens or more (within the block: at most floor + 63)."""
-    kinds = np.concatenate([np.full(128, LARGE), np.full(63, LARGE)]).astype(np.uint8)
-    assert F16_FLASH.reuse(kinds, common=191, floor=128, end=300) == 191
-    assert F16_FLASH.reuse(kinds, common=191, floor=128, end=230) == 230 - 64
-
-
-def test_a_turns_end_settles_its_last_blocks_decoded_cells_as_one_batch() -> None:
-    """One kind: the last partial block's cells from its first decoded one are recomputed [lo, n) (at least two);
-    a block already all SMALL, or ending on a boundary, needs nothing."""
+def test_a_turns_end_settles_its_last_blocks_cells_of_another_kind_as_one_batch() -> None:
+    """The last partial block's cells from its first one not of the wanted kind are recomputed [lo, n): decoded
+    ones, and with two kinds SMALL ones too; a block all of that kind, or ending on a boundary, needs nothing."""
     kinds = np.concatenate([np.full(128, SMALL), np.full(10, SMALL), np.full(15, DECODE)]).astype(np.uint8)
-    assert ONE_KIND.settle(kinds, 153, floor=128, fresh=0) == (138, 153)
-    assert ONE_KIND.settle(np.full(150, SMALL, dtype=np.uint8), 150, floor=128, fresh=0) is None
-    assert ONE_KIND.settle(np.full(128, DECODE, dtype=np.uint8), 128, floor=0, fresh=0) is None
-
-
-def test_with_two_kinds_the_settle_guesses_the_next_turns_batch_from_this_ones() -> None:
-    """25 tail cells: a next turn adding as many as this one (10 fresh: 35 < 64) would compute them SMALL, so they
-    are recomputed SMALL; one adding 100 (LARGE) would not keep SMALL cells: nothing is settled."""
-    kinds = np.concatenate([np.full(128, LARGE), np.full(10, SMALL), np.full(15, DECODE)]).astype(np.uint8)
-    assert F16_FLASH.settle(kinds, 153, floor=128, fresh=10) == (128, 153)
-    assert F16_FLASH.settle(kinds, 153, floor=128, fresh=100) is None
+    assert ONE_KIND.settle(kinds, 153, floor=128) == (138, 153)
+    assert F16_FLASH.settle(kinds, 153, floor=128) == (128, 153)
+    assert ONE_KIND.settle(np.full(150, SMALL, dtype=np.uint8), 150, floor=128) is None
+    assert F16_FLASH.settle(np.full(150, LARGE, dtype=np.uint8), 150, floor=128) is None
+    assert ONE_KIND.settle(np.full(128, DECODE, dtype=np.uint8), 128, floor=0) is None
+    assert ONE_KIND.settle(np.full(129, DECODE, dtype=np.uint8), 129, floor=0) == (128, 129)
