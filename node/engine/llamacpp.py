@@ -244,7 +244,9 @@ class LlamaRunner:
         return n
 
     async def forward(self, slot: int, tokens: np.ndarray, start: int) -> torch.Tensor:
-        if len(tokens) == 1 and start > 0:
+        # One token joins the running decode batch, except where the slot keeps exact cells (tailshapes): a whole
+        # cached prompt recomputes its last cell, inside a block the pool holds, in the kind its prefill made it.
+        if len(tokens) == 1 and start > 0 and self.exact_tail is not None:
             return await self.decoder.step(slot, int(tokens[0]), start)
         return await self._run(self._prefill, slot, np.ascontiguousarray(tokens, dtype=np.int32), start)  # type: ignore[no-any-return]
 

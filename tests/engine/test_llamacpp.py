@@ -154,6 +154,25 @@ def test_every_turn_keeps_the_common_prefix_and_computes_what_a_replica_host_doe
     assert home.runner.settled > 0
 
 
+def test_a_retried_prompt_of_whole_blocks_leaves_its_cells_as_the_pool_holds_them(llama) -> None:  # type: ignore[no-untyped-def]
+    """Unset `reuse_tail`: a prompt of five whole blocks asked again recomputes only its last token, and in the
+    kind its first prefill computed it (not as a decode step), so the next turn at home is bit-identical to a
+    replica host's that imported the blocks."""
+    p1 = prompt(5 * BS + 20)
+    p2 = p1[: 5 * BS] + prompt(60, seed=4)[1:]
+    home, away = llama(), llama()
+    cap = Capture(home)
+    cap.turn("s", p1)
+    toks, hashes, data = _export(home, "s")
+    assert away.import_blocks("s", home.fingerprint, toks, hashes, data) == 5 * BS
+    _, retried = cap.turn("s", p1[: 5 * BS])
+    assert retried.stats.cached_tokens == 5 * BS - 1
+    on_home, done = cap.turn("s", p2)
+    moved, _ = Capture(away).turn("s", p2)
+    assert done.stats.cached_tokens == 5 * BS
+    assert torch.equal(on_home, moved)
+
+
 @pytest.mark.parametrize(("first", "added"), [(300, 10), (200, 100)], ids=["small-batch", "large-batch"])
 def test_a_llamacpp_session_keeps_its_own_cells_past_whole_blocks_where_exact(llama, first: int, added: int) -> None:  # type: ignore[no-untyped-def]
     """Unset `reuse_tail`: where the slot's cells past the last full block are of the kind the replica host's own
