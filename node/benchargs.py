@@ -149,11 +149,12 @@ def add_bench_llamacpp_suite(bsub: Subparsers) -> None:
 
 
 def add_bench_policies(bsub: Subparsers) -> None:
-    from kvmesh.node.lab.clientmodel import add_client_args
+    from kvmesh.node.lab.clientmodel import add_client_args, add_sdk_arg
     from kvmesh.node.lab.sim.params import POLICIES
 
     b = bsub.add_parser("policies", help="real sim nodes replaying a trace: kvmesh against mesh.policy baselines")
     add_client_args(b)
+    add_sdk_arg(b)
     b.add_argument("--json", action="store_true")
     b.add_argument("--trace", default="mooncake", help="as `kvmesh load --trace` takes it (Claude Code traces: a directory)")
     b.add_argument("--hosts", type=int, default=4)

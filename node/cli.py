@@ -92,7 +92,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     record = open(args.record, "w") if args.record else None
     try:
         runner = LoadRunner([u.rstrip("/") for u in args.node], shape, record=record, time_scale=args.time_scale,
-                            client=client_from_args(args))
+                            client=client_from_args(args), sdk=args.sdk)
         if args.trace or args.mooncake:
             from kvmesh.node.lab.workload import read_trace, scale_trace
 
@@ -289,9 +289,10 @@ def _add_load(sub: Subparsers) -> None:
                     "its own id, as Claude Code does (each conversation is still told apart by its opening)")
     ld.add_argument("--block-chars", type=int, default=512, help="with a trace: characters of text per 512-token "
                     "block (512 for the sim's byte tokenizer; about 2000 for a BPE model's; less scales prompts down)")
-    from kvmesh.node.lab.clientmodel import add_client_args
+    from kvmesh.node.lab.clientmodel import add_client_args, add_sdk_arg
 
     add_client_args(ld)
+    add_sdk_arg(ld)
     ld.add_argument("--json", action="store_true")
     ld.set_defaults(func=cmd_load)
 

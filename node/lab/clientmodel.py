@@ -10,7 +10,9 @@ or the agent carries on; its next prompt still holds everything before, so it re
 failed turn would have cached). The SDKs retry a timed-out attempt too; here it fails the turn, as a
 turn that queued ten minutes has lost its user whatever happens next.
 
-`kvmesh sim` (and its sweep), `kvmesh load` and `bench policies` all take it from the same flags.
+`kvmesh sim` (and its sweep), `kvmesh load` and `bench policies` all take it from the same flags; the last
+two can also send every turn through the official SDK itself (`--sdk anthropic`, node.lab.sdkclient), whose
+own retry loop then runs with these retries and this timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 # Retries per preset: the SDKs' default max_retries, and Claude Code's own budget.
 PRESETS = {"sdk": 2, "claude-code": 10}
+# The official SDKs a real load can send its turns through (`--sdk`).
+SDKS = ("anthropic",)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,14 @@ def add_client_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
                         help="retries of a refused turn before the client gives up and the turn fails (default: --client's)")
     parser.add_argument("--client-timeout-s", type=float, default=ClientModel.timeout_s,
                         help="an attempt whose first token takes longer fails its turn (the SDKs' default, 600 s)")
+
+
+def add_sdk_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--sdk: send the turns through an official SDK, which retries them itself."""
+    parser.add_argument("--sdk", choices=SDKS, default=None,
+                        help="send every turn through this official SDK (Messages, streamed), retried by the SDK "
+                        "itself with --client's retries and --client-timeout-s (default: kvmesh's own client, "
+                        "which retries as the SDKs do)")
 
 
 def client_from_args(args: argparse.Namespace) -> ClientModel:

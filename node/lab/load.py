@@ -10,6 +10,8 @@ and a Mooncake-format trace (the reader `kvmesh sim` uses) replayed as chat turn
 The client is node.lab.clientmodel's, as in `kvmesh sim`: a refused turn (429/529) is retried after its
 Retry-After (or a backoff) until its retries run out, an attempt with no byte for the client's timeout
 fails its turn, and a failed turn is counted, not retried: the conversation goes on with its next turn.
+With `sdk="anthropic"` the turns go through the official Anthropic SDK instead, which retries them itself
+(node.lab.sdkclient).
 """
 
 from __future__ import annotations
@@ -19,20 +21,19 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
 
-from kvmesh.node.lab.clientmodel import ClientModel
+from kvmesh.node.lab.clientmodel import SDKS, ClientModel
 from kvmesh.node.lab.launcher import client_key_headers
-from kvmesh.node.lab.streamclient import TurnFailed, stream_chat
+from kvmesh.node.lab.sdkclient import OVERLOAD_STATUSES, AnthropicSender
+from kvmesh.node.lab.streamclient import StreamedTurn, TurnFailed, stream_chat
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TracePrompts, TraceRequest, system_prompt, text
-
-# An overloaded mesh's refusal (node.mesh.admission; Anthropic's dialect says 529): retried as the SDKs do.
-OVERLOAD_STATUSES = (429, 529)
 
 
 @dataclass
@@ -98,8 +99,12 @@ class LoadStats:
 
 class LoadRunner:
     def __init__(self, nodes: list[str], shape: LoadShape, *, model: str | None = None, record: TextIO | None = None,
-                 time_scale: float = 1.0, client: ClientModel | None = None):
+                 time_scale: float = 1.0, client: ClientModel | None = None, sdk: str | None = None):
+        if sdk is not None and sdk not in SDKS:
+            raise ValueError(f"unknown SDK {sdk!r} (one of {', '.join(SDKS)})")
         self.nodes = nodes
+        self.sdk = sdk  # None: our own streaming client, retrying as `client` says; else that SDK, retrying itself
+        self._sender: AnthropicSender | None = None
         self.client = client or ClientModel()
         self._jitter = random.Random(shape.seed * 7919 + 1)  # the clients' backoff
         self.shape = shape
@@ -118,12 +123,15 @@ class LoadRunner:
     async def turn(self, client: httpx.AsyncClient, session: str, messages: list[dict[str, str]], *,
                    max_tokens: int | None = None) -> str | None:
         """One streamed turn, retried as the client model does; returns the reply text, or None when it failed."""
+        if self._sender is not None:
+            return await self._sdk_turn(self._sender, session, messages, max_tokens or self.shape.max_tokens)
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens or self.shape.max_tokens,
                 "temperature": 0}
         st = self.stats
         first = time.monotonic()
         retries = 0
         while True:
+            sent = time.monotonic()
             try:
                 r = await stream_chat(client, f"{self._entry()}/v1/chat/completions", body, {"X-Session-Id": session})
                 break
@@ -143,13 +151,34 @@ class LoadRunner:
                 if e.timed_out:
                     st.failed_timeout += 1
                     return None
-                st.errors += 1
-                if e.status:
-                    st.status[str(e.status)] += 1
-                if len(st.error_samples) < 20:
-                    st.error_samples.append(f"{session}: {e}")
+                self._error(session, str(e), e.status)
                 return None
-        st.ttft_with_retries_s.append(time.monotonic() - first - r.total_s + r.ttft_s)
+        self._served(r, sent - first)
+        return r.text
+
+    async def _sdk_turn(self, sender: AnthropicSender, session: str, messages: list[dict[str, str]],
+                        max_tokens: int) -> str | None:
+        """One turn through the official SDK, which retries it itself (node.lab.sdkclient counts its attempts)."""
+        st = self.stats
+        o = await sender.turn(self._entry(), self.model or "", session, messages, max_tokens)
+        st.refused += o.attempts.refused
+        st.turns_refused += o.attempts.refused > 0
+        if o.turn is not None:
+            sent = o.attempts.sent
+            self._served(o.turn, sent[-1] - sent[0] if sent else 0.0)
+            return o.turn.text
+        if o.failure == "refused":
+            st.failed_refused += 1
+        elif o.failure == "timeout":
+            st.failed_timeout += 1
+        else:
+            self._error(session, o.error, o.status)
+        return None
+
+    def _served(self, r: StreamedTurn, waited_s: float) -> None:
+        """Count a served turn; `waited_s`: from its first attempt's send to the served attempt's."""
+        st = self.stats
+        st.ttft_with_retries_s.append(waited_s + r.ttft_s)
         st.status[str(r.status)] += 1
         st.handoffs[r.headers.get("x-kvmesh-handoff", "none")] += 1
         st.hosts[r.headers.get("x-kvmesh-host", "?")] += 1
@@ -158,7 +187,14 @@ class LoadRunner:
         st.latency_s.append(r.total_s)
         st.prompt_tokens += r.prompt_tokens
         st.recomputed_tokens += r.recomputed_tokens
-        return r.text
+
+    def _error(self, session: str, message: str, status: int) -> None:
+        st = self.stats
+        st.errors += 1
+        if status:
+            st.status[str(status)] += 1
+        if len(st.error_samples) < 20:
+            st.error_samples.append(f"{session}: {message}")
 
     def _log(self, session: str, appended: list[dict[str, str]]) -> None:
         if self.record is not None:
@@ -198,6 +234,22 @@ class LoadRunner:
         except TimeoutError:
             pass
 
+    @asynccontextmanager
+    async def _clients(self, connections: int) -> AsyncIterator[httpx.AsyncClient]:
+        """The run's HTTP client, and with `sdk` the SDK's sender beside it (closed with it)."""
+        # A mesh with client keys (kvmesh init writes one) wants it: KVMESH_API_KEY, as the node reads it.
+        headers = client_key_headers()
+        async with httpx.AsyncClient(timeout=httpx.Timeout(self.client.timeout_s, connect=5), headers=headers,
+                                     limits=httpx.Limits(max_connections=connections)) as client:
+            if self.sdk == "anthropic":
+                self._sender = AnthropicSender(self.client, headers, connections)
+            try:
+                yield client
+            finally:
+                if self._sender is not None:
+                    await self._sender.aclose()
+                    self._sender = None
+
     async def _discover_model(self, client: httpx.AsyncClient) -> None:
         if self.model is None:
             r = await client.get(f"{self.nodes[0]}/v1/models")
@@ -207,10 +259,7 @@ class LoadRunner:
                   max_s: float = 0.0) -> LoadStats:
         """Agents for `duration_s`, then, with `until`, on until it holds or `max_s` in all (checked every 5 s)."""
         self._t0 = time.monotonic()
-        limits = httpx.Limits(max_connections=self.shape.sessions * 2 + 8)
-        # A mesh with client keys (kvmesh init writes one) wants it: KVMESH_API_KEY, as the node reads it.
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.client.timeout_s, connect=5), limits=limits,
-                                     headers=client_key_headers()) as client:
+        async with self._clients(self.shape.sessions * 2 + 8) as client:
             await self._discover_model(client)
             agents = [asyncio.create_task(self._agent(client, i)) for i in range(self.shape.sessions)]
             await self._sleep(duration_s)
@@ -230,7 +279,7 @@ class LoadRunner:
         by_session: dict[str, list[dict[str, Any]]] = {}
         for rec in lines:
             by_session.setdefault(rec["session"], []).append(rec)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.client.timeout_s, connect=5)) as client:
+        async with self._clients(len(by_session) + 8) as client:
             await self._discover_model(client)
 
             async def one(session: str, recs: list[dict[str, Any]]) -> None:
@@ -264,8 +313,7 @@ class LoadRunner:
         by_client: dict[str, list[TraceRequest]] = {}
         for r in requests:
             by_client.setdefault(r.client or r.session, []).append(r)
-        limits = httpx.Limits(max_connections=len(by_client) + 8)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.client.timeout_s, connect=5), limits=limits) as client:
+        async with self._clients(len(by_client) + 8) as client:
             await self._discover_model(client)
 
             async def one(reqs: list[TraceRequest]) -> None:

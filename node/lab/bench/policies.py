@@ -5,7 +5,8 @@ set) replays the same requests: the trace's first `--span` seconds, its sessions
 sim --load` does) so that each host is offered `load` of its busier resource by the sim engine's
 own rates, prompts scaled to `--block-chars` characters (tokens, on the byte tokenizer) per 512-token
 block. The client is `kvmesh load`'s (node.lab.clientmodel: `--client`, `--client-retries`,
-`--client-timeout-s`): a refused turn (429/529) is retried after its Retry-After until its retries run
+`--client-timeout-s`; with `--sdk anthropic` every turn goes through the official Anthropic SDK, which
+retries it itself): a refused turn (429/529) is retried after its Retry-After until its retries run
 out, and a turn that runs out of retries or time fails, counted apart from errors. Per run: turns,
 errors, refusals, failed turns, TTFT p50/p99 (and from a served turn's first attempt), goodput (turns
 per second with TTFT within `--slo`), the prompt tokens the mesh recomputed, and its handoff
@@ -64,7 +65,8 @@ def _one(args: argparse.Namespace, reqs: list[TraceRequest], policy: str, load: 
     try:
         wait_peers(nodes)
         shape = LoadShape(max_tokens=args.max_tokens, seed=args.seed)
-        runner = LoadRunner([n.api for n in nodes], shape, time_scale=1.0, client=client_from_args(args))
+        runner = LoadRunner([n.api for n in nodes], shape, time_scale=1.0, client=client_from_args(args),
+                            sdk=getattr(args, "sdk", None))
         runner.stats.slo_s = args.slo
         t0 = time.monotonic()
         stats = asyncio.run(runner.replay_requests(reqs, block_chars=args.block_chars, until_s=args.duration))
@@ -123,7 +125,7 @@ def run_policies(args: argparse.Namespace) -> int:
             "refused_by_mesh", "elapsed_s", "error_samples")
     result: dict[str, Any] = {
         "bench": "policies", "trace": args.trace, "hosts": args.hosts, "slots": args.slots, "span_s": args.span,
-        "client_retries": client_from_args(args).retries, "client_timeout_s": client_from_args(args).timeout_s,
+        "client_retries": client_from_args(args).retries, "client_sdk": getattr(args, "sdk", None), "client_timeout_s": client_from_args(args).timeout_s,
         "duration_s": args.duration, "slo_s": args.slo, "runs": [{k: r.get(k) for k in keep} for r in runs],
         "errors": sum(r["errors"] for r in runs), "turns": sum(r["turns"] for r in runs),
         "error_samples": [s for r in runs for s in r.get("error_samples", [])][:5],

@@ -1,0 +1,62 @@
+"""A load sent through the official Anthropic SDK: its own retries of a real node's refusals counted, usage read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from kvmesh.node.lab.clientmodel import ClientModel
+from kvmesh.node.lab.launcher import write_mesh
+from kvmesh.node.lab.load import LoadRunner, LoadShape, LoadStats
+from kvmesh.node.lab.sdkclient import anthropic_messages
+
+
+def test_chat_messages_become_anthropic_ones() -> None:
+    """System messages become `system`; a tool's output is a user turn; the rest keep their roles and order."""
+    system, msgs = anthropic_messages([{"role": "system", "content": "S"}, {"role": "user", "content": "u"},
+                                       {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"}])
+    assert system == "S"
+    assert msgs == [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "t"}]
+
+
+def _replay(tmp_path: Path, retries: int) -> LoadStats:
+    """One slot decoding slowly; a second session's first turn arrives while the first runs, so the node's admission
+    (a new session may wait 0.05 s) refuses it with a Retry-After and a place in line."""
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"session": "s1", "t": 0.0, "messages": [{"role": "system", "content": "You are terse. " * 20},
+                                                      {"role": "user", "content": "Write the plan. " * 30}]},
+             {"session": "s2", "t": 0.3, "messages": [{"role": "user", "content": "Other work. " * 30}]},
+             {"session": "s1", "t": 0.4, "messages": [{"role": "assistant", "content": "ok"},
+                                                      {"role": "tool", "content": "result " * 40}]}]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    mesh = write_mesh(tmp_path / "mesh", ["a"], engine={"kind": "sim", "slots": 1, "sim": {"decode_tps": 20.0}},
+                      extra={"kvshare": {"fsync": "never"}, "mesh": {"admit_new_wait_s": 0.05}})
+    mesh.start(peers_timeout=None)
+    try:
+        runner = LoadRunner([mesh.nodes["a"].api], LoadShape(max_tokens=40), client=ClientModel(retries=retries),
+                            sdk="anthropic")
+        return asyncio.run(runner.replay(trace))
+    finally:
+        mesh.stop()
+
+
+def test_the_sdk_retries_a_refusal_after_its_retry_after_and_each_attempt_is_counted(tmp_path: Path) -> None:
+    """With the SDK's default 2 retries the refused turn comes back after its Retry-After and is served; its refusal
+    is counted, and its TTFT from the first attempt includes the wait."""
+    s = _replay(tmp_path, retries=2).summary()
+    assert s["errors"] == 0 and s["turns"] == 3 and s["failed_turns"] == 0, s
+    assert s["refused"] >= 1 and s["turns_refused_once_pct"] == pytest.approx(100 / 3, abs=0.01), s
+    assert s["ttft_with_retries_p99_s"] >= 1.0 > s["ttft_p50_s"], s  # the refused turn waited its Retry-After (>= 1 s)
+    # The follow-up of s1 reused its conversation's prefix, as read from the SDK's usage (cache_read_input_tokens).
+    assert s["prompt_tokens_recomputed"] < s["prompt_tokens"], s
+
+
+def test_a_turn_whose_sdk_has_no_retries_left_fails_as_refused(tmp_path: Path) -> None:
+    """max_retries 0: the refusal ends the turn, counted as failed (refused), not as an error."""
+    s = _replay(tmp_path, retries=0).summary()
+    assert s["errors"] == 0 and s["turns"] == 2, s
+    assert s["refused"] == 1 and s["failed_refused"] == 1 and s["failed_timeout"] == 0, s
