@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import anthropic
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from kvmesh.node.config import EngineConfig, LlamaCppConfig, NodeConfig
 from kvmesh.node.lab.inprocess import ThreadedServer, serve_in_thread
@@ -23,13 +23,16 @@ class Person(BaseModel):
     age: int
 
 
+# Strings bounded, as an agent's tool schema may bound them: greedy SmolLM2 can loop inside a string (on some CPUs'
+# kernels it writes "data.txt.json.json..." until the token limit), and the bound makes the grammar end it, so these
+# tests check the call's shape whatever path the model takes.
 class Weather(BaseModel):
-    city: str
-    unit: str
+    city: str = Field(max_length=40)
+    unit: str = Field(max_length=40)
 
 
 class ReadFile(BaseModel):
-    path: str
+    path: str = Field(max_length=40)
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
