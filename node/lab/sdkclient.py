@@ -80,21 +80,20 @@ class AnthropicSender:
 
         self._anthropic = anthropic
         self._client = client
-        key = headers.get("x-api-key")
         # The SDK's own transport (its HTTP package, its keep-alive options), with the hooks that count attempts.
-        http = _sdk_http(anthropic)
-        logging.getLogger(http.__name__).setLevel(logging.WARNING)  # not a line per request on a load's stderr
+        self._httppkg = _sdk_http(anthropic)
+        logging.getLogger(self._httppkg.__name__).setLevel(logging.WARNING)  # not a line per request on stderr
         self._http = anthropic.DefaultAsyncHttpxClient(
-            limits=http.Limits(max_connections=max_connections),
+            limits=self._httppkg.Limits(max_connections=max_connections),
             event_hooks={"request": [_on_request], "response": [_on_response]})
-        self._key = key or "kvmesh-load"  # a node without client keys ignores it
+        self._key = headers.get("x-api-key") or "kvmesh-load"  # a node without client keys ignores it
         self._sdks: dict[str, Any] = {}
 
     def _sdk(self, entry: str) -> Any:
         if entry not in self._sdks:
             self._sdks[entry] = self._anthropic.AsyncAnthropic(
                 api_key=self._key, base_url=entry, max_retries=self._client.retries,
-                timeout=_sdk_http(self._anthropic).Timeout(self._client.timeout_s, connect=5), http_client=self._http)
+                timeout=self._httppkg.Timeout(self._client.timeout_s, connect=5), http_client=self._http)
         return self._sdks[entry]
 
     async def turn(self, entry: str, model: str, session: str, messages: list[dict[str, str]],
@@ -104,7 +103,6 @@ class AnthropicSender:
         attempts = Attempts()
         token = _current.set(attempts)
         out = StreamedTurn()
-        parts: list[str] = []
         system, msgs = anthropic_messages(messages)
         extra: dict[str, Any] = {"system": system} if system else {}
         try:
@@ -113,11 +111,7 @@ class AnthropicSender:
                     extra_headers={"X-Session-Id": session}, **extra) as stream:
                 out.status, out.headers = stream.response.status_code, dict(stream.response.headers)
                 async for piece in stream.text_stream:
-                    now = time.monotonic()
-                    out.first_at = out.first_at or now
-                    out.last_at = now
-                    out.stamps.append(now)
-                    parts.append(piece)
+                    out.content(piece)
                 final = await stream.get_final_message()
         except ant.APIStatusError as e:
             refused = e.status_code in OVERLOAD_STATUSES
@@ -125,15 +119,11 @@ class AnthropicSender:
                               error=f"HTTP {e.status_code}: {str(e)[:300]}")
         except ant.APITimeoutError as e:
             return SdkOutcome(attempts, failure="timeout", error=f"timed out: {e}")
-        except (ant.APIError, _sdk_http(ant).HTTPError) as e:  # a stream broken after its headers
+        except (ant.APIError, self._httppkg.HTTPError) as e:  # a stream broken after its headers
             return SdkOutcome(attempts, failure="error", error=f"{type(e).__name__}: {str(e)[:300]}")
         finally:
             _current.reset(token)
-        sent = attempts.sent[-1] if attempts.sent else time.monotonic()
-        done = time.monotonic()
-        out.total_s = done - sent
-        out.ttft_s = (out.first_at or done) - sent
-        out.text = "".join(parts)
+        out.finish(attempts.sent[-1] if attempts.sent else time.monotonic())
         usage = final.usage
         out.cached_tokens = int(getattr(usage, "cache_read_input_tokens", 0) or 0)
         out.prompt_tokens = int(usage.input_tokens) + out.cached_tokens  # input_tokens: those computed

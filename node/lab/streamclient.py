@@ -39,6 +39,22 @@ class StreamedTurn:
     cached_tokens: int = 0
     completion_tokens: int = 0
     stamps: list[float] = field(default_factory=list)  # monotonic arrival of every content chunk
+    parts: list[str] = field(default_factory=list, repr=False)
+
+    def content(self, piece: str) -> None:
+        """A content chunk arrived now."""
+        now = time.monotonic()
+        self.first_at = self.first_at or now
+        self.last_at = now
+        self.stamps.append(now)
+        self.parts.append(piece)
+
+    def finish(self, sent_at: float) -> None:
+        """The turn ended now; `sent_at`: when its (served) request was sent."""
+        done = time.monotonic()
+        self.total_s = done - sent_at
+        self.ttft_s = (self.first_at or done) - sent_at
+        self.text = "".join(self.parts)
 
     @property
     def recomputed_tokens(self) -> int:
@@ -50,7 +66,6 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     """POST `body` (stream forced on, usage asked for) to `url`; TurnFailed unless it completes."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     out = StreamedTurn()
-    parts: list[str] = []
     t0 = time.monotonic()
     try:
         async with client.stream("POST", url, json=body, headers=headers or {}) as r:
@@ -74,19 +89,13 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 for ch in obj.get("choices") or []:
                     piece = (ch.get("delta") or {}).get("content")
                     if piece:
-                        now = time.monotonic()
-                        out.first_at = out.first_at or now
-                        out.last_at = now
-                        out.stamps.append(now)
-                        parts.append(piece)
+                        out.content(piece)
                 _usage(out, obj)
             if not done:
                 raise TurnFailed("the stream ended without [DONE]")
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         raise TurnFailed(f"{type(e).__name__}: {e}", timed_out=isinstance(e, httpx.TimeoutException)) from e
-    out.total_s = time.monotonic() - t0
-    out.ttft_s = (out.first_at or time.monotonic()) - t0
-    out.text = "".join(parts)
+    out.finish(t0)
     return out
 
 

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.node.kvshare.store.manifest import common_prefix
+
 
 @dataclass
 class SpiedTurn:
@@ -21,12 +23,7 @@ class SpiedTurn:
     @property
     def max_reuse(self) -> int:
         """The token-level common prefix of what was held and this prompt (one token is always computed)."""
-        n = 0
-        for a, b in zip(self.held, self.prompt):
-            if a != b:
-                break
-            n += 1
-        return min(n, len(self.prompt) - 1)
+        return min(common_prefix(self.held, self.prompt), len(self.prompt) - 1)
 
 
 class TurnSpy:
