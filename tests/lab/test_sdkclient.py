@@ -47,10 +47,14 @@ def _replay(tmp_path: Path, retries: int) -> LoadStats:
 def test_the_sdk_retries_a_refusal_after_its_retry_after_and_each_attempt_is_counted(tmp_path: Path) -> None:
     """With the SDK's default 2 retries the refused turn comes back after its Retry-After and is served; its refusal
     is counted, and its TTFT from the first attempt includes the wait."""
-    s = _replay(tmp_path, retries=2).summary()
+    stats = _replay(tmp_path, retries=2)
+    s = stats.summary()
     assert s["errors"] == 0 and s["turns"] == 3 and s["failed_turns"] == 0, s
     assert s["refused"] >= 1 and s["turns_refused_once_pct"] == pytest.approx(100 / 3, abs=0.01), s
-    assert s["ttft_with_retries_p99_s"] >= 1.0 > s["ttft_p50_s"], s  # the refused turn waited its Retry-After (>= 1 s)
+    # The refused turn, and it alone, waited its Retry-After (>= 1 s) before its served attempt; the served attempt's
+    # own TTFT may include a queue (its place is due up to a second early), so the wait is read per turn.
+    waited = [w - t for w, t in zip(stats.ttft_with_retries_s, stats.ttft_s, strict=True)]
+    assert sorted(x >= 1.0 for x in waited) == [False, False, True] and min(waited) == 0.0, waited
     # The follow-up of s1 reused its conversation's prefix, as read from the SDK's usage (cache_read_input_tokens).
     assert s["prompt_tokens_recomputed"] < s["prompt_tokens"], s
 
