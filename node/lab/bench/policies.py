@@ -123,10 +123,9 @@ def run_policies(args: argparse.Namespace) -> int:
             "turns_refused_once_pct", "refusals_per_turn", "ttft_p50_s", "ttft_p99_s", "goodput_per_s",
             "ttft_with_retries_p50_s", "ttft_with_retries_p99_s", "prompt_tokens", "prompt_tokens_recomputed", "prefill_tokens", "handoffs",
             "refused_by_mesh", "elapsed_s", "error_samples")
-    client_model = client_from_args(args)
     result: dict[str, Any] = {
         "bench": "policies", "trace": args.trace, "hosts": args.hosts, "slots": args.slots, "span_s": args.span,
-        "client_retries": client_model.retries, "client_timeout_s": client_model.timeout_s, "client_sdk": getattr(args, "sdk", None),
+        "client_retries": client_from_args(args).retries, "client_sdk": getattr(args, "sdk", None), "client_timeout_s": client_from_args(args).timeout_s,
         "duration_s": args.duration, "slo_s": args.slo, "runs": [{k: r.get(k) for k in keep} for r in runs],
         "errors": sum(r["errors"] for r in runs), "turns": sum(r["turns"] for r in runs),
         "error_samples": [s for r in runs for s in r.get("error_samples", [])][:5],
