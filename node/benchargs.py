@@ -176,6 +176,8 @@ def add_bench_policies(bsub: Subparsers) -> None:
     b.add_argument("--seed", type=int, default=1)
     b.add_argument("--chart", metavar="DIR", default=None,
                    help="also draw the runs against load, one SVG per trace and size, into DIR (node/lab/charts.py)")
+    b.add_argument("--turns-out", metavar="DIR", type=Path, default=None,
+                   help="write every run's turns into DIR/POLICY-LOAD.jsonl (as `kvmesh load --turns-out`)")
 
 
 def _float_list(v: str) -> list[float]:

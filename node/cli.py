@@ -90,9 +90,10 @@ def cmd_load(args: argparse.Namespace) -> int:
     shape = LoadShape(sessions=args.sessions, target_tokens=args.target_tokens, max_tokens=args.max_tokens,
                       seed=args.seed)
     record = open(args.record, "w") if args.record else None
+    turns = open(args.turns_out, "w") if args.turns_out else None
     try:
         runner = LoadRunner([u.rstrip("/") for u in args.node], shape, record=record, time_scale=args.time_scale,
-                            client=client_from_args(args), sdk=args.sdk)
+                            client=client_from_args(args), sdk=args.sdk, turns=turns)
         if args.trace or args.mooncake:
             from kvmesh.node.lab.workload import read_trace, scale_trace
 
@@ -113,8 +114,9 @@ def cmd_load(args: argparse.Namespace) -> int:
         else:
             stats = asyncio.run(runner.replay(args.replay) if args.replay else runner.run(args.duration))
     finally:
-        if record:
-            record.close()
+        for f in (record, turns):
+            if f:
+                f.close()
     return emit(stats.summary(), args)
 
 
@@ -276,6 +278,8 @@ def _add_load(sub: Subparsers) -> None:
     ld.add_argument("--seed", type=int, default=1)
     ld.add_argument("--record", type=Path, help="write a JSONL trace of every turn")
     ld.add_argument("--replay", type=Path, help="replay a JSONL trace instead of generating")
+    ld.add_argument("--turns-out", type=Path, help="write one JSON line per turn: when it was sent, session, entry, "
+                    "host, handoff, prompt and cached tokens, TTFTs (or why it failed)")
     ld.add_argument("--mooncake", help="the same as --trace (kept for scripts): a Mooncake-format trace, or `mooncake` "
                     "as chat turns, one session per conversation")
     ld.add_argument("--trace", help="replay a trace as chat turns: a Mooncake-format file, `mooncake`, or Claude Code "

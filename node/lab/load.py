@@ -11,7 +11,8 @@ The client is node.lab.clientmodel's, as in `kvmesh sim`: a refused turn (429/52
 Retry-After (or a backoff) until its retries run out, an attempt with no byte for the client's timeout
 fails its turn, and a failed turn is counted, not retried: the conversation goes on with its next turn.
 With `sdk="anthropic"` the turns go through the official Anthropic SDK instead, which retries them itself
-(node.lab.sdkclient).
+(node.lab.sdkclient). With `turns` every turn's outcome is written as one JSON line (when it was sent, its
+session, where it entered and ran, its handoff, tokens and TTFTs; a failed turn's reason): what makes a tail.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ class LoadStats:
 
 class LoadRunner:
     def __init__(self, nodes: list[str], shape: LoadShape, *, model: str | None = None, record: TextIO | None = None,
-                 time_scale: float = 1.0, client: ClientModel | None = None, sdk: str | None = None):
+                 time_scale: float = 1.0, client: ClientModel | None = None, sdk: str | None = None,
+                 turns: TextIO | None = None):
         if sdk is not None and sdk not in SDKS:
             raise ValueError(f"unknown SDK {sdk!r} (one of {', '.join(SDKS)})")
         self.nodes = nodes
@@ -110,6 +112,7 @@ class LoadRunner:
         self.shape = shape
         self.model = model
         self.record = record
+        self.turns = turns  # one JSON line per turn's outcome
         self.time_scale = time_scale  # think times are multiplied by this (time compression)
         self.stats = LoadStats()
         self._rr = 0
@@ -131,9 +134,9 @@ class LoadRunner:
         first = time.monotonic()
         retries = 0
         while True:
-            sent = time.monotonic()
+            sent, entry = time.monotonic(), self._entry()
             try:
-                r = await stream_chat(client, f"{self._entry()}/v1/chat/completions", body, {"X-Session-Id": session})
+                r = await stream_chat(client, f"{entry}/v1/chat/completions", body, {"X-Session-Id": session})
                 break
             except TurnFailed as e:
                 if e.status in OVERLOAD_STATUSES:
@@ -144,28 +147,37 @@ class LoadRunner:
                     delay = self.client.retry_delay(retries, e.retry_after_s or None, self._jitter)
                     if delay is None:
                         st.failed_refused += 1
+                        self._outcome(session, entry, first, failed="refused", refused=retries + 1)
                         return None
                     retries += 1
                     await self._sleep(delay)
                     continue
                 if e.timed_out:
                     st.failed_timeout += 1
+                    self._outcome(session, entry, first, failed="timeout", refused=retries)
                     return None
                 self._error(session, str(e), e.status)
+                self._outcome(session, entry, first, failed="error", refused=retries)
                 return None
         self._served(r, sent - first)
+        self._outcome(session, entry, first, served=r, waited_s=sent - first, refused=retries)
         return r.text
 
     async def _sdk_turn(self, sender: AnthropicSender, session: str, messages: list[dict[str, str]],
                         max_tokens: int) -> str | None:
         """One turn through the official SDK, which retries it itself (node.lab.sdkclient counts its attempts)."""
         st = self.stats
-        o = await sender.turn(self._entry(), self.model or "", session, messages, max_tokens)
+        entry, first = self._entry(), time.monotonic()
+        o = await sender.turn(entry, self.model or "", session, messages, max_tokens)
         st.refused += o.attempts.refused
         st.turns_refused += o.attempts.refused > 0
+        sent = o.attempts.sent
+        if sent:
+            first = sent[0]
         if o.turn is not None:
-            sent = o.attempts.sent
-            self._served(o.turn, sent[-1] - sent[0] if sent else 0.0)
+            waited = sent[-1] - sent[0] if sent else 0.0
+            self._served(o.turn, waited)
+            self._outcome(session, entry, first, served=o.turn, waited_s=waited, refused=o.attempts.refused)
             return o.turn.text
         if o.failure == "refused":
             st.failed_refused += 1
@@ -173,6 +185,7 @@ class LoadRunner:
             st.failed_timeout += 1
         else:
             self._error(session, o.error, o.status)
+        self._outcome(session, entry, first, failed=o.failure or "error", refused=o.attempts.refused)
         return None
 
     def _served(self, r: StreamedTurn, waited_s: float) -> None:
@@ -187,6 +200,23 @@ class LoadRunner:
         st.latency_s.append(r.total_s)
         st.prompt_tokens += r.prompt_tokens
         st.recomputed_tokens += r.recomputed_tokens
+
+    def _outcome(self, session: str, entry: str, first: float, *, served: StreamedTurn | None = None,
+                 waited_s: float = 0.0, refused: int = 0, failed: str = "") -> None:
+        """One line of `turns`: the turn first sent at `first` (monotonic), served or `failed` (refused,
+        timeout, error) after `refused` refusals; a served turn's line says where it ran and what it reused."""
+        if self.turns is None:
+            return
+        line: dict[str, Any] = {"t": round(first - self._t0, 3), "session": session, "entry": entry, "refused": refused}
+        if served is None:
+            line["failed"] = failed
+        else:
+            h = served.headers
+            line.update(host=h.get("x-kvmesh-host", "?"), handoff=h.get("x-kvmesh-handoff", "none"),
+                        prompt_tokens=served.prompt_tokens, cached_tokens=served.cached_tokens,
+                        ttft_s=round(served.ttft_s, 4), ttft_with_retries_s=round(waited_s + served.ttft_s, 4),
+                        total_s=round(served.total_s, 4))
+        self.turns.write(json.dumps(line) + "\n")
 
     def _error(self, session: str, message: str, status: int) -> None:
         st = self.stats
@@ -250,17 +280,19 @@ class LoadRunner:
                     await self._sender.aclose()
                     self._sender = None
 
-    async def _discover_model(self, client: httpx.AsyncClient) -> None:
+    async def _ready(self, client: httpx.AsyncClient) -> None:
+        """Learn the model, then start the run's clock: a schedule timed from before the clients were ready (an SDK's
+        import takes seconds on a busy box) sends its first seconds' requests as one burst the trace never had."""
         if self.model is None:
             r = await client.get(f"{self.nodes[0]}/v1/models")
             self.model = r.json()["data"][0]["id"]
+        self._t0 = time.monotonic()
 
     async def run(self, duration_s: float, *, until: Callable[[], Awaitable[bool]] | None = None,
                   max_s: float = 0.0) -> LoadStats:
         """Agents for `duration_s`, then, with `until`, on until it holds or `max_s` in all (checked every 5 s)."""
-        self._t0 = time.monotonic()
         async with self._clients(self.shape.sessions * 2 + 8) as client:
-            await self._discover_model(client)
+            await self._ready(client)
             agents = [asyncio.create_task(self._agent(client, i)) for i in range(self.shape.sessions)]
             await self._sleep(duration_s)
             while until is not None and time.monotonic() - self._t0 < max_s and not await until():
@@ -274,13 +306,12 @@ class LoadRunner:
     async def replay(self, trace: Path) -> LoadStats:
         """Send the recorded turns at their recorded offsets (scaled by time_scale)."""
         lines = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
-        self._t0 = time.monotonic()
         convs: dict[str, list[dict[str, str]]] = {}
         by_session: dict[str, list[dict[str, Any]]] = {}
         for rec in lines:
             by_session.setdefault(rec["session"], []).append(rec)
         async with self._clients(len(by_session) + 8) as client:
-            await self._discover_model(client)
+            await self._ready(client)
 
             async def one(session: str, recs: list[dict[str, Any]]) -> None:
                 msgs = convs.setdefault(session, [])
@@ -307,14 +338,13 @@ class LoadRunner:
         them apart), each one closed loop. A client sends its next request at its trace time
         (scaled by time_scale), never before its previous reply, and none after `until_s` (turns in flight
         finish)."""
-        self._t0 = time.monotonic()
         prompts = TracePrompts(block_chars)
 
         by_client: dict[str, list[TraceRequest]] = {}
         for r in requests:
             by_client.setdefault(r.client or r.session, []).append(r)
         async with self._clients(len(by_client) + 8) as client:
-            await self._discover_model(client)
+            await self._ready(client)
 
             async def one(reqs: list[TraceRequest]) -> None:
                 for r in reqs:

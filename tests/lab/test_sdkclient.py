@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvmesh.node.lab.clientmodel import ClientModel
 from kvmesh.node.lab.launcher import write_mesh
 from kvmesh.node.lab.load import LoadRunner, LoadShape, LoadStats
-from kvmesh.node.lab.sdkclient import anthropic_messages
+from kvmesh.node.lab.sdkclient import AnthropicSender, anthropic_messages
 
 
 def test_chat_messages_become_anthropic_ones() -> None:
@@ -23,7 +26,7 @@ def test_chat_messages_become_anthropic_ones() -> None:
                     {"role": "user", "content": "t"}]
 
 
-def _replay(tmp_path: Path, retries: int) -> LoadStats:
+def _replay(tmp_path: Path, retries: int, turns: io.StringIO | None = None) -> LoadStats:
     """One slot decoding slowly; a second session's first turn arrives while the first runs, so the node's admission
     (a new session may wait 0.05 s) refuses it with a Retry-After and a place in line."""
     trace = tmp_path / "trace.jsonl"
@@ -38,7 +41,7 @@ def _replay(tmp_path: Path, retries: int) -> LoadStats:
     mesh.start(peers_timeout=None)
     try:
         runner = LoadRunner([mesh.nodes["a"].api], LoadShape(max_tokens=40), client=ClientModel(retries=retries),
-                            sdk="anthropic")
+                            sdk="anthropic", turns=turns)
         return asyncio.run(runner.replay(trace))
     finally:
         mesh.stop()
@@ -64,3 +67,49 @@ def test_a_turn_whose_sdk_has_no_retries_left_fails_as_refused(tmp_path: Path) -
     s = _replay(tmp_path, retries=0).summary()
     assert s["errors"] == 0 and s["turns"] == 2, s
     assert s["refused"] == 1 and s["failed_refused"] == 1 and s["failed_timeout"] == 0, s
+
+
+def _lines(turns: io.StringIO) -> dict[str, list[dict[str, Any]]]:
+    by: dict[str, list[dict[str, Any]]] = {}
+    for line in turns.getvalue().splitlines():
+        row = json.loads(line)
+        by.setdefault(row["session"], []).append(row)
+    return by
+
+
+def test_every_turn_is_one_line_saying_where_it_ran_and_what_it_waited(tmp_path: Path) -> None:
+    """`turns`: a line per turn, the refused one's with its refusal and its wait, each with host, handoff and tokens."""
+    turns = io.StringIO()
+    _replay(tmp_path, retries=2, turns=turns)
+    by = _lines(turns)
+    assert sorted((k, len(v)) for k, v in by.items()) == [("s1", 2), ("s2", 1)], by
+    (s2,) = by["s2"]
+    assert s2["refused"] == 1 and s2["host"] == "a" and s2["ttft_with_retries_s"] >= s2["ttft_s"] + 1.0, s2
+    first, follow = by["s1"]
+    assert first["refused"] == follow["refused"] == 0 and first["t"] < follow["t"], by
+    assert first["cached_tokens"] == 0 < follow["cached_tokens"] < follow["prompt_tokens"], by
+    assert {r["handoff"] for r in by["s1"]} == {"none"} and "failed" not in first, by
+
+
+def test_a_failed_turn_is_a_line_that_says_why(tmp_path: Path) -> None:
+    """With no retries the refused turn's line says it failed as refused, with no host (it never ran)."""
+    turns = io.StringIO()
+    _replay(tmp_path, retries=0, turns=turns)
+    (s2,) = _lines(turns)["s2"]
+    assert s2["failed"] == "refused" and s2["refused"] == 1 and "host" not in s2, s2
+
+
+def test_the_schedule_starts_once_the_clients_are_ready(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that takes a second to set up (the SDK's import on a busy box) still sends the trace's first request
+    at its time: timed from before the setup, the trace's first seconds went out as one burst."""
+    slow_init = AnthropicSender.__init__
+
+    def slow(self: AnthropicSender, *a: Any, **kw: Any) -> None:
+        time.sleep(1.5)
+        slow_init(self, *a, **kw)
+
+    monkeypatch.setattr(AnthropicSender, "__init__", slow)
+    turns = io.StringIO()
+    _replay(tmp_path, retries=2, turns=turns)
+    first = _lines(turns)["s1"][0]
+    assert first["t"] < 0.5, first  # the trace sends it at 0.0

@@ -10,7 +10,8 @@ retries it itself): a refused turn (429/529) is retried after its Retry-After un
 out, and a turn that runs out of retries or time fails, counted apart from errors. Per run: turns,
 errors, refusals, failed turns, TTFT p50/p99 (and from a served turn's first attempt), goodput (turns
 per second with TTFT within `--slo`), the prompt tokens the mesh recomputed, and its handoff
-counters. The last line is one JSON object; the exit status is non-zero if any run had an error
+counters; with `--turns-out DIR` each run's turns, one JSON line each, in DIR/POLICY-LOAD.jsonl (which turns
+make a tail). The last line is one JSON object; the exit status is non-zero if any run had an error
 other than a refusal or a failed turn.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import sys
 import tempfile
@@ -65,11 +67,14 @@ def _one(args: argparse.Namespace, reqs: list[TraceRequest], policy: str, load: 
     try:
         wait_peers(nodes)
         shape = LoadShape(max_tokens=args.max_tokens, seed=args.seed)
-        runner = LoadRunner([n.api for n in nodes], shape, time_scale=1.0, client=client_from_args(args),
-                            sdk=getattr(args, "sdk", None))
-        runner.stats.slo_s = args.slo
-        t0 = time.monotonic()
-        stats = asyncio.run(runner.replay_requests(reqs, block_chars=args.block_chars, until_s=args.duration))
+        out_dir = getattr(args, "turns_out", None)
+        with contextlib.ExitStack() as files:
+            turns = files.enter_context(open(out_dir / f"{policy}-{load}.jsonl", "w")) if out_dir else None
+            runner = LoadRunner([n.api for n in nodes], shape, time_scale=1.0, client=client_from_args(args),
+                                sdk=getattr(args, "sdk", None), turns=turns)
+            runner.stats.slo_s = args.slo
+            t0 = time.monotonic()
+            stats = asyncio.run(runner.replay_requests(reqs, block_chars=args.block_chars, until_s=args.duration))
         out = stats.summary()
         out.update(asyncio.run(_mesh_figures([n.api for n in nodes])))
         out.update(policy=policy, load=load, wall_s=round(time.monotonic() - t0, 1))
@@ -79,7 +84,8 @@ def _one(args: argparse.Namespace, reqs: list[TraceRequest], policy: str, load: 
             n.stop()
 
 
-def run_policies(args: argparse.Namespace) -> int:
+def _requests(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
+    """The trace's requests the runs replay, or why there are none to run (a bad flag, an unreadable trace)."""
     unknown = sorted(set(args.policies) - set(POLICIES))
     if args.span is None:
         args.span = args.duration
@@ -90,17 +96,21 @@ def run_policies(args: argparse.Namespace) -> int:
         except ChartsUnavailable as e:
             client = str(e)
     if unknown or client or not args.policies or args.hosts < 1 or args.span <= 0 or args.duration <= 0:
-        why = f"unknown policy {', '.join(unknown)} (one of {', '.join(POLICIES)})" if unknown else client or \
+        return [], f"unknown policy {', '.join(unknown)} (one of {', '.join(POLICIES)})" if unknown else client or \
             "--policies, --hosts, --span and --duration must be given and above 0"
-        print(f"kvmesh bench policies: {why}", file=sys.stderr)
-        return 2
     try:
         base = [r for r in read_trace(args.trace) if r.t < args.span]
+        if getattr(args, "turns_out", None):
+            args.turns_out.mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as e:
-        print(f"kvmesh bench policies: {e}", file=sys.stderr)
-        return 2
-    if not base:
-        print(f"kvmesh bench policies: no request in {args.trace}'s first {args.span} s", file=sys.stderr)
+        return [], str(e)
+    return base, "" if base else f"no request in {args.trace}'s first {args.span} s"
+
+
+def run_policies(args: argparse.Namespace) -> int:
+    base, why = _requests(args)
+    if why:
+        print(f"kvmesh bench policies: {why}", file=sys.stderr)
         return 2
     span = max(r.t for r in base) or 1.0
     per_copy = offered_per_host(base, args, span)

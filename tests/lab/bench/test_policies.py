@@ -10,10 +10,12 @@ from pathlib import Path
 TRACE = Path(__file__).resolve().parents[1] / "data" / "claude_code"
 
 
-def test_both_policies_replay_the_same_trace_on_real_nodes() -> None:
-    """Two real nodes per run, kvmesh then session_hash: each serves turns with no error, one JSON line at the end."""
+def test_both_policies_replay_the_same_trace_on_real_nodes(tmp_path: Path) -> None:
+    """Two real nodes per run, kvmesh then session_hash: each serves turns with no error, one JSON line at the end,
+    and every turn of each run is a line of its --turns-out file."""
     out = subprocess.run([sys.executable, "-m", "kvmesh", "bench", "policies", "--json", "--trace", str(TRACE),
-                          "--hosts", "2", "--loads", "0.5", "--duration", "8", "--span", "300"],
+                          "--hosts", "2", "--loads", "0.5", "--duration", "8", "--span", "300",
+                          "--turns-out", str(tmp_path / "turns")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -23,6 +25,11 @@ def test_both_policies_replay_the_same_trace_on_real_nodes() -> None:
         assert r["turns"] > 0 and r["errors"] == 0 and r["copies"] > 0, r
         assert r["prefill_tokens"] > 0 and r["goodput_per_s"] is not None, r
     assert runs["session_hash"]["refused_by_mesh"] == {}, runs  # the baselines never refuse
+    for policy, r in runs.items():
+        lines = [json.loads(x) for x in (tmp_path / "turns" / f"{policy}-0.5.jsonl").read_text().splitlines()]
+        served = [x for x in lines if "failed" not in x]
+        assert len(served) == r["turns"] and {x["host"] for x in served} <= {"h0", "h1"}, (policy, lines[:3])
+        assert len(lines) - len(served) == r["failed_turns"], (policy, r)
 
 
 def test_an_unknown_policy_is_refused_by_name() -> None:
