@@ -82,7 +82,9 @@ class AnthropicSender:
         self._client = client
         # The SDK's own transport (its HTTP package, its keep-alive options), with the hooks that count attempts.
         self._httppkg = _sdk_http(anthropic)
-        logging.getLogger(self._httppkg.__name__).setLevel(logging.WARNING)  # not a line per request on stderr
+        # Not a line per request (its HTTP package) or per retry (the SDK's own) on stderr: the load counts them.
+        for name in (self._httppkg.__name__, anthropic.__name__):
+            logging.getLogger(name).setLevel(logging.WARNING)
         self._http = anthropic.DefaultAsyncHttpxClient(
             limits=self._httppkg.Limits(max_connections=max_connections),
             event_hooks={"request": [_on_request], "response": [_on_response]})
