@@ -149,7 +149,7 @@ class Simulation:
         if host.busy < host.slots and len(host.queue) == host.abandoned:
             self._start(now, host, turn)
         else:
-            _enqueue(host.queue, turn)
+            host.queue.append(turn)
             # What it will prefill, as the node's slot queue counts it: the prompt less what the host holds of it now.
             held = max(host.engine.prefix(req.blocks), host.store.prefix(req.blocks)) * TRACE_BLOCK_TOKENS
             turn.todo = max(0, req.input_length - held)
@@ -370,15 +370,6 @@ class Simulation:
             "forwards_per_turn": round(f.forwards / f.turns, 3) if f.turns else 0.0,
             "duration_s": round(duration_s, 1),
         }
-
-
-def _enqueue(queue: deque[object], turn: _Turn) -> None:
-    """Queue the turn at its place in line: behind every turn first sent before it (a refused turn comes back to
-    the place its first attempt had, node.mesh.admission), ahead of those sent since (FIFO for the rest)."""
-    i = len(queue)
-    while i > 0 and turn.first_sent < queue[i - 1].first_sent:  # type: ignore[attr-defined]
-        i -= 1
-    queue.insert(i, turn)
 
 
 def percentile(xs: list[float], q: float) -> float | None:
