@@ -10,7 +10,8 @@ retries it itself): a refused turn (429/529) is retried after its Retry-After un
 out, and a turn that runs out of retries or time fails, counted apart from errors. Per run: turns,
 errors, refusals, failed turns, TTFT p50/p99 (and from a served turn's first attempt), goodput (turns
 per second with TTFT within `--slo`), the prompt tokens the mesh recomputed, and its handoff
-counters; with `--turns-out DIR` each run's turns, one JSON line each, in DIR/POLICY-LOAD.jsonl (which turns
+counters, and how busy the box's CPUs were (nodes and client share them: a run near 100% measured the box);
+with `--turns-out DIR` each run's turns, one JSON line each, in DIR/POLICY-LOAD.jsonl (which turns
 make a tail). The last line is one JSON object; the exit status is non-zero if any run had an error
 other than a refusal or a failed turn.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import sys
 import tempfile
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from kvmesh.node.lab.bench.common import emit, start_mesh
 from kvmesh.node.lab.charts import POLICIES_METRICS, ChartsUnavailable, policies_rows, require_matplotlib, write_charts
@@ -59,6 +62,18 @@ async def _mesh_figures(apis: list[str]) -> dict[str, Any]:
             "handoffs": {k: counters.get(k, 0) for k in ("warm", "partial", "cold")}, "refused_by_mesh": refused}
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user and system) the processes have used so far; one already gone counts 0."""
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def _one(args: argparse.Namespace, reqs: list[TraceRequest], policy: str, load: float, work: Path) -> dict[str, Any]:
     names = [f"h{i}" for i in range(args.hosts)]
     sim = {"kv_scale": args.kv_scale, "prefill_tps": args.prefill_tps, "decode_tps": args.decode_tps}
@@ -73,11 +88,16 @@ def _one(args: argparse.Namespace, reqs: list[TraceRequest], policy: str, load: 
             runner = LoadRunner([n.api for n in nodes], shape, time_scale=1.0, client=client_from_args(args),
                                 sdk=getattr(args, "sdk", None), turns=turns)
             runner.stats.slo_s = args.slo
-            t0 = time.monotonic()
+            pids = [os.getpid(), *(n.proc.pid for n in nodes if n.proc is not None)]
+            t0, cpu0 = time.monotonic(), _cpu_s(pids)
             stats = asyncio.run(runner.replay_requests(reqs, block_chars=args.block_chars, until_s=args.duration))
+            wall, cpu = time.monotonic() - t0, _cpu_s(pids) - cpu0
         out = stats.summary()
         out.update(asyncio.run(_mesh_figures([n.api for n in nodes])))
-        out.update(policy=policy, load=load, wall_s=round(time.monotonic() - t0, 1))
+        # The nodes and the client share this box: past about 90% its cores, not the sim engine's rates, set the
+        # figures, and a policy that spends more CPU (kvmesh's replica pushes) pays for it in TTFT.
+        out.update(policy=policy, load=load, wall_s=round(wall, 1),
+                   cpu_busy_pct=round(100 * cpu / (wall * len(os.sched_getaffinity(0))), 1))
         return out
     finally:
         for n in nodes:
@@ -127,12 +147,14 @@ def run_policies(args: argparse.Namespace) -> int:
                 runs.append(run)
                 print(f"  load {load} {policy}: {run['turns']} turns, {run['refused']} refused, "
                       f"{run['failed_turns']} failed, {run['errors']} errors, "
-                      f"TTFT p50 {run['ttft_p50_s']} p99 {run['ttft_p99_s']} s, goodput {run['goodput_per_s']}/s",
+                      f"TTFT p50 {run['ttft_p50_s']} p99 {run['ttft_p99_s']} s, goodput {run['goodput_per_s']}/s, "
+                      f"CPU {run['cpu_busy_pct']}% busy" + (" (CPU-bound: these figures are this box's)"
+                                                            if run["cpu_busy_pct"] >= 90 else ""),
                       file=sys.stderr, flush=True)
     keep = ("policy", "load", "copies", "turns", "errors", "refused", "failed_turns", "failed_pct",
             "turns_refused_once_pct", "refusals_per_turn", "ttft_p50_s", "ttft_p99_s", "goodput_per_s",
             "ttft_with_retries_p50_s", "ttft_with_retries_p99_s", "prompt_tokens", "prompt_tokens_recomputed", "prefill_tokens", "handoffs",
-            "refused_by_mesh", "elapsed_s", "error_samples")
+            "refused_by_mesh", "elapsed_s", "cpu_busy_pct", "error_samples")
     result: dict[str, Any] = {
         "bench": "policies", "trace": args.trace, "hosts": args.hosts, "slots": args.slots, "span_s": args.span,
         "client_retries": client_from_args(args).retries, "client_sdk": getattr(args, "sdk", None), "client_timeout_s": client_from_args(args).timeout_s,
