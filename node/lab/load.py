@@ -146,21 +146,16 @@ class LoadRunner:
                         return None  # refused as the run ended: not sent again, and no error
                     delay = self.client.retry_delay(retries, e.retry_after_s or None, self._jitter)
                     if delay is None:
-                        st.failed_refused += 1
-                        self._outcome(session, entry, first, failed="refused", refused=retries + 1)
+                        self._failed(session, entry, first, "refused", retries + 1)
                         return None
                     retries += 1
                     await self._sleep(delay)
                     continue
-                if e.timed_out:
-                    st.failed_timeout += 1
-                    self._outcome(session, entry, first, failed="timeout", refused=retries)
-                    return None
-                self._error(session, str(e), e.status)
-                self._outcome(session, entry, first, failed="error", refused=retries)
+                if not e.timed_out:
+                    self._error(session, str(e), e.status)
+                self._failed(session, entry, first, "timeout" if e.timed_out else "error", retries)
                 return None
-        self._served(r, sent - first)
-        self._outcome(session, entry, first, served=r, waited_s=sent - first, refused=retries)
+        self._served(r, session, entry, first, sent - first, retries)
         return r.text
 
     async def _sdk_turn(self, sender: AnthropicSender, session: str, messages: list[dict[str, str]],
@@ -175,21 +170,18 @@ class LoadRunner:
         if sent:
             first = sent[0]
         if o.turn is not None:
-            waited = sent[-1] - sent[0] if sent else 0.0
-            self._served(o.turn, waited)
-            self._outcome(session, entry, first, served=o.turn, waited_s=waited, refused=o.attempts.refused)
+            self._served(o.turn, session, entry, first, sent[-1] - sent[0] if sent else 0.0, o.attempts.refused)
             return o.turn.text
-        if o.failure == "refused":
-            st.failed_refused += 1
-        elif o.failure == "timeout":
-            st.failed_timeout += 1
-        else:
+        failure = o.failure if o.failure in ("refused", "timeout") else "error"
+        if failure == "error":
             self._error(session, o.error, o.status)
-        self._outcome(session, entry, first, failed=o.failure or "error", refused=o.attempts.refused)
+        self._failed(session, entry, first, failure, o.attempts.refused)
         return None
 
-    def _served(self, r: StreamedTurn, waited_s: float) -> None:
-        """Count a served turn; `waited_s`: from its first attempt's send to the served attempt's."""
+    def _served(self, r: StreamedTurn, session: str, entry: str, first: float, waited_s: float, refused: int) -> None:
+        """Count a served turn, first sent at `first` (monotonic) to `entry`; `waited_s`: from its first attempt's
+        send to the served attempt's, after `refused` refusals."""
+        self._outcome(session, entry, first, served=r, waited_s=waited_s, refused=refused)
         st = self.stats
         st.ttft_with_retries_s.append(waited_s + r.ttft_s)
         st.status[str(r.status)] += 1
@@ -200,6 +192,15 @@ class LoadRunner:
         st.latency_s.append(r.total_s)
         st.prompt_tokens += r.prompt_tokens
         st.recomputed_tokens += r.recomputed_tokens
+
+    def _failed(self, session: str, entry: str, first: float, why: str, refused: int) -> None:
+        """Count a turn that failed in its client's face: `why` is refused (its retries ran out), timeout, or error
+        (already counted by `_error`)."""
+        if why == "refused":
+            self.stats.failed_refused += 1
+        elif why == "timeout":
+            self.stats.failed_timeout += 1
+        self._outcome(session, entry, first, failed=why, refused=refused)
 
     def _outcome(self, session: str, entry: str, first: float, *, served: StreamedTurn | None = None,
                  waited_s: float = 0.0, refused: int = 0, failed: str = "") -> None:

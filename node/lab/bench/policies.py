@@ -83,8 +83,7 @@ def _one(args: argparse.Namespace, reqs: list[TraceRequest], policy: str, load: 
         wait_peers(nodes)
         shape = LoadShape(max_tokens=args.max_tokens, seed=args.seed)
         out_dir = getattr(args, "turns_out", None)
-        with contextlib.ExitStack() as files:
-            turns = files.enter_context(open(out_dir / f"{policy}-{load}.jsonl", "w")) if out_dir else None
+        with open(out_dir / f"{policy}-{load}.jsonl", "w") if out_dir else contextlib.nullcontext() as turns:
             runner = LoadRunner([n.api for n in nodes], shape, time_scale=1.0, client=client_from_args(args),
                                 sdk=getattr(args, "sdk", None), turns=turns)
             runner.stats.slo_s = args.slo
