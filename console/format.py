@@ -17,14 +17,17 @@ HandoffWord = Literal["WARM", "PART", "COLD"]
 
 CLASS_WORDS: dict[str, HandoffWord] = {"warm": "WARM", "partial": "PART", "cold": "COLD"}
 
-# Why a handoff reused less than predicted, in words (node.protocol.ShortfallReason; "none" has none).
+# Why a handoff was not warm as predicted, in words (node.protocol.ShortfallReason; "none" has none).
 SHORTFALL_WORDS: dict[str, str] = {"prompt_diverged": "diverged", "replica_in_flight": "in flight",
                                    "replica_refused": "refused", "evicted": "evicted", "no_replicas": "no replicas",
+                                   "new_input": "new input", "replica_behind": "replica behind",
                                    "unexplained": "unexplained"}
+# The reasons a handoff gives when it reused what placement predicted (the prediction itself was short).
+PREDICTION_SHORT = frozenset({"new_input", "replica_behind"})
 
 
 def fmt_shortfall(counts: Mapping[str, int]) -> str:
-    """Handoffs that reused less than predicted, per reason, compactly ("in flight 2, refused 1"):
+    """Handoffs that were not warm as predicted, per reason, compactly ("in flight 2, refused 1"):
     only reasons counted at least once, "none" left out; "" when there are none."""
     known = [r for r in SHORTFALL_WORDS if counts.get(r)]
     other = sorted(r for r, n in counts.items() if n and r != "none" and r not in SHORTFALL_WORDS)

@@ -32,8 +32,8 @@ class Metrics:
     def __init__(self, node_name: str):
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.handoffs = Counter("kvmesh_handoffs", "Handoffs served here, by class and link", ["cls", "src", "dst"], registry=r)
-        self.shortfall = Counter("kvmesh_handoff_shortfall", "Handoffs served here, by why they reused less than "
-                                 "placement predicted (reason none: they did not)", ["reason"], registry=r)
+        self.shortfall = Counter("kvmesh_handoff_shortfall", "Handoffs served here, by why they were not warm "
+                                 "as placement predicted (reason none: they were)", ["reason"], registry=r)
         self.stale_cold = Counter("kvmesh_stale_state_cold", "Cold handoffs although a usable replica was stored", registry=r)
         self.turns = Counter("kvmesh_turns", "Turns run on this host", ["ok"], registry=r)
         self.resumed = Counter("kvmesh_streams_resumed", "Streamed answers continued on another host after "

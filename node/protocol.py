@@ -28,16 +28,21 @@ from kvmesh.node.sessionids import session_path as session_path
 PROTOCOL_VERSION = 1
 
 HandoffClass = Literal["warm", "partial", "cold"]
-# Why a handoff reused less than placement predicted (one reason per handoff; "none" when it did not).
+# Why a handoff reused less than placement predicted, or, when it met the prediction and still was not
+# warm, why the prediction was short (one reason per handoff; "none" when it was warm as predicted).
 # prompt_diverged: the prompt stopped matching the best cache or replica the host held, before the
 # predicted point; replica_in_flight: a replica of the session was still landing when the turn ran;
 # replica_refused: this host refused the session's latest replica; evicted: this host held more of
 # the session (engine or store) and evicted it; unexplained: a gap nobody could explain (counted, not hidden).
 # no_replicas: the model keeps no blocks (recurrent or hybrid: node.engine.live), so a move recomputes.
+# new_input: reused as predicted, but the turn brought more than a tenth of its prompt new (tool output,
+# a pasted file): no host held it, so no replica could have made the move warm; replica_behind: reused as
+# predicted, but another host held enough for a warm move and this host's replica was of an older turn.
 ShortfallReason = Literal["none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "no_replicas",
-                          "unexplained"]
+                          "new_input", "replica_behind", "unexplained"]
 SHORTFALL_REASONS: tuple[ShortfallReason, ...] = (
-    "none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "no_replicas", "unexplained")
+    "none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "no_replicas", "new_input",
+    "replica_behind", "unexplained")
 
 
 def classify(reused_fraction: float) -> HandoffClass:

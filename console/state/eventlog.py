@@ -17,6 +17,7 @@ from typing import Literal
 
 from kvmesh.console.format import (
     CLASS_WORDS,
+    PREDICTION_SHORT,
     SHORTFALL_WORDS,
     UNICODE,
     Glyphs,
@@ -151,7 +152,9 @@ def _describe_session_event(ev: Event, g: Glyphs) -> tuple[str, Level] | None:
         word = CLASS_WORDS[ev.cls]
         pct = 100 * ev.reused_tokens / ev.prompt_tokens if ev.prompt_tokens else 100.0
         extra = " (stale state)" if ev.stale_state else ""
-        if ev.shortfall != "none":
+        if ev.shortfall in PREDICTION_SHORT:
+            extra += f", as predicted: {SHORTFALL_WORDS[ev.shortfall]}"
+        elif ev.shortfall != "none":
             extra += f", short of {fmt_tokens(ev.predicted_reused_tokens or 0)} predicted: {SHORTFALL_WORDS[ev.shortfall]}"
         lvl: Level = "ok" if ev.cls == "warm" else ("warn" if ev.cls == "partial" else "error")
         return f"{g.handoff(ev.cls)} {word} {ev.session} {ev.src}{a}{ev.dst} reused {pct:.0f}%{extra}", lvl

@@ -121,12 +121,16 @@ class HandoffNotes:
 
     # ---- read back ----------------------------------------------------------------
 
-    def explain(self, session: str, prompt: np.ndarray, reused: int, predicted: int | None) -> ReuseExplained:
+    def explain(self, session: str, prompt: np.ndarray, reused: int, predicted: int | None,
+                best_held: int | None = None) -> ReuseExplained:
         """Why a turn of `session` that moved here reused `reused` tokens when placement predicted
         `predicted`: one reason, checked in order. The prompt diverged from what was held before
         the predicted point; else a replica was still landing when the turn ran; else this host
         refused the session's latest replica; else it evicted the session; else unexplained. A model
-        that keeps no replicas (node.engine.live) says so first."""
+        that keeps no replicas (node.engine.live) says so first. A turn that met the prediction and was
+        still not warm says why the prediction was short, from `best_held`, the most of the session
+        any host held when it was placed: new_input if even that was not a warm share of the prompt,
+        else replica_behind (None: placement did not say, and the reason stays none)."""
         e = self.engine
         before = self._before.pop(session, None)
         m = self.store.manifest(session)
@@ -143,7 +147,7 @@ class HandoffNotes:
         # Reuse comes in whole blocks: a prediction inside the last block is met by the block before it.
         expected = (predicted or 0) // e.block_size * e.block_size
         if reused >= expected:
-            return base
+            return dataclasses.replace(base, shortfall=_prediction_short(len(prompt), reused, best_held))
         if before is not None and before.diverged and mismatch is not None and mismatch < expected:
             return dataclasses.replace(base, shortfall="prompt_diverged")
         if before is not None and before.inflight is not None:
@@ -155,3 +159,11 @@ class HandoffNotes:
         if session in self._evictions:
             return dataclasses.replace(base, shortfall="evicted", evicted_from=self._evictions[session])
         return dataclasses.replace(base, shortfall="unexplained")
+
+
+def _prediction_short(prompt: int, reused: int, best_held: int | None) -> ShortfallReason:
+    """Why a handoff that reused what placement predicted was not warm ("none" when it was, or when
+    placement did not say what the other hosts held)."""
+    if best_held is None or reused >= 0.9 * prompt:
+        return "none"
+    return "new_input" if min(best_held, prompt) < 0.9 * prompt else "replica_behind"

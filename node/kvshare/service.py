@@ -227,10 +227,11 @@ class KVShare:
         of this prompt, import it before the turn runs. Returns tokens imported."""
         return await self._imports.ensure_imported(session, prompt)
 
-    def explain(self, session: str, prompt: np.ndarray, reused: int, predicted: int | None) -> ReuseExplained:
+    def explain(self, session: str, prompt: np.ndarray, reused: int, predicted: int | None,
+                best_held: int | None = None) -> ReuseExplained:
         """Why a turn of `session` that moved here reused `reused` tokens when placement predicted
-        `predicted` (see `HandoffNotes.explain`)."""
-        return self._notes.explain(session, prompt, reused, predicted)
+        `predicted`, with `best_held` of it on the host that held most (see `HandoffNotes.explain`)."""
+        return self._notes.explain(session, prompt, reused, predicted, best_held)
 
     # ---- after a turn: replicate to the predicted next host ---------------------
 

@@ -31,6 +31,7 @@ from kvmesh.node.mesh.placement import (
     choose_by,
     home_of,
     last_host_of,
+    most_held,
     next_seq,
     predict_next,
 )
@@ -282,6 +283,8 @@ class Mesh:
         self._turns_placed += 1
         # A subagent's first turn belongs to a running session (as in kvmesh sim): only a session's first turn is new.
         out = self._admit(session, d, hosts, holdings, prompt_tokens, unavailable, thread=thread) if d is not None and admit_turn else d
+        if isinstance(out, Decision):
+            out = dataclasses.replace(out, best_held=most_held(holdings))
         dt, dc = time.perf_counter() - t0, time.thread_time() - c0
         self.decision_s.append(dt)
         self.decision_cpu_s.append(dc)

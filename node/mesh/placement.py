@@ -116,12 +116,18 @@ class Decision:
     predicted_reused: int
     expected_ttft_s: float
     reason: str
+    best_held: int = 0  # the most of the session any host holds (what a move could at best reuse)
 
 
 def home_of(holdings: dict[str, Holding]) -> str | None:
     """The host that ran the session last (or had it migrated to it)."""
     best = max(holdings.items(), key=lambda kv: (kv[1].home_seq, kv[0]), default=None)
     return best[0] if best is not None and best[1].home_seq > 0 else None
+
+
+def most_held(holdings: dict[str, Holding]) -> int:
+    """The most tokens of the session one host holds: resident, stored or landing."""
+    return max((max(h.resident, h.stored, h.inbound) for h in holdings.values()), default=0)
 
 
 def last_host_of(holdings: dict[str, Holding]) -> str | None:

@@ -75,7 +75,22 @@ CLIENT_KEY_HEADERS = ("authorization", "x-api-key")  # a client's API key (node.
 FORWARDED, PREV_HOST, PREDICTED, TURN_SEQ, SEED, SOURCE, GROUP = (
     "X-Kvmesh-Forwarded", "X-Kvmesh-Prev-Host", "X-Kvmesh-Predicted-Reuse", "X-Kvmesh-Turn-Seq", "X-Kvmesh-Seed",
     "X-Kvmesh-Session-Source", "X-Kvmesh-Session-Group")
+BEST_HELD = "X-Kvmesh-Best-Held"  # the most of the session one host held as placement chose
 OPENING = "X-Kvmesh-Thread-Opening"  # node.mesh.threads' signature of the turn's conversation
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What placement knew of a turn it put on a host: where the session's last turn ran, how much of
+    the prompt it predicted that host reuses, and the most of the session one host held (None: not said)."""
+
+    prev_host: str | None = None
+    predicted: int | None = None
+    best_held: int | None = None
+
+
+def _count(header: str) -> int | None:
+    return int(header) if header.isdigit() else None
 
 
 class TurnReplicas(Protocol):
@@ -83,7 +98,8 @@ class TurnReplicas(Protocol):
 
     async def ensure_imported(self, session: str, prompt: np.ndarray) -> int: ...
 
-    def explain(self, session: str, prompt: np.ndarray, reused: int, predicted: int | None) -> ReuseExplained: ...
+    def explain(self, session: str, prompt: np.ndarray, reused: int, predicted: int | None,
+                best_held: int | None = None) -> ReuseExplained: ...
 
     def worth_replicating(self, session: str) -> bool: ...
 
@@ -115,9 +131,9 @@ class TurnPath:
         forwarded turn arrives keyed already (its group in a header)."""
         forwarded = self._forwarded(req, headers)
         if forwarded is not None:
-            prev_host, predicted, seq = forwarded
+            placed, seq = forwarded
             group = session_from_header(headers[GROUP]) if headers.get(GROUP) else req.session
-            run = await self.run_here(req, prev_host, predicted, seq, headers.get(SOURCE, "")[:64] or source, group,
+            run = await self.run_here(req, placed, seq, headers.get(SOURCE, "")[:64] or source, group,
                                       headers.get(OPENING, "")[:200])
             return run.answer(new_parser)
         group, looked_up = req.session, False
@@ -133,24 +149,24 @@ class TurnPath:
         turn.looked_up = looked_up and req.session == group
         return await turn.start()
 
-    def _forwarded(self, req: GenerateRequest, headers: Mapping[str, str]) -> tuple[str | None, int | None, int] | None:
-        """(previous host, predicted reuse, turn sequence) of a turn a peer placed here, or None.
+    def _forwarded(self, req: GenerateRequest, headers: Mapping[str, str]) -> tuple[Placed, int] | None:
+        """(what placement knew, turn sequence) of a turn a peer placed here, or None.
         Only a caller holding the mesh secret is a peer; anyone else's turn is placed anew."""
         if not headers.get(FORWARDED) or not check_peer_token(headers.get(PEER_HEADER), self.mesh.secrets):
             return None
-        prev_host = headers.get(PREV_HOST) or None
-        predicted = int(headers[PREDICTED]) if headers.get(PREDICTED, "").isdigit() else None
+        placed = Placed(headers.get(PREV_HOST) or None, _count(headers.get(PREDICTED, "")),
+                        _count(headers.get(BEST_HELD, "")))
         seq = int(headers[TURN_SEQ]) if headers.get(TURN_SEQ, "").isdigit() else self.mesh.next_seq(req.session)
         if req.seed is None and headers.get(SEED, "").lstrip("-").isdigit():
             req.seed = int(headers[SEED])
-        return prev_host, predicted, seq
+        return placed, seq
 
-    async def run_here(self, req: GenerateRequest, prev_host: str | None, predicted: int | None,
-                       seq: int, source: str = "digest", group: str = "", opening: str = "") -> HostTurn:
+    async def run_here(self, req: GenerateRequest, placed: Placed, seq: int, source: str = "digest", group: str = "",
+                       opening: str = "") -> HostTurn:
         """Start the turn here (HostTurn.start): admitted, brought up to the best cache this host has, run
         to its reused prefix. The engine validates the turn as it admits it: its refusal is raised here,
         before any byte is sent."""
-        run = HostTurn(self, req, prev_host, predicted, seq, source, group or req.session, opening)
+        run = HostTurn(self, req, placed, seq, source, group or req.session, opening)
         await run.start()
         self.mesh.note_routed(req.session, self.name, seq)
         return run
@@ -159,9 +175,10 @@ class TurnPath:
 class HostTurn:
     """A turn running on this host: the engine's event stream plus the bookkeeping around it."""
 
-    def __init__(self, path: TurnPath, req: GenerateRequest, prev_host: str | None, predicted: int | None, seq: int,
-                 source: str = "digest", group: str = "", opening: str = ""):
-        self.path, self.req, self.prev_host, self.predicted, self.seq = path, req, prev_host, predicted, seq
+    def __init__(self, path: TurnPath, req: GenerateRequest, placed: Placed, seq: int, source: str = "digest",
+                 group: str = "", opening: str = ""):
+        self.path, self.req, self.placed, self.seq = path, req, placed, seq
+        self.prev_host = placed.prev_host
         self.source, self.group, self.opening = source, group or req.session, opening
         self.events: AsyncGenerator[TurnBegin | TextDelta | TurnDone, None]  # the engine's run, from `start`
         self.begin: TurnStats | None = None
@@ -238,7 +255,7 @@ class HostTurn:
         p, req = self.path, self.req
         cls = classify(stats.cached_tokens / max(1, stats.prompt_tokens))
         prompt = np.asarray(req.prompt, dtype=np.int32)
-        why = p.replicas.explain(req.session, prompt, stats.cached_tokens, self.predicted)
+        why = p.replicas.explain(req.session, prompt, stats.cached_tokens, self.placed.predicted, self.placed.best_held)
         # Where the prompt stopped matching: for a handoff that was not warm, or one that diverged.
         mismatch_tok = why.mismatch_token if cls != "warm" or why.shortfall == "prompt_diverged" else None
         msg_idx = None
@@ -247,11 +264,11 @@ class HostTurn:
             msg_idx = int(np.searchsorted(starts, mismatch_tok, side="right")) - 1
         if why.shortfall != "none":
             log.info("handoff of %s %s->%s reused %d of %d predicted: %s", req.session, self.prev_host, p.name,
-                     stats.cached_tokens, self.predicted or 0, why.shortfall)
+                     stats.cached_tokens, self.placed.predicted or 0, why.shortfall)
         stale = why.stale_state and cls == "cold"
         p.publish(Handoff(session=req.session, src=self.prev_host, dst=p.name, cls=cls,
                           prompt_tokens=stats.prompt_tokens, reused_tokens=stats.cached_tokens,
-                          predicted_reused_tokens=self.predicted, replica_age_s=why.replica_age_s,
+                          predicted_reused_tokens=self.placed.predicted, replica_age_s=why.replica_age_s,
                           mismatch_token=mismatch_tok, mismatch_message=msg_idx, stale_state=stale,
                           shortfall=why.shortfall, inflight_landed_tokens=why.inflight_landed,
                           inflight_offered_tokens=why.inflight_offered, refused_reason=why.refused_reason,
@@ -275,14 +292,6 @@ def _peer_answer(headers: dict[str, str], events: AsyncIterator[AnswerEvent]) ->
         value = headers.get(name, "")
         return int(value) if value.isdigit() else 0
     return Answer(headers, count("x-kvmesh-prompt-tokens"), count("x-kvmesh-cached-tokens"), events)
-
-
-@dataclass
-class _Here:
-    """Placement chose this host."""
-
-    prev_host: str | None
-    predicted: int | None
 
 
 @dataclass
@@ -313,15 +322,15 @@ class EntryTurn:
 
     async def start(self) -> Answer:
         placed = await self.place()
-        if isinstance(placed, _Here):
-            run = await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source,
+        if isinstance(placed, Placed):
+            run = await self.path.run_here(self.req, placed, self.seq, self.source,
                                            self.group, self.opening)
             return run.answer(self.new_parser)
         if isinstance(placed, _There):
             return _peer_answer(passed_headers(placed.resp), self.relay(placed))
         return _peer_answer(placed.headers, listed(whole_events(placed.status, placed.body)))
 
-    async def place(self) -> _Here | _There | PeerAnswer:
+    async def place(self) -> Placed | _There | PeerAnswer:
         """Place the turn: here, or forwarded to a peer. A peer that fails before answering is
         routed around (nothing the client sent is lost); a non-streamed answer comes back whole."""
         mesh, session = self.path.mesh, self.session
@@ -335,7 +344,9 @@ class EntryTurn:
                 raise Overloaded(d.message(), retry_after_s=d.retry_after_s)
             if d is None or d.host == self.path.name:
                 # No peer can take it (or this host is best): run here, even while draining.
-                return _Here(d.prev_host if d else mesh.last_host(session), d.predicted_reused if d else None)
+                if d is None:
+                    return Placed(mesh.last_host(session))
+                return Placed(d.prev_host, d.predicted_reused, d.best_held)
             try:
                 return await self._forward(d)
             except PeerUnavailable as e:
@@ -349,7 +360,7 @@ class EntryTurn:
         mesh = self.path.mesh
         peer = mesh.peers.peers[d.host]
         headers = {"content-type": "application/json", "X-Session-Id": session_header(self.session), FORWARDED: "1",
-                   PREDICTED: str(d.predicted_reused), TURN_SEQ: str(self.seq), SOURCE: self.source,
+                   PREDICTED: str(d.predicted_reused), BEST_HELD: str(d.best_held), TURN_SEQ: str(self.seq), SOURCE: self.source,
                    GROUP: session_header(self.group), OPENING: self.opening}
         headers |= self.client_keys
         if self.req.seed is not None:
@@ -406,8 +417,8 @@ class EntryTurn:
                     msg = placed.body[:300].decode(errors="replace")
                     yield Failed(f"the turn could not be run again elsewhere: {msg}", "server_error", "peer_lost")
                     return
-                if isinstance(placed, _Here):
-                    run = await self.path.run_here(self.req, placed.prev_host, placed.predicted, self.seq, self.source,
+                if isinstance(placed, Placed):
+                    run = await self.path.run_here(self.req, placed, self.seq, self.source,
                                                    self.group, self.opening)
                     async for ev in run.answer(self.new_parser).events:
                         for out in splice.feed(ev):
@@ -421,7 +432,7 @@ class EntryTurn:
         except KVMeshError as e:
             yield Failed(str(e), e.type, e.code)
 
-    async def _place_again(self, lost: str, reason: str, splice: StreamSplice) -> _Here | _There | PeerAnswer:
+    async def _place_again(self, lost: str, reason: str, splice: StreamSplice) -> Placed | _There | PeerAnswer:
         """The host serving the stream stopped mid-answer: route around it and run the turn again."""
         log.warning("turn of %s: %s stopped mid-answer (%s); running it again elsewhere", self.session, lost, reason)
         self.path.mesh.peers.mark_down(lost, reason)

@@ -312,3 +312,13 @@ def test_handoff_shortfalls_are_counted_per_reason(state: ConsoleState) -> None:
     assert fmt_shortfall(state.counters.shortfall) == "in flight 2, evicted 1"
     assert fmt_shortfall({"none": 5}) == ""
     assert "evicted" in describe(ev)[0]
+
+
+def test_a_handoff_short_by_prediction_says_so_without_a_shortfall_of_tokens(state: ConsoleState) -> None:
+    """A partial handoff that reused what was predicted names why the prediction was short, not a gap."""
+    ev = handoff(seq=4, cls="partial").model_copy(update={"shortfall": "new_input", "predicted_reused_tokens": 990})
+    line = describe(ev)[0]
+    assert line.endswith("as predicted: new input") and "short of" not in line, line
+    behind = ev.model_copy(update={"shortfall": "replica_behind"})
+    assert describe(behind)[0].endswith("as predicted: replica behind")
+    assert fmt_shortfall({"none": 3, "new_input": 2, "replica_behind": 1}) == "new input 2, replica behind 1"

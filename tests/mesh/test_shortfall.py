@@ -26,6 +26,7 @@ from kvmesh.node.lab.chaos.proxy import Fault, LinkProxy
 from kvmesh.node.kvshare.imports import keep_waiting
 from kvmesh.node.kvshare.landing import _Inbound
 from kvmesh.node.lab.launcher import free_port, wait_for, write_mesh
+from kvmesh.node.lab.workload import text
 from kvmesh.node.protocol import Handoff, ReplicaRefused
 
 from .helpers import MODEL, POLL_S, SIM, STALE_S, Mesh, whole_blocks
@@ -95,10 +96,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         proxy.close()
 
 
-def forwarded_turn(m: Pair, conv: Conversation, host: str, *, prev: str, predicted: int) -> Turn:
-    """A turn of `conv` run on `host` as one an entry placed there (previous host and predicted reuse sent)."""
+def forwarded_turn(m: Pair, conv: Conversation, host: str, *, prev: str, predicted: int,
+                   best_held: int | None = None) -> Turn:
+    """A turn of `conv` run on `host` as one an entry placed there (previous host and predicted reuse sent, and
+    the most of the session one host held, if given)."""
     headers = {"X-Session-Id": conv.session, "X-Kvmesh-Forwarded": "1", "X-Kvmesh-Prev-Host": prev,
                "X-Kvmesh-Predicted-Reuse": str(predicted), **m.peer_headers()}
+    if best_held is not None:
+        headers["X-Kvmesh-Best-Held"] = str(best_held)
     r = m.http.post(m.api(host) + "/v1/chat/completions", headers=headers,
                     json={"model": MODEL, "messages": conv.messages, "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200, r.text
@@ -251,3 +256,47 @@ def test_a_replica_this_host_evicted_is_evicted(pair: Pair) -> None:
     assert ev.shortfall == "evicted" and ev.evicted_from in ("engine", "store"), ev
     assert t2.cached == 0
     assert_counted(m, "evicted", before)
+
+
+def grow_by(conv: Conversation, tokens: int) -> None:
+    """The client adds `tokens` of new input (a long tool output, one token per character) to its next turn."""
+    conv.messages.append({"role": "user", "content": text(conv.rng, tokens)})
+
+
+def test_a_move_with_much_new_input_is_new_input(pair: Pair) -> None:
+    """A move that reuses the whole replica, with more than a tenth of its prompt new, names new_input."""
+    m, before = pair, shortfall_counts(pair, "b")
+    conv, t1 = first_turn_on_a(m, "sf-new-input")
+    migrate_to_b(m, conv.session)
+    held = held_on_b(m, conv.session)
+    grow_by(conv, conv.prompt_len() // 2)  # a third of the next prompt is new: nobody held it
+    t2 = m.turn(conv, "a")
+    assert t2.host == "b" and t2.handoff == "partial", t2
+    ev = handoff_on_b(m, conv.session)
+    assert ev.shortfall == "new_input", ev
+    assert ev.predicted_reused_tokens is not None and ev.reused_tokens >= whole_blocks(ev.predicted_reused_tokens), ev
+    assert ev.reused_tokens >= whole_blocks(max(held.get("resident_tokens", 0), held.get("store_tokens", 0))), (ev, held)
+    assert_counted(m, "new_input", before)
+
+
+def test_a_move_onto_an_older_replica_is_replica_behind(pair: Pair) -> None:
+    """The entry saw another host hold a warm share of the prompt and b only an older replica: b reuses what it
+    was predicted to, and the handoff names replica_behind."""
+    m, before = pair, shortfall_counts(pair, "b")
+    conv, t1 = first_turn_on_a(m, "sf-behind")
+    stored = whole_blocks(t1.prompt_tokens)
+    wait_landed_on_b(m, conv.session, stored)
+    grow_by(conv, conv.prompt_len() // 2)
+    # What a's engine would hold after a turn b never got a replica of: all of this prompt but its last block.
+    best = conv.prompt_len() - 1
+    t2 = forwarded_turn(m, conv, "b", prev="a", predicted=stored, best_held=best)
+    ev = handoff_on_b(m, conv.session)
+    assert ev.shortfall == "replica_behind" and ev.cls == "partial", ev
+    assert t2.cached == ev.reused_tokens >= stored, ev
+    assert_counted(m, "replica_behind", before)
+    # The same view without what the other hosts held (an entry that did not say): the reason stays none.
+    grow_by(conv, conv.prompt_len() // 2)
+    t3 = forwarded_turn(m, conv, "b", prev="a", predicted=whole_blocks(t2.prompt_tokens))
+    ev3 = m.b_events.wait_live(Handoff, f"b's third handoff of {conv.session}", session=conv.session,
+                               prompt_tokens=t3.prompt_tokens)
+    assert ev3.cls == "partial" and ev3.shortfall == "none", ev3

@@ -20,7 +20,7 @@ from kvmesh.node.kvshare.explain import ReuseExplained
 from kvmesh.node.mesh.actions import RelayFailed, relay_action
 from kvmesh.node.mesh.mesh import Mesh
 from kvmesh.node.mesh.threads import Threads
-from kvmesh.node.mesh.turn import TurnPath
+from kvmesh.node.mesh.turn import Placed, TurnPath
 from kvmesh.node.protocol import (
     ActionResult,
     Event,
@@ -132,7 +132,7 @@ def test_a_turn_decides_its_replica_target_where_it_ends(engine: Engine) -> None
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hello " * 40}])
 
     async def turn() -> None:
-        run = await path.run_here(GenerateRequest(session="s1", prompt=prompt, max_tokens=4), None, None, 1)
+        run = await path.run_here(GenerateRequest(session="s1", prompt=prompt, max_tokens=4), Placed(), 1)
         ends = [ev async for ev in run.stream() if isinstance(ev, TurnDone)]
         assert len(ends) == 1
 
