@@ -34,6 +34,7 @@ from kvmesh.node.mesh.placement import (
     most_held,
     next_seq,
     predict_next,
+    push_target,
 )
 from kvmesh.node.mesh.sessions import SessionBook
 from kvmesh.node.mesh.threads import KnownThreads
@@ -313,6 +314,10 @@ class Mesh:
 
     def predict_next(self, session: str) -> Decision | None:
         return predict_next(self.hosts(), self.holdings(session), self.policy, session=session)
+
+    def push_target(self, session: str) -> str | None:
+        """Where the session's replica goes after its turn here (placement.push_target)."""
+        return push_target(self.hosts(), self.holdings(session), self.policy, session=session)
 
     def decision_ms(self, q: float, *, cpu: bool = False) -> float:
         xs = sorted(self.decision_cpu_s if cpu else self.decision_s)

@@ -281,8 +281,7 @@ class HostTurn:
         p, session = self.path, self.req.session
         target = None
         if p.mesh.replicates and p.replicas.worth_replicating(session):
-            d = p.mesh.predict_next(session)
-            target = d.host if d is not None else None
+            target = p.mesh.push_target(session)
         p.replicas.after_turn(session, target, turn_s)
 
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose
+from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, predict_next, push_target
 
 PREFILL = 10_000.0  # tokens/s on every host here
 PROMPT = 20_000
@@ -217,3 +217,15 @@ def test_a_queue_of_long_prompts_is_longer_than_its_length_in_turns() -> None:
         d = choose(hosts, {}, 5_000, Policy(), session=f"new{i}")
         assert d is not None and d.host == "b", d
     assert hosts["a"].ahead_s() == 20.0 and hosts["b"].ahead_s() == hosts["b"].wait_s() == 1.0
+
+
+def test_a_replica_is_pushed_to_the_next_host_only_while_it_has_no_queue() -> None:
+    """The push goes where the session would move next; to no host while that one has turns queued (a move
+    goes only to a free slot), and the drain's target, predict_next, is still that host."""
+    holdings = {"a": Holding(resident=PROMPT, home_seq=3, turn_seq=3)}
+    free = {"a": HostLoad("a", 2, 2, 0, 1.0, PREFILL, 1e9), "b": HostLoad("b", 2, 1, 0, 1.0, PREFILL, 1e9)}
+    assert push_target(free, holdings, Policy(), session="s") == "b"
+    queued = free | {"b": HostLoad("b", 2, 2, 3, 1.0, PREFILL, 1e9)}
+    assert push_target(queued, holdings, Policy(), session="s") is None
+    d = predict_next(queued, holdings, Policy(), session="s")
+    assert d is not None and d.host == "b", d

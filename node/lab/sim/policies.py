@@ -2,7 +2,7 @@
 
 - `kvmesh`: node.mesh.placement's `choose` on what the conversation's holdings are (stay home while
   it has a free slot, else the lowest expected TTFT of the moves that pay for themselves),
-  a replica pushed after each turn to `predict_next`'s host, in node.kvshare.pushorder's order,
+  a replica pushed after each turn to `push_target`'s host (none while it has turns queued), in node.kvshare.pushorder's order,
   and past `directory_after_hosts` one directory lookup (node.mesh.directory) per turn.
 - `session_hash`: production-stack's SessionRouter: a session always goes to its hashed host.
 - `kv_overlap`: Dynamo-style KV routing without replicas: the host with the lowest queue wait +
@@ -21,7 +21,7 @@ from kvmesh.node.lab.sim.params import POLICIES
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
 from kvmesh.node.mesh.admission import Admission, Refusal, Reservations, admit_turn
 from kvmesh.node.mesh.directory import directory_host
-from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, home_of, predict_next
+from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, home_of, push_target
 
 NO_ADMISSION = Admission(enabled=False)
 
@@ -84,8 +84,7 @@ class KvmeshRouter(Router):
         held = self.cluster.holdings(session, now)
         home = max(held.values(), key=lambda h: h.home_seq, default=None)
         size = max(home.resident, home.stored) if home is not None else 0
-        d = predict_next(self._candidates(held, session, size), held, self.placement, session=session)
-        return d.host if d is not None else None
+        return push_target(self._candidates(held, session, size), held, self.placement, session=session)
 
     def _candidates(self, held: dict[str, Holding], session: str, prompt: int) -> dict[str, HostLoad]:
         """The hosts `choose` weighs: every host holding something of the session, the three that a

@@ -13,7 +13,7 @@ from kvmesh.node.lab.sim.cluster import BlockLRU, Cluster, Held, SimHost, StoreL
 from kvmesh.node.lab.sim.policies import POLICIES, KvmeshRouter
 from kvmesh.node.lab.sim.run import SimParams, Simulation
 from kvmesh.node.lab.workload import agent_trace, read_mooncake
-from kvmesh.node.mesh.placement import choose, predict_next
+from kvmesh.node.mesh.placement import choose, push_target
 
 
 def _sim(policy: str, hosts: int, reqs: list, **kw: object) -> dict[str, object]:
@@ -57,7 +57,7 @@ def test_at_256_hosts_a_turn_takes_one_lookup_and_one_forward_within_the_control
 
 
 def test_the_candidate_hosts_give_the_decision_over_every_host() -> None:
-    """Random loads and holdings: `choose` and `predict_next` over the router's candidates pick what they pick over all hosts."""
+    """Random loads and holdings: `choose` and `push_target` over the router's candidates pick what they pick over all hosts."""
     rng = random.Random(11)
     for trial in range(300):
         n = rng.choice([3, 8, 40])
@@ -78,8 +78,7 @@ def test_the_candidate_hosts_give_the_decision_over_every_host() -> None:
         prompt = len(blocks) * 512
         full = choose(c.loads(), held, prompt, router.placement, session="s")
         assert full is not None and router.route(_req(blocks, prompt), "h00", 0.0).host == full.host, trial
-        nxt = predict_next(c.loads(), held, router.placement, session="s")
-        assert router.replica_target("s", 0.0) == (nxt.host if nxt else None), trial
+        assert router.replica_target("s", 0.0) == push_target(c.loads(), held, router.placement, session="s"), trial
 
 
 def _req(blocks: tuple[int, ...], prompt: int):  # type: ignore[no-untyped-def]
