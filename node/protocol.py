@@ -12,7 +12,7 @@ ring on (re)connect have `replay=True`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -40,9 +40,7 @@ HandoffClass = Literal["warm", "partial", "cold"]
 # predicted, but another host held enough for a warm move and this host's replica was of an older turn.
 ShortfallReason = Literal["none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "no_replicas",
                           "new_input", "replica_behind", "unexplained"]
-SHORTFALL_REASONS: tuple[ShortfallReason, ...] = (
-    "none", "prompt_diverged", "replica_in_flight", "replica_refused", "evicted", "no_replicas", "new_input",
-    "replica_behind", "unexplained")
+SHORTFALL_REASONS: tuple[ShortfallReason, ...] = get_args(ShortfallReason)
 
 
 def classify(reused_fraction: float) -> HandoffClass:
