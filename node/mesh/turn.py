@@ -156,7 +156,9 @@ class TurnPath:
             return None
         placed = Placed(headers.get(PREV_HOST) or None, _count(headers.get(PREDICTED, "")),
                         _count(headers.get(BEST_HELD, "")))
-        seq = int(headers[TURN_SEQ]) if headers.get(TURN_SEQ, "").isdigit() else self.mesh.next_seq(req.session)
+        seq = _count(headers.get(TURN_SEQ, ""))
+        if seq is None:
+            seq = self.mesh.next_seq(req.session)
         if req.seed is None and headers.get(SEED, "").lstrip("-").isdigit():
             req.seed = int(headers[SEED])
         return placed, seq
@@ -178,7 +180,6 @@ class HostTurn:
     def __init__(self, path: TurnPath, req: GenerateRequest, placed: Placed, seq: int, source: str = "digest",
                  group: str = "", opening: str = ""):
         self.path, self.req, self.placed, self.seq = path, req, placed, seq
-        self.prev_host = placed.prev_host
         self.source, self.group, self.opening = source, group or req.session, opening
         self.events: AsyncGenerator[TurnBegin | TextDelta | TurnDone, None]  # the engine's run, from `start`
         self.begin: TurnStats | None = None
@@ -213,7 +214,7 @@ class HostTurn:
         self.begin = ev.stats
         p.publish(TurnStarted(session=self.req.session, host=p.name, prompt_tokens=ev.stats.prompt_tokens,
                               cached_tokens=ev.stats.cached_tokens, turn_seq=self.seq))
-        if self.prev_host and self.prev_host != p.name:
+        if self.placed.prev_host and self.placed.prev_host != p.name:
             self.handoff_class = classify(ev.stats.cached_tokens / max(1, ev.stats.prompt_tokens))
 
     async def stream(self) -> AsyncGenerator[TextDelta | TurnDone, None]:
@@ -250,9 +251,9 @@ class HostTurn:
 
     def _handoff(self, stats: TurnStats) -> HandoffRecord | None:
         """Publish the handoff this turn was, if it moved here, with why it reused less than predicted."""
-        if self.handoff_class is None or self.prev_host is None:
+        p, req, src = self.path, self.req, self.placed.prev_host
+        if self.handoff_class is None or src is None:
             return None
-        p, req = self.path, self.req
         cls = classify(stats.cached_tokens / max(1, stats.prompt_tokens))
         prompt = np.asarray(req.prompt, dtype=np.int32)
         why = p.replicas.explain(req.session, prompt, stats.cached_tokens, self.placed.predicted, self.placed.best_held)
@@ -263,17 +264,17 @@ class HostTurn:
             starts = p.engine.tokenizer.message_starts(np.asarray(req.prompt))
             msg_idx = int(np.searchsorted(starts, mismatch_tok, side="right")) - 1
         if why.shortfall != "none":
-            log.info("handoff of %s %s->%s reused %d of %d predicted: %s", req.session, self.prev_host, p.name,
+            log.info("handoff of %s %s->%s reused %d of %d predicted: %s", req.session, src, p.name,
                      stats.cached_tokens, self.placed.predicted or 0, why.shortfall)
         stale = why.stale_state and cls == "cold"
-        p.publish(Handoff(session=req.session, src=self.prev_host, dst=p.name, cls=cls,
+        p.publish(Handoff(session=req.session, src=src, dst=p.name, cls=cls,
                           prompt_tokens=stats.prompt_tokens, reused_tokens=stats.cached_tokens,
                           predicted_reused_tokens=self.placed.predicted, replica_age_s=why.replica_age_s,
                           mismatch_token=mismatch_tok, mismatch_message=msg_idx, stale_state=stale,
                           shortfall=why.shortfall, inflight_landed_tokens=why.inflight_landed,
                           inflight_offered_tokens=why.inflight_offered, refused_reason=why.refused_reason,
                           evicted_from=why.evicted_from, turn_seq=self.seq))
-        return HandoffRecord(self.prev_host, cls, stale, why.shortfall)
+        return HandoffRecord(src, cls, stale, why.shortfall)
 
     def _replicate(self, turn_s: float) -> None:
         """Push the session to the host it would move to next: placement decides, here where the turn ended
