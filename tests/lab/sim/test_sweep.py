@@ -7,12 +7,13 @@ import subprocess
 import sys
 from typing import Any
 
-from kvmesh.node.lab.sim.sweep import failures, pool
+from kvmesh.node.lab.sim.sweep import every_turn_percentile, failures, pool
 
 
 def _row(policy: str, **kw: Any) -> dict[str, Any]:
     base = {"policy": policy, "warm_pct": 99.0, "ttft_p50_s": 1.0, "ttft_p99_s": 5.0, "goodput_per_s": 2.0,
-            "prefill_tokens": 100, "prefill_mtok": 0.0, "failed_turns": 0, "ttft_with_retries_p99_s": 5.0}
+            "prefill_tokens": 100, "prefill_mtok": 0.0, "failed_turns": 0, "ttft_with_retries_p99_s": 5.0,
+            "ttft_every_turn_p99_s": 5.0}
     return {**base, **kw}
 
 
@@ -37,9 +38,21 @@ def test_a_cell_where_kvmesh_fails_more_turns_or_keeps_them_longer_in_all_is_not
     longer at p99 than kv_overlap's, is a failed check, each named, whatever the other figures."""
     why = failures([_row("kvmesh", failed_turns=3), _row("session_hash", failed_turns=2), _row("kv_overlap", failed_turns=9)])
     assert why == ["failed turns 3 > session_hash's 2"], why
-    why = failures([_row("kvmesh", ttft_with_retries_p99_s=5.1), _row("session_hash", ttft_with_retries_p99_s=6.0),
+    why = failures([_row("kvmesh", ttft_every_turn_p99_s=5.1), _row("session_hash", ttft_every_turn_p99_s=6.0),
                     _row("kv_overlap")])
-    assert why == ["ttft_with_retries_p99_s 5.1 > kv_overlap's 5.0"], why
+    assert why == ["ttft_every_turn_p99_s 5.1 > kv_overlap's 5.0"], why
+
+
+def test_a_turn_that_failed_counts_later_than_any_served_at_p99() -> None:
+    """A p99 turn that failed (None) loses to any served one, and ties another policy's failed p99 turn; the p99
+    of the served turns alone is not judged (it drops the turns that timed out)."""
+    why = failures([_row("kvmesh", ttft_every_turn_p99_s=None), _row("session_hash", ttft_every_turn_p99_s=599.0)])
+    assert why == ["ttft_every_turn_p99_s failed > session_hash's 599.0"], why
+    assert failures([_row("kvmesh", ttft_every_turn_p99_s=650.0, ttft_with_retries_p99_s=650.0),
+                     _row("session_hash", ttft_every_turn_p99_s=None, ttft_with_retries_p99_s=599.0)]) == []
+    assert failures([_row("kvmesh", ttft_every_turn_p99_s=None), _row("session_hash", ttft_every_turn_p99_s=None)]) == []
+    served = [float(i) for i in range(100)]
+    assert every_turn_percentile(served, 0, 0.99) == 99.0 and every_turn_percentile(served, 2, 0.99) is None
 
 
 def _run(seed: int, ttft: list[float], warm: int, follow: int, prefill: int) -> tuple[dict[str, Any], list[float], list[float]]:
@@ -57,6 +70,8 @@ def test_a_cells_row_pools_its_seeds_runs() -> None:
     assert row["seeds"] == 2 and row["requests"] == 100
     assert row["ttft_p50_s"] == 0.1 and row["ttft_p99_s"] == 3.0 and row["ttft_with_retries_p99_s"] == 4.0, row
     assert row["ttft_with_retries_p50_s"] == 1.1, row
+    # 100 served and 3 failed: the p99 turn (index 101 of 103) is one of the failed
+    assert row["ttft_every_turn_p99_s"] is None, row
     assert row["warm_pct"] == 50.0 and row["goodput_per_s"] == 3.0 and row["refused_pct"] == round(200 / 104, 2)
     # 3 of 103 turns failed (one run's 1, the other's 2); one turn each refused: 2 of 103; 2 refusals
     assert row["failed_turns"] == 3 and row["failed_pct"] == round(300 / 103, 2), row
