@@ -43,6 +43,8 @@ class Metrics:
         self.refused = Counter("kvmesh_replicas_refused", "Replicas refused, by reason", ["reason"], registry=r)
         self.overloaded = Counter("kvmesh_turns_refused_overloaded", "Turns this entry refused as overloaded, by "
                                   "whether they were a new session's first", ["session"], registry=r)
+        self.pushes_held_back = Counter("kvmesh_replica_pushes_held_back", "Replicas not pushed at a turn's end: the "
+                                        "host the session would move to had turns queued", registry=r)
         self.ready_lag = Histogram("kvmesh_replica_ready_lag_seconds", "Replica usable after its last byte",
                                    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5), registry=r)
         self.ttft = Histogram("kvmesh_ttft_seconds", "Time to first token of turns run here",

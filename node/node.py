@@ -71,7 +71,7 @@ class Node:
                                snapshots=self.engine.snapshots)
         self.mesh = Mesh(cfg.name, cfg.mesh, self.engine, self.kvshare, publish=self.hub.publish,
                          host_info=self.host_info, on_decision=self.metrics.decision.observe,
-                         on_refused=self.metrics.on_refused,
+                         on_refused=self.metrics.on_refused, on_push_held_back=self.metrics.pushes_held_back.inc,
                          verify=client_context(cfg.api.tls) if cfg.api.tls else True)
         # A session's conversations past mesh.max_threads: its least recently used one's cache goes first.
         threads = Threads(max_threads=cfg.mesh.max_threads, on_forget=self.engine.evict)

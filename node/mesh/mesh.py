@@ -81,10 +81,11 @@ class Mesh:
     def __init__(self, name: str, cfg: MeshConfig, engine: EngineAPI, replicas: ReplicaView, *,
                  publish: Callable[[Event], object], host_info: Callable[[], HostInfo],
                  on_decision: Callable[[float], None], on_refused: Callable[[bool], None] = lambda new: None,
-                 verify: ssl.SSLContext | bool = True):
+                 on_push_held_back: Callable[[], None] = lambda: None, verify: ssl.SSLContext | bool = True):
         """`host_info` reports this host (status polls and the cluster view); `on_decision` is
         told how long each placement decision took, `on_refused` of each turn refused as overloaded
-        (whether it was a new session's); `verify` checks peers' TLS certificates."""
+        (whether it was a new session's), `on_push_held_back` of each replica not pushed at a turn's end for the
+        turns queued where it would go; `verify` checks peers' TLS certificates."""
         self.name = name
         self.engine = engine
         self.replicas = replicas
@@ -110,6 +111,7 @@ class Mesh:
         self.admission = Admission(wait_s=cfg.admit_wait_s, new_wait_s=cfg.admit_new_wait_s,
                                    timeout_s=cfg.admit_client_timeout_s, enabled=cfg.admission and cfg.policy == "kvmesh")
         self._on_refused = on_refused
+        self._on_push_held_back = on_push_held_back
         self.reservations = Reservations(cap=MAX_REFUSED_TRACKED)  # refused turns' places in line, by session
         self.refused = collections.Counter[str]()  # "new" / "running": turns refused as overloaded
         # Where this entry node last sent each session, and when: fresher than any poll.
@@ -317,7 +319,10 @@ class Mesh:
 
     def push_target(self, session: str) -> str | None:
         """Where the session's replica goes after its turn here (placement.push_target)."""
-        return push_target(self.hosts(), self.holdings(session), self.policy, session=session)
+        plan = push_target(self.hosts(), self.holdings(session), self.policy, session=session)
+        if plan.held_back is not None:
+            self._on_push_held_back()
+        return plan.host
 
     def decision_ms(self, q: float, *, cpu: bool = False) -> float:
         xs = sorted(self.decision_cpu_s if cpu else self.decision_s)

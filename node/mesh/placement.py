@@ -249,13 +249,24 @@ def predict_next(hosts: dict[str, HostLoad], holdings: dict[str, Holding], polic
     return choose(hosts, holdings, size, policy, unavailable=frozenset({home}), session=session)
 
 
+@dataclass(frozen=True)
+class PushPlan:
+    """Where a turn's end pushes the session's replica (`host`; None: nowhere), and the host it would have gone
+    to but for the turns queued there (`held_back`)."""
+
+    host: str | None
+    held_back: str | None = None
+
+
 def push_target(hosts: dict[str, HostLoad], holdings: dict[str, Holding], policy: Policy, *,
-                session: str = "") -> str | None:
+                session: str = "") -> PushPlan:
     """Where a turn's end pushes the session's replica: `predict_next`'s host, or none while that host has
     turns queued. A move goes only to a host with a free slot, and a queue says it will have none soon:
     past capacity every host has one, and a push there costs both hosts CPU that no move uses."""
     d = predict_next(hosts, holdings, policy, session=session)
-    return d.host if d is not None and hosts[d.host].queued == 0 else None
+    if d is None:
+        return PushPlan(None)
+    return PushPlan(None, d.host) if hosts[d.host].queued else PushPlan(d.host)
 
 
 POLICIES = ("kvmesh", "session_hash", "kv_overlap", "least_loaded", "round_robin")

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, predict_next, push_target
+from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, PushPlan, choose, predict_next, push_target
 
 PREFILL = 10_000.0  # tokens/s on every host here
 PROMPT = 20_000
@@ -224,8 +224,9 @@ def test_a_replica_is_pushed_to_the_next_host_only_while_it_has_no_queue() -> No
     goes only to a free slot), and the drain's target, predict_next, is still that host."""
     holdings = {"a": Holding(resident=PROMPT, home_seq=3, turn_seq=3)}
     free = {"a": HostLoad("a", 2, 2, 0, 1.0, PREFILL, 1e9), "b": HostLoad("b", 2, 1, 0, 1.0, PREFILL, 1e9)}
-    assert push_target(free, holdings, Policy(), session="s") == "b"
+    assert push_target(free, holdings, Policy(), session="s") == PushPlan("b")
     queued = free | {"b": HostLoad("b", 2, 2, 3, 1.0, PREFILL, 1e9)}
-    assert push_target(queued, holdings, Policy(), session="s") is None
+    assert push_target(queued, holdings, Policy(), session="s") == PushPlan(None, held_back="b")
+    assert push_target(queued, {}, Policy(), session="s") == PushPlan(None)  # no home: nothing to push
     d = predict_next(queued, holdings, Policy(), session="s")
     assert d is not None and d.host == "b", d

@@ -143,6 +143,27 @@ def test_a_turn_decides_its_replica_target_where_it_ends(engine: Engine) -> None
     assert mesh.home("s1") == "a" and mesh.routed["s1"] == ("a", 1)
 
 
+def test_a_turn_ending_while_the_next_host_has_a_queue_pushes_nothing_and_says_so(engine: Engine) -> None:
+    """The host the session would move to has turns queued: kv_share is handed no target, and the mesh counts
+    the push held back (the node's kvmesh_replica_pushes_held_back)."""
+    replicas, events, held_back = FakeReplicas(), list[Event](), list[None]()
+    cfg = MeshConfig(peers=[PeerConfig(name="b", api="http://b.invalid:8000", kvshare="b.invalid:9000")])
+    mesh = Mesh("a", cfg, engine, replicas, publish=events.append, host_info=lambda: HostInfo(name="a"),
+                on_decision=lambda s: None, on_push_held_back=lambda: held_back.append(None))
+    mesh.peers.update(mesh.peers.peers["b"], PeerStatus(host=HostInfo(name="b", slots=2, busy=2, queued=3,
+                                                                      prefill_tps=1e6)))
+    path = TurnPath("a", engine, mesh, replicas, Threads(), publish=events.append, forward_timeout_s=5.0,
+                    on_resumed=lambda: None)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hello " * 40}])
+
+    async def turn() -> None:
+        run = await path.run_here(GenerateRequest(session="s1", prompt=prompt, max_tokens=4), Placed(), 1)
+        assert len([ev async for ev in run.stream() if isinstance(ev, TurnDone)]) == 1
+
+    asyncio.run(turn())
+    assert replicas.after == [("s1", None)] and len(held_back) == 1
+
+
 def test_relay_action_reads_the_answer_or_says_why_not(engine: Engine) -> None:
     """The one peer relay: an ActionResult on 200, RelayFailed with the status on an error, without one for an unknown host."""
     mesh = _mesh(engine, FakeReplicas(), [])

@@ -21,7 +21,7 @@ from kvmesh.node.lab.sim.params import POLICIES
 from kvmesh.node.lab.workload import TRACE_BLOCK_TOKENS, TraceRequest
 from kvmesh.node.mesh.admission import Admission, Refusal, Reservations, admit_turn
 from kvmesh.node.mesh.directory import directory_host
-from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, choose, home_of, push_target
+from kvmesh.node.mesh.placement import Holding, HostLoad, Policy, PushPlan, choose, home_of, push_target
 
 NO_ADMISSION = Admission(enabled=False)
 
@@ -35,7 +35,7 @@ class Route:
 
 
 class Router:
-    """A policy: `route` a turn entering at `entry`; `replica_target` after a turn (None: no replicas)."""
+    """A policy: `route` a turn entering at `entry`; `replica_target` after a turn (its host None: no replica)."""
 
     name = ""
     replicates = False
@@ -51,8 +51,8 @@ class Router:
     def route(self, req: TraceRequest, entry: str, now: float) -> Route:
         raise NotImplementedError
 
-    def replica_target(self, session: str, now: float) -> str | None:
-        return None
+    def replica_target(self, session: str, now: float) -> PushPlan:
+        return PushPlan(None)
 
 
 class KvmeshRouter(Router):
@@ -80,7 +80,7 @@ class KvmeshRouter(Router):
         counted = h is not None and h.inbound > max(h.resident, h.stored) and d.predicted_reused >= h.inbound - TRACE_BLOCK_TOKENS
         return Route(d.host, lookups, counted)
 
-    def replica_target(self, session: str, now: float) -> str | None:
+    def replica_target(self, session: str, now: float) -> PushPlan:
         held = self.cluster.holdings(session, now)
         home = max(held.values(), key=lambda h: h.home_seq, default=None)
         size = max(home.resident, home.stored) if home is not None else 0

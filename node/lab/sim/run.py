@@ -72,6 +72,7 @@ class Figures:
     follow: Counter[str] = field(default_factory=Counter)  # follow-up turns by class
     moves: Counter[str] = field(default_factory=Counter)  # follow-ups on another host than the last
     replica_bytes: int = 0
+    pushes_held_back: int = 0  # replicas not pushed: the host the session would move to had turns queued
     lookups: int = 0
     forwards: int = 0
     session_deltas: int = 0
@@ -275,7 +276,9 @@ class Simulation:
     def _after_turn(self, now: float, host: SimHost, req: TraceRequest) -> None:
         if req.input_length < self.p.replicate_min_tokens:
             return
-        target = self.router.replica_target(req.thread, now)
+        plan = self.router.replica_target(req.thread, now)
+        self.fig.pushes_held_back += plan.held_back is not None
+        target = plan.host
         if target is None or target == host.name:
             return
         dst = self.cluster.hosts[target]
@@ -359,7 +362,7 @@ class Simulation:
             "ttft_with_retries_p50_s": percentile(with_retries, 0.5),
             "ttft_with_retries_p99_s": percentile(with_retries, 0.99),
             "prefill_tokens": f.prefill_tokens, "prompt_tokens": f.prompt_tokens,
-            "replica_bytes": f.replica_bytes,
+            "replica_bytes": f.replica_bytes, "pushes_held_back": f.pushes_held_back,
             # in and out, per host: every byte one host sends another receives
             "control_bytes_per_host_s": round(2 * control / (n * duration_s), 1),
             "utilisation": round(util, 4),
