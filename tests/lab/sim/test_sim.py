@@ -172,3 +172,11 @@ def test_the_sim_replicates_from_the_nodes_default_size() -> None:
     from kvmesh.node.config import REPLICATE_MIN_TOKENS
 
     assert SimParams(hosts=2).replicate_min_tokens == REPLICATE_MIN_TOKENS
+
+
+def test_past_capacity_pushes_to_queued_hosts_are_held_back_and_counted() -> None:
+    """Past capacity the host a session would move to often has turns queued: kvmesh holds those pushes back and
+    counts them, and still pushes the others; a baseline pushes nothing and holds nothing back."""
+    km, sh = _trace_sim("kvmesh", 2, 0.7), _trace_sim("session_hash", 2, 0.7)
+    assert km["pushes_held_back"] > 0 and km["replica_bytes"] > 0, km  # type: ignore[operator]
+    assert sh["pushes_held_back"] == 0 and sh["replica_bytes"] == 0, sh
