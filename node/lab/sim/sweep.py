@@ -84,9 +84,8 @@ def pool(runs: list[Run]) -> Row:
 
 def every_turn_percentile(served: list[float], failed: int, q: float) -> float | None:
     """The q-quantile of sorted `served` TTFTs with `failed` turns ranked after them all (None: that turn failed)."""
-    n = len(served) + failed
-    i = min(n - 1, int(q * n))
-    return round(served[i], 4) if 0 <= i < len(served) else None
+    x = percentile(served + [math.inf] * failed, q)
+    return None if x is None or math.isinf(x) else x
 
 
 def _never(x: float | None) -> float:
@@ -116,7 +115,7 @@ def failures(cell: list[Row]) -> list[str]:
     key = "ttft_every_turn_p99_s"  # None: the p99 turn failed, later than any served one
     rival = min(others, key=lambda r: _never(r[key]))
     if _never(mine[key]) > _never(rival[key]):
-        out.append(f"{key} {mine[key] or 'failed'} > {rival['policy']}'s {rival[key]}")
+        out.append(f"{key} {'failed' if mine[key] is None else mine[key]} > {rival['policy']}'s {rival[key]}")
     sh = next((r for r in others if r["policy"] == "session_hash"), None)
     if sh is not None and mine["prefill_tokens"] > 1.05 * sh["prefill_tokens"]:
         out.append(f"prefill {mine['prefill_mtok']} Mtok > 1.05 x session_hash's {sh['prefill_mtok']}")
