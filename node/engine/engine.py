@@ -138,7 +138,7 @@ class Engine(BlockHolding):
         bs = self.block_size
         stats = TurnStats(req.session, prompt_tokens=len(tokens), cached_tokens=0, queue_s=time.monotonic() - t0)
         if self.own_tail is not None:
-            await self.own_tail.ready(slot)  # the last turn's settle on this slot has ended
+            await self.own_tail.take(slot)  # the last turn's settle on this slot: dropped, or ended
         match = self.prefix.match(req.session, tokens, slot)
         # Another session's cache in this slot is gone from here on; the slot is this session's once it commits.
         overwritten = self.slot_caches.take(slot, req.session) if self.slot_caches is not None else None

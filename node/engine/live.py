@@ -24,11 +24,16 @@ from typing import Protocol
 
 import numpy as np
 
+from kvmesh.node.engine.deferred import Deferred
 from kvmesh.node.engine.sequence import Match
 from kvmesh.node.engine.sessiontable import SessionTable
 from kvmesh.node.engine.tailshapes import Shapes
 
 log = logging.getLogger("kvmesh.engine")
+
+# Seconds a slot sits idle after a turn before its last partial block is settled: a client answering at once (no
+# tool time, a benchmark) sends its next turn within milliseconds; one thinking or running a tool leaves seconds.
+SETTLE_AFTER_S = 0.2
 
 
 class LiveCaches:
@@ -148,14 +153,13 @@ class TailRunner(Protocol):
 class OwnTail:
     """A block model's turn keeps the cells its session's slot holds past the last full block, token by token,
     where that computes what a host holding the whole blocks computes (node.engine.tailshapes); each turn's end
-    settles its last partial block for the next, on the compute thread, while the turn's answer is delivered."""
+    settles its last partial block for the next, on the compute thread, once the slot has sat idle `SETTLE_AFTER_S`
+    (node.engine.deferred: a next turn that comes at once recomputes those cells in its own prefill instead)."""
 
     def __init__(self, live: LiveCaches, runner: TailRunner, counted: Callable[[int], None]):
         """`counted`: told the cells each settle recomputed (on the event loop)."""
         self.live, self.runner, self.counted = live, runner, counted
-        # slot -> its settle, until it ends. A compute-thread future, not a task: a settle outlives the event loop
-        # of the turn that started it (benches and tests run each turn in a loop of its own).
-        self._settling: dict[int, concurrent.futures.Future[int]] = {}
+        self._settling: dict[int, Deferred[int]] = {}  # slot -> its settle, until it ends
 
     def reuse(self, session: str, slot: int | None, tokens: np.ndarray, floor: int) -> int:
         own = self.live.slot_of(session) if slot is None else slot
@@ -168,13 +172,13 @@ class OwnTail:
         return self.runner.shapes.reuse(kinds, common, floor, len(tokens))
 
     def settle(self, slot: int, n: int, floor: int) -> None:
-        """Start settling the slot's `n` committed tokens (its turn kept blocks to `floor`)."""
+        """Settle the slot's `n` committed tokens (its turn kept blocks to `floor`) unless its next turn comes first."""
         loop = asyncio.get_running_loop()
-        fut = self.runner.settle(slot, n, floor)
-        self._settling[slot] = fut
+        job = Deferred(SETTLE_AFTER_S, lambda: self.runner.settle(slot, n, floor))
+        self._settling[slot] = job
 
         def ended(f: concurrent.futures.Future[int]) -> None:  # on the event loop
-            if self._settling.get(slot) is f:
+            if self._settling.get(slot) is job:
                 del self._settling[slot]
             if f.cancelled():
                 return
@@ -188,9 +192,15 @@ class OwnTail:
                 loop.call_soon_threadsafe(ended, f)
             except RuntimeError:  # that turn's loop has closed: nobody reads the counters there
                 pass
-        fut.add_done_callback(back_on_loop)
+        job.done.add_done_callback(back_on_loop)
+
+    async def take(self, slot: int) -> None:
+        """A turn starts on the slot: a settle not yet started is dropped (the reply's cells stay of a kind no
+        turn keeps, so this turn recomputes them, as a host holding only blocks would); one running is waited for."""
+        if (job := self._settling.get(slot)) is not None and not job.cancel():
+            await self.ready(slot)
 
     async def ready(self, slot: int) -> None:
-        """Wait until the slot's settle, if one runs, has ended (however it ended)."""
-        if (fut := self._settling.get(slot)) is not None:
-            await asyncio.wait([asyncio.wrap_future(fut)])
+        """Wait until the slot's settle, if one is due, has ended (however it ended)."""
+        if (job := self._settling.get(slot)) is not None:
+            await asyncio.wait([asyncio.wrap_future(job.done)])

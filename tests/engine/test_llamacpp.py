@@ -181,6 +181,8 @@ def test_a_llamacpp_session_keeps_its_own_cells_past_whole_blocks_where_exact(ll
     p1, p2 = prompt(first), prompt(first) + prompt(added + 1, seed=1)[1:]
     home, away = llama(), llama()
     Capture(home).turn("s", p1)
+    assert home.own_tail is not None
+    asyncio.run(home.own_tail.ready(0))  # a client that took its time: the turn's end has settled the last block
     toks, hashes, data = _export(home, "s")
     assert away.import_blocks("s", home.fingerprint, toks, hashes, data) == (first // BS) * BS
     on_home, done = Capture(home).turn("s", p2)
@@ -197,8 +199,9 @@ def test_a_turns_end_settles_its_reply_so_the_next_short_turn_keeps_it(llama) ->
     cap = Capture(home)
     p1 = prompt(300)
     cap.turn("s", p1)
-    cap.turn("s", p1 + prompt(6, seed=1)[1:], max_tokens=8)  # 5 tokens more: the reply goes into block 4 as decodes
     assert home.own_tail is not None
+    asyncio.run(home.own_tail.ready(0))
+    cap.turn("s", p1 + prompt(6, seed=1)[1:], max_tokens=8)  # 5 tokens more: the reply goes into block 4 as decodes
     asyncio.run(home.own_tail.ready(0))
     held = [int(t) for t in home.runner.held_tokens(0)]  # type: ignore[attr-defined]
     assert len(held) > 305 and isinstance(home.runner, LlamaRunner) and home.runner.settled == (300 - 256) + (len(held) - 305)
@@ -208,6 +211,29 @@ def test_a_turns_end_settles_its_reply_so_the_next_short_turn_keeps_it(llama) ->
     on_home, done = Capture(home).turn("s", p3)
     moved, moved_done = Capture(away).turn("s", p3)
     assert done.stats.cached_tokens == len(held) and moved_done.stats.cached_tokens == 256
+    assert torch.equal(on_home, moved)
+
+
+def test_a_turn_that_comes_at_once_drops_the_last_turns_settle_and_recomputes_its_reply(llama) -> None:  # type: ignore[no-untyped-def]
+    """A next turn sent the moment the last one ended (within the settle's grace period) finds nothing running: the
+    settle is dropped, the turn keeps the cells before the reply's decode steps and recomputes the rest in its own
+    prefill, bit-identical to a replica host's."""
+    home, away = llama(), llama()
+    cap = Capture(home)
+    p1 = prompt(300)
+    cap.turn("s", p1)
+    assert home.own_tail is not None
+    asyncio.run(home.own_tail.ready(0))  # [256, 300) settled: of the kind a turn keeps
+    assert isinstance(home.runner, LlamaRunner)
+    before = home.runner.settled
+    cap.turn("s", p1 + prompt(6, seed=1)[1:], max_tokens=8)  # the reply: decode steps from position 305
+    held = [int(t) for t in home.runner.held_tokens(0)]
+    p3 = held[:312] + prompt(6, seed=2)[1:]
+    toks, hashes, data = _export(home, "s")
+    assert away.import_blocks("s", home.fingerprint, toks, hashes, data) == 256
+    on_home, done = Capture(home).turn("s", p3)  # at once: the settle of [305, 312) is still in its grace period
+    moved, moved_done = Capture(away).turn("s", p3)
+    assert home.runner.settled == before and done.stats.cached_tokens == 305 and moved_done.stats.cached_tokens == 256
     assert torch.equal(on_home, moved)
 
 

@@ -1,0 +1,65 @@
+"""A compute-thread job that starts only after a grace period, and that whoever needs its thread first can drop.
+
+A turn's end settles its slot's last partial block (node.engine.live.OwnTail): work that only pays where the slot
+sits idle before its next turn. A client that answers at once (a tool that took no time, a subagent's next step,
+a benchmark) would otherwise find that work running and wait it out in its time to first token, where its own
+prefill would have recomputed those cells for less (unpadded, inside its first ubatch). So the job waits a grace
+period on a timer thread, not on an event loop (a settle outlives the loop of the turn that started it: benches
+and tests run each turn in a loop of their own), and `cancel` drops it while it has not started.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Deferred(Generic[T]):
+    """`start()` (which submits the job, returning its future) called `after_s` from now unless cancelled first.
+    `done` ends as the job ends: its result, its error, or cancelled (dropped, or its executor was shut down)."""
+
+    def __init__(self, after_s: float, start: Callable[[], concurrent.futures.Future[T]]):
+        self.done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._start = start
+        self._lock = threading.Lock()
+        self._job: concurrent.futures.Future[T] | None = None
+        self._timer = threading.Timer(after_s, self._fire)
+        self._timer.daemon = True  # a grace period never keeps a process alive
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self.done.cancelled():
+                return
+            try:
+                self._job = job = self._start()
+            except RuntimeError:  # its executor is shut down (the engine closed meanwhile): it never runs
+                self.done.cancel()
+                self.done.set_running_or_notify_cancel()
+                return
+        job.add_done_callback(self._copy)
+
+    def _copy(self, job: concurrent.futures.Future[T]) -> None:
+        if job.cancelled():
+            if self.done.cancel():
+                self.done.set_running_or_notify_cancel()
+        elif not self.done.done():
+            if (e := job.exception()) is not None:
+                self.done.set_exception(e)
+            else:
+                self.done.set_result(job.result())
+
+    def cancel(self) -> bool:
+        """Drop the job if it has not started; False where it runs or ran (then `done` ends with it)."""
+        with self._lock:
+            self._timer.cancel()
+            job = self._job
+            if job is None:
+                if self.done.cancel():
+                    self.done.set_running_or_notify_cancel()
+                return True
+        return job.cancel()  # its callback cancels `done`
