@@ -156,6 +156,11 @@ class DecodeBatcher:
             else:
                 r.token, r.pos = tok, r.pos + 1
 
+    def idle(self) -> bool:
+        """No step is waiting and no slot is decoding (any thread)."""
+        with self._lock:
+            return not self._pending and all(r.stopped for r in self._runs)
+
     def cancel_pending(self) -> None:
         """Steps whose batch will never run (the executor is shut down): their turns end as cancelled."""
         with self._lock:

@@ -5,7 +5,8 @@ sits idle before its next turn. A client that answers at once (a tool that took 
 a benchmark) would otherwise find that work running and wait it out in its time to first token, where its own
 prefill would have recomputed those cells for less (unpadded, inside its first ubatch). So the job waits a grace
 period on a timer thread, not on an event loop (a settle outlives the loop of the turn that started it: benches
-and tests run each turn in a loop of their own), and `cancel` drops it while it has not started.
+and tests run each turn in a loop of their own), then waits for its thread to be idle (`when`: a settle run while
+other slots decode is a stall in each of their streams), and `cancel` drops it while it has not started.
 """
 
 from __future__ import annotations
@@ -19,21 +20,30 @@ T = TypeVar("T")
 
 
 class Deferred(Generic[T]):
-    """`start()` (which submits the job, returning its future) called `after_s` from now unless cancelled first.
-    `done` ends as the job ends: its result, its error, or cancelled (dropped, or its executor was shut down)."""
+    """`start()` (which submits the job, returning its future) called `after_s` from now, and then at each
+    `after_s` until `when()` says so, unless cancelled first. `done` ends as the job ends: its result, its error, or
+    cancelled (dropped, or its executor was shut down)."""
 
-    def __init__(self, after_s: float, start: Callable[[], concurrent.futures.Future[T]]):
+    def __init__(self, after_s: float, start: Callable[[], concurrent.futures.Future[T]],
+                 when: Callable[[], bool] = lambda: True):
         self.done: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._start = start
+        self._after_s, self._start, self._when = after_s, start, when
         self._lock = threading.Lock()
         self._job: concurrent.futures.Future[T] | None = None
-        self._timer = threading.Timer(after_s, self._fire)
-        self._timer.daemon = True  # a grace period never keeps a process alive
-        self._timer.start()
+        self._timer = self._arm()
+
+    def _arm(self) -> threading.Timer:
+        t = threading.Timer(self._after_s, self._fire)
+        t.daemon = True  # a grace period never keeps a process alive
+        t.start()
+        return t
 
     def _fire(self) -> None:
         with self._lock:
             if self.done.cancelled():
+                return
+            if not self._when():
+                self._timer = self._arm()
                 return
             try:
                 self._job = job = self._start()

@@ -149,12 +149,15 @@ class TailRunner(Protocol):
 
     def settle(self, slot: int, n: int, floor: int) -> concurrent.futures.Future[int]: ...
 
+    def idle(self) -> bool: ...
+
 
 class OwnTail:
     """A block model's turn keeps the cells its session's slot holds past the last full block, token by token,
     where that computes what a host holding the whole blocks computes (node.engine.tailshapes); each turn's end
-    settles its last partial block for the next, on the compute thread, once the slot has sat idle `SETTLE_AFTER_S`
-    (node.engine.deferred: a next turn that comes at once recomputes those cells in its own prefill instead)."""
+    settles its last partial block for the next, on the compute thread, once the slot has sat `SETTLE_AFTER_S` and the
+    compute thread is idle (node.engine.deferred: a next turn that comes first recomputes those cells in its own
+    prefill instead, as a host holding only the blocks would)."""
 
     def __init__(self, live: LiveCaches, runner: TailRunner, counted: Callable[[int], None]):
         """`counted`: told the cells each settle recomputed (on the event loop)."""
@@ -174,7 +177,7 @@ class OwnTail:
     def settle(self, slot: int, n: int, floor: int) -> None:
         """Settle the slot's `n` committed tokens (its turn kept blocks to `floor`) unless its next turn comes first."""
         loop = asyncio.get_running_loop()
-        job = Deferred(SETTLE_AFTER_S, lambda: self.runner.settle(slot, n, floor))
+        job = Deferred(SETTLE_AFTER_S, lambda: self.runner.settle(slot, n, floor), when=self.runner.idle)
         self._settling[slot] = job
 
         def ended(f: concurrent.futures.Future[int]) -> None:  # on the event loop

@@ -80,6 +80,7 @@ class LlamaRunner:
         self.pool: BlockPool | None = None  # attached by the Engine once it sized the pool from block_bytes
         self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-llama")
         self.decoder = DecodeBatcher(self._exec, self._decode_batch, on_error=self._erase_slots)
+        self._jobs = 0  # turns' jobs submitted to the compute thread and not yet ended (on the event loop)
         self.restored_blocks = 0  # blocks restored from the pool (a slot that still held them restores none)
         self.restorer = Restorer(self)  # blocks and snapshots into a slot's sequence (node.engine.llamarestore)
         # On the compute thread like every other decode: llama.cpp's OpenMP team belongs to the thread that
@@ -141,7 +142,16 @@ class LlamaRunner:
         return ctypes.cast(self.pool.raw.data_ptr() + block_id * self.block_bytes, ctypes.POINTER(ctypes.c_uint8))
 
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
-        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+        self._jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
+        finally:
+            self._jobs -= 1
+
+    def idle(self) -> bool:
+        """Nothing for the compute thread but what it runs now: no turn's job (a load, a prefill, a store) is
+        waiting for it or running, and no slot is decoding. Read from any thread (a settle's timer)."""
+        return self._jobs == 0 and self.decoder.idle()
 
     # ---- compute (compute thread only) ---------------------------------------------------
 

@@ -134,3 +134,16 @@ def test_other_compute_jobs_run_between_batches(executor: concurrent.futures.Thr
 
     asyncio.run(go())
     assert order.count("batch") == 30 and order.index("prefill") < len(order) - 1
+
+
+def test_the_batcher_is_idle_only_while_no_slot_decodes(executor: concurrent.futures.ThreadPoolExecutor) -> None:
+    """Idle before a run, busy while a slot decodes ahead, idle again once it stopped (a settle may run then)."""
+    b = DecodeBatcher(executor, _rows)
+    seen: list[bool] = []
+
+    async def go() -> None:
+        async for _ in b.run_ahead(0, 1, 0, _pick(5)):
+            seen.append(b.idle())
+    assert b.idle()
+    asyncio.run(go())
+    assert seen and not any(seen[:-1]) and b.idle()

@@ -17,6 +17,18 @@ def test_a_deferred_job_runs_once_its_grace_period_is_over() -> None:
         assert job.done.result(timeout=5) >= 0.05
 
 
+def test_a_deferred_job_waits_until_its_thread_is_idle() -> None:
+    """Past its grace period but `when()` false (other slots decoding): not submitted until `when()` turns true."""
+    busy = threading.Event()
+    busy.set()
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        job = Deferred(0.02, lambda: ex.submit(lambda: 1), when=lambda: not busy.is_set())
+        time.sleep(0.2)
+        assert not job.done.done() and job._job is None  # noqa: SLF001 - ten grace periods on, never submitted
+        busy.clear()
+        assert job.done.result(timeout=5) == 1
+
+
 def test_cancelled_in_its_grace_period_the_job_never_runs() -> None:
     """Cancelled before its timer fires: `done` is cancelled and the job is never submitted."""
     submitted = threading.Event()
