@@ -48,15 +48,13 @@ class Deferred(Generic[T]):
             try:
                 self._job = job = self._start()
             except RuntimeError:  # its executor is shut down (the engine closed meanwhile): it never runs
-                self.done.cancel()
-                self.done.set_running_or_notify_cancel()
+                self._drop()
                 return
         job.add_done_callback(self._copy)
 
     def _copy(self, job: concurrent.futures.Future[T]) -> None:
         if job.cancelled():
-            if self.done.cancel():
-                self.done.set_running_or_notify_cancel()
+            self._drop()
         elif not self.done.done():
             if (e := job.exception()) is not None:
                 self.done.set_exception(e)
@@ -69,7 +67,11 @@ class Deferred(Generic[T]):
             self._timer.cancel()
             job = self._job
             if job is None:
-                if self.done.cancel():
-                    self.done.set_running_or_notify_cancel()
+                self._drop()
                 return True
         return job.cancel()  # its callback cancels `done`
+
+    def _drop(self) -> None:
+        """`done` ends cancelled, and `concurrent.futures.wait` on it hears so (as an executor's own futures do)."""
+        if self.done.cancel():
+            self.done.set_running_or_notify_cancel()
