@@ -42,6 +42,7 @@ from kvmesh.node.config import LlamaCppConfig
 from kvmesh.node.engine import llamaprobe, llamastate
 from kvmesh.node.engine.batcher import DecodeBatcher, DecodeStep
 from kvmesh.node.engine.blocks import BlockPool
+from kvmesh.node.engine.compute import ComputeThread
 from kvmesh.node.engine.llamamodel import LlamaModel, llama_error
 from kvmesh.node.engine.llamarestore import Held, RestoreFailed, Restorer
 from kvmesh.node.engine.snapshots import Snapshots
@@ -78,9 +79,8 @@ class LlamaRunner:
         self.batch = self.lib.llama_batch_init(cfg.n_batch, 0, 1)
         self.held = [Held() for _ in range(slots)]
         self.pool: BlockPool | None = None  # attached by the Engine once it sized the pool from block_bytes
-        self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvmesh-llama")
+        self._exec = ComputeThread("kvmesh-llama")
         self.decoder = DecodeBatcher(self._exec, self._decode_batch, on_error=self._erase_slots)
-        self._jobs = 0  # turns' jobs submitted to the compute thread and not yet ended (on the event loop)
         self.restored_blocks = 0  # blocks restored from the pool (a slot that still held them restores none)
         self.restorer = Restorer(self)  # blocks and snapshots into a slot's sequence (node.engine.llamarestore)
         # On the compute thread like every other decode: llama.cpp's OpenMP team belongs to the thread that
@@ -142,16 +142,12 @@ class LlamaRunner:
         return ctypes.cast(self.pool.raw.data_ptr() + block_id * self.block_bytes, ctypes.POINTER(ctypes.c_uint8))
 
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
-        self._jobs += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
-        finally:
-            self._jobs -= 1
+        return await asyncio.get_running_loop().run_in_executor(self._exec, fn, *args)
 
     def idle(self) -> bool:
-        """Nothing for the compute thread but what it runs now: no turn's job (a load, a prefill, a store) is
-        waiting for it or running, and no slot is decoding. Read from any thread (a settle's timer)."""
-        return self._jobs == 0 and self.decoder.idle()
+        """Nothing for the compute thread to do: no job (a load, a prefill, a store, a decode batch, a settle)
+        waits for it or runs on it, and no slot is decoding. Read from any thread (a settle's timer)."""
+        return self._exec.idle() and self.decoder.idle()
 
     # ---- compute (compute thread only) ---------------------------------------------------
 
