@@ -137,13 +137,17 @@ def test_other_compute_jobs_run_between_batches(executor: concurrent.futures.Thr
 
 
 def test_the_batcher_is_idle_only_while_no_slot_decodes(executor: concurrent.futures.ThreadPoolExecutor) -> None:
-    """Idle before a run, busy while a slot decodes ahead, idle again once it stopped (a settle may run then)."""
-    b = DecodeBatcher(executor, _rows)
+    """Idle before a run, busy in each of its batches (seen from the compute thread), idle once it stopped."""
     seen: list[bool] = []
+
+    def rows(steps: list[DecodeStep]) -> list[torch.Tensor]:
+        seen.append(b.idle())
+        return _rows(steps)
+    b = DecodeBatcher(executor, rows)
 
     async def go() -> None:
         async for _ in b.run_ahead(0, 1, 0, _pick(5)):
-            seen.append(b.idle())
+            pass
     assert b.idle()
     asyncio.run(go())
-    assert seen and not any(seen[:-1]) and b.idle()
+    assert len(seen) == 5 and not any(seen) and b.idle()
