@@ -4,19 +4,58 @@ A turn's end settles its slot's last partial block (node.engine.live.OwnTail): w
 sits idle before its next turn. A client that answers at once (a tool that took no time, a subagent's next step,
 a benchmark) would otherwise find that work running and wait it out in its time to first token, where its own
 prefill would have recomputed those cells for less (unpadded, inside its first ubatch). So the job waits a grace
-period on a timer thread, not on an event loop (a settle outlives the loop of the turn that started it: benches
+period on a clock thread, not on an event loop (a settle outlives the loop of the turn that started it: benches
 and tests run each turn in a loop of their own), then waits for its thread to be idle (`when`: a settle run while
-other slots decode is a stall in each of their streams), and `cancel` drops it while it has not started.
+other slots decode is a stall in each of their streams), and `cancel` drops it while it has not started. Every
+deferred job of the process shares that one clock thread: a host that stays busy keeps each slot's settle asking
+again every grace period, and a thread per ask would start five a second for each.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
+import itertools
+import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class _Clock:
+    """One daemon thread that calls each callback once its time has come, earliest first."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._due: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()  # ties keep their order; callables never compare
+        self._thread: threading.Thread | None = None
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        with self._cv:
+            heapq.heappush(self._due, (time.monotonic() + delay_s, next(self._order), fn))
+            if self._thread is None or not self._thread.is_alive():  # first use, or a forked child
+                self._thread = threading.Thread(target=self._loop, name="kvmesh-deferred", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    self._cv.wait(self._due[0][0] - time.monotonic() if self._due else None)
+                fn = heapq.heappop(self._due)[2]
+            try:
+                fn()
+            except Exception:  # one job's failure never stops the others' clock
+                log.exception("a deferred job's timer callback failed")
+
+
+_clock = _Clock()
 
 
 class Deferred(Generic[T]):
@@ -30,20 +69,14 @@ class Deferred(Generic[T]):
         self._after_s, self._start, self._when = after_s, start, when
         self._lock = threading.Lock()
         self._job: concurrent.futures.Future[T] | None = None
-        self._timer = self._arm()
-
-    def _arm(self) -> threading.Timer:
-        t = threading.Timer(self._after_s, self._fire)
-        t.daemon = True  # a grace period never keeps a process alive
-        t.start()
-        return t
+        _clock.call_later(after_s, self._fire)
 
     def _fire(self) -> None:
         with self._lock:
             if self.done.cancelled():
                 return
             if not self._when():
-                self._timer = self._arm()
+                _clock.call_later(self._after_s, self._fire)
                 return
             try:
                 self._job = job = self._start()
@@ -64,8 +97,7 @@ class Deferred(Generic[T]):
     def cancel(self) -> bool:
         """Drop the job if it has not started; False where it runs or ran (then `done` ends with it)."""
         with self._lock:
-            self._timer.cancel()
-            job = self._job
+            job = self._job  # a pending clock callback finds `done` cancelled and does nothing
             if job is None:
                 self._drop()
                 return True

@@ -81,3 +81,19 @@ def test_a_job_whose_executor_was_shut_down_ends_cancelled_and_an_error_is_passe
     with concurrent.futures.ThreadPoolExecutor(1) as ex2:
         bad = Deferred(0.0, lambda: ex2.submit(fail))
         assert isinstance(bad.done.exception(timeout=5), ValueError)
+
+
+def test_jobs_waiting_for_an_idle_thread_share_one_clock_thread() -> None:
+    """Twenty settles re-asking every 10 ms on a busy host add at most one thread between them, not one each."""
+    busy = threading.Event()
+    busy.set()
+    before = threading.active_count()
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        jobs = [Deferred(0.01, lambda: ex.submit(lambda: 1), when=lambda: not busy.is_set()) for _ in range(20)]
+        peak = 0
+        for _ in range(20):
+            time.sleep(0.01)
+            peak = max(peak, threading.active_count() - before)
+        assert peak <= 1
+        busy.clear()
+        assert [j.done.result(timeout=5) for j in jobs] == [1] * 20
